@@ -1,0 +1,81 @@
+"""`ns-train splat-metal`: splatfacto's training recipe with SplatMetalModel and a device chosen
+by itself (mps > cuda > cpu) unless the user passes --machine.device-type."""
+
+from __future__ import annotations
+
+import torch
+from nerfstudio.configs.base_config import MachineConfig, ViewerConfig
+from nerfstudio.data.datamanagers.full_images_datamanager import FullImageDatamanagerConfig
+from nerfstudio.data.dataparsers.nerfstudio_dataparser import NerfstudioDataParserConfig
+from nerfstudio.engine.optimizers import AdamOptimizerConfig
+from nerfstudio.engine.schedulers import ExponentialDecaySchedulerConfig
+from nerfstudio.engine.trainer import TrainerConfig
+from nerfstudio.pipelines.base_pipeline import VanillaPipelineConfig
+from nerfstudio.plugins.types import MethodSpecification
+
+from .model import SplatMetalModelConfig
+
+
+def default_device_type() -> str:
+    """mps > cuda > cpu: the best device this machine has."""
+    if torch.backends.mps.is_available():
+        return "mps"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def _adam(lr: float) -> AdamOptimizerConfig:
+    return AdamOptimizerConfig(lr=lr, eps=1e-15)
+
+
+def splat_metal_trainer_config() -> TrainerConfig:
+    """splatfacto's TrainerConfig from nerfstudio 1.1.5 (same schedule and learning rates)."""
+    return TrainerConfig(
+        method_name="splat-metal",
+        steps_per_eval_image=100,
+        steps_per_eval_batch=0,
+        steps_per_save=2000,
+        steps_per_eval_all_images=1000,
+        max_num_iterations=30000,
+        mixed_precision=False,
+        machine=MachineConfig(device_type=default_device_type()),
+        pipeline=VanillaPipelineConfig(
+            datamanager=FullImageDatamanagerConfig(
+                dataparser=NerfstudioDataParserConfig(load_3D_points=True),
+                cache_images_type="uint8",
+            ),
+            model=SplatMetalModelConfig(),
+        ),
+        optimizers={
+            "means": {
+                "optimizer": _adam(1.6e-4),
+                "scheduler": ExponentialDecaySchedulerConfig(lr_final=1.6e-6, max_steps=30000),
+            },
+            "features_dc": {"optimizer": _adam(0.0025), "scheduler": None},
+            "features_rest": {"optimizer": _adam(0.0025 / 20), "scheduler": None},
+            "opacities": {"optimizer": _adam(0.05), "scheduler": None},
+            "scales": {"optimizer": _adam(0.005), "scheduler": None},
+            "quats": {"optimizer": _adam(0.001), "scheduler": None},
+            "camera_opt": {
+                "optimizer": _adam(1e-4),
+                "scheduler": ExponentialDecaySchedulerConfig(
+                    lr_final=5e-7, max_steps=30000, warmup_steps=1000, lr_pre_warmup=0
+                ),
+            },
+            "bilateral_grid": {
+                "optimizer": _adam(2e-3),
+                "scheduler": ExponentialDecaySchedulerConfig(
+                    lr_final=1e-4, max_steps=30000, warmup_steps=1000, lr_pre_warmup=0
+                ),
+            },
+        },
+        viewer=ViewerConfig(num_rays_per_chunk=1 << 15),
+        vis="viewer",
+    )
+
+
+splat_metal_method = MethodSpecification(
+    config=splat_metal_trainer_config(),
+    description="Gaussian splatting (splatfacto) with Metal kernels on Apple GPUs, gsplat on NVIDIA, PyTorch on CPU.",
+)

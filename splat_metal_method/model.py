@@ -1,0 +1,163 @@
+"""SplatMetalModel: splatfacto with its rendering routed through ``splat_metal_method.ops``.
+
+Only what must differ from SplatfactoModel is overridden:
+  - populate_modules: splatfacto moves the SH init to ``.cuda()`` and builds LPIPS, which downloads
+    AlexNet weights; here the SH init stays on the model's device and LPIPS is skipped (one warning)
+    when its weights are not already on disk.
+  - get_outputs: splatfacto calls gsplat directly and ``.cuda()`` on the intrinsics; here the
+    device-aware op layer renders on whatever device the model lives on.
+  - get_image_metrics_and_images: leaves LPIPS out of the metrics when it was skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Literal, Type, Union
+
+import torch
+from nerfstudio.cameras.cameras import Cameras
+from nerfstudio.models.splatfacto import RGB2SH, SplatfactoModel, SplatfactoModelConfig, get_viewmat
+
+from .ops import rasterization
+
+# torchvision's AlexNet weights, which torchmetrics' LPIPS loads at construction.
+ALEXNET_WEIGHTS = "alexnet-owt-7be5be79.pth"
+
+
+def lpips_weights_available() -> bool:
+    return (Path(torch.hub.get_dir()) / "checkpoints" / ALEXNET_WEIGHTS).is_file()
+
+
+@contextlib.contextmanager
+def _lpips_only_if_local():
+    """While splatfacto builds its metrics, replace LPIPS by None unless its weights are on disk.
+
+    Training must never touch the network, and LPIPS with a random backbone would be a lie."""
+    import torchmetrics.image.lpip as lpip_module
+
+    if lpips_weights_available():
+        yield
+        return
+    warnings.warn(
+        f"LPIPS skipped: torchvision AlexNet weights ({ALEXNET_WEIGHTS}) are not in {torch.hub.get_dir()}/checkpoints; "
+        "psnr and ssim are still reported. Download them once to enable LPIPS.",
+        stacklevel=3,
+    )
+    original = lpip_module.LearnedPerceptualImagePatchSimilarity
+    lpip_module.LearnedPerceptualImagePatchSimilarity = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        lpip_module.LearnedPerceptualImagePatchSimilarity = original
+
+
+@dataclass
+class SplatMetalModelConfig(SplatfactoModelConfig):
+    """Splatfacto rendered by splat-metal's device-aware op layer (Metal on Apple GPUs, gsplat on
+    NVIDIA, PyTorch on CPU)."""
+
+    _target: Type = field(default_factory=lambda: SplatMetalModel)
+    backend: Literal["auto", "reference", "gsplat", "metal"] = "auto"
+    """Op-layer backend. "auto" picks by device (mps -> metal, cuda -> gsplat, cpu -> reference);
+    the SPLAT_METAL_BACKEND environment variable overrides "auto"."""
+
+
+class SplatMetalModel(SplatfactoModel):
+    config: SplatMetalModelConfig
+
+    def populate_modules(self):
+        seed_colors = None
+        if self.seed_points is not None and not self.config.random_init and self.seed_points[1].shape[0] > 0:
+            # Hide the colours from splatfacto (its colour init calls .cuda()) and apply them below.
+            seed_colors = self.seed_points[1]
+            self.seed_points = (self.seed_points[0], seed_colors[:0])
+        with _lpips_only_if_local():
+            super().populate_modules()
+        if seed_colors is not None:
+            self.seed_points = (self.seed_points[0], seed_colors)
+            rgb = seed_colors.float() / 255
+            with torch.no_grad():
+                if self.config.sh_degree > 0:  # same init as splatfacto
+                    self.features_dc.copy_(RGB2SH(rgb))
+                else:
+                    self.features_dc.copy_(torch.logit(rgb, eps=1e-10))
+                self.features_rest.zero_()
+
+    def get_outputs(self, camera: Cameras) -> Dict[str, Union[torch.Tensor, List]]:
+        if not isinstance(camera, Cameras):
+            raise TypeError(f"SplatMetalModel.get_outputs needs a Cameras object, got {type(camera).__name__}")
+        if self.training:
+            assert camera.shape[0] == 1, "Only one camera at a time"
+            camera_to_world = self.camera_optimizer.apply_to_camera(camera)
+        else:
+            camera_to_world = camera.camera_to_worlds
+
+        params = {k: v for k, v in self.gauss_params.items()}
+        if self.crop_box is not None and not self.training:
+            crop_ids = self.crop_box.within(self.means).squeeze()
+            if crop_ids.sum() == 0:
+                return self.get_empty_outputs(int(camera.width.item()), int(camera.height.item()), self.background_color)
+            params = {k: v[crop_ids] for k, v in params.items()}
+        colors = torch.cat((params["features_dc"][:, None, :], params["features_rest"]), dim=1)  # [N, K, 3]
+
+        scale = self._get_downscale_factor()
+        camera.rescale_output_resolution(1 / scale)
+        viewmat = get_viewmat(camera_to_world)  # [1, 4, 4]
+        K = camera.get_intrinsics_matrices().to(self.device)  # [1, 3, 3]
+        W, H = int(camera.width.item()), int(camera.height.item())
+        self.last_size = (H, W)
+        camera.rescale_output_resolution(scale)
+
+        render_mode = "RGB+ED" if (self.config.output_depth_during_training or not self.training) else "RGB"
+        if self.config.sh_degree > 0:
+            sh_degree = min(self.step // self.config.sh_degree_interval, self.config.sh_degree)
+        else:
+            colors, sh_degree = torch.sigmoid(colors).squeeze(1), None  # [N, 3]
+
+        render, alpha, self.info = rasterization(
+            means=params["means"],
+            quats=params["quats"],
+            scales=torch.exp(params["scales"]),
+            opacities=torch.sigmoid(params["opacities"]).squeeze(-1),
+            colors=colors,
+            viewmats=viewmat,
+            Ks=K,
+            width=W,
+            height=H,
+            packed=False,
+            near_plane=0.01,
+            far_plane=1e10,
+            render_mode=render_mode,
+            sh_degree=sh_degree,
+            absgrad=self.strategy.absgrad,
+            rasterize_mode=self.config.rasterize_mode,
+            backend=self.config.backend,
+        )
+        if self.training:
+            self.strategy.step_pre_backward(self.gauss_params, self.optimizers, self.strategy_state, self.step, self.info)
+
+        background = self._get_background_color()
+        rgb = torch.clamp(render[..., :3] + (1 - alpha) * background, 0.0, 1.0)
+        if self.config.use_bilateral_grid and self.training:
+            if camera.metadata is not None and "cam_idx" in camera.metadata:
+                rgb = self._apply_bilateral_grid(rgb, camera.metadata["cam_idx"], H, W)
+        depth = None
+        if render_mode == "RGB+ED":
+            depth = render[..., 3:4]
+            depth = torch.where(alpha > 0, depth, depth.detach().max()).squeeze(0)
+        if background.shape[0] == 3 and not self.training:
+            background = background.expand(H, W, 3)
+        return {"rgb": rgb.squeeze(0), "depth": depth, "accumulation": alpha.squeeze(0), "background": background}
+
+    def get_image_metrics_and_images(self, outputs, batch):
+        if self.lpips is not None:
+            return super().get_image_metrics_and_images(outputs, batch)
+        self.lpips = lambda *args: torch.tensor(float("nan"))  # skipped: see _lpips_only_if_local
+        try:
+            metrics, images = super().get_image_metrics_and_images(outputs, batch)
+        finally:
+            self.lpips = None
+        return {k: v for k, v in metrics.items() if "lpips" not in k}, images

@@ -1,0 +1,59 @@
+// common.h: shared by every splat-metal kernel library.
+//
+// The Python side (splat_metal_method/ops/metal/kernels.py) assembles each library's source as
+//     <#defines generated from splat_metal_method/ops/constants.py and per-variant values>
+//     + this header + the stage's .metal file,
+// because torch.mps.compile_shader compiles one string and has no include path. The constants are
+// therefore defined once, in Python, and the checks below fail loudly if a source was assembled
+// without them.
+//
+// Conventions for every kernel (see DESIGN.md section 3):
+//   * [N,3] tensors are read through `const device float*` with 3*i indexing, never float3* (16 bytes).
+//   * Python ints arrive as `constant long&`, Python floats as `constant float&`.
+//   * Tensors are contiguous; a kernel never sees strides.
+//   * No swizzles (.xy): the emulator compiles this file as C++.
+#include <metal_stdlib>
+using namespace metal;
+
+#ifndef SPLAT_TILE_SIZE
+#error "SPLAT_TILE_SIZE must be injected by kernels.py (from ops/constants.py)"
+#endif
+#ifndef SPLAT_ALPHA_MAX
+#error "SPLAT_ALPHA_MAX must be injected by kernels.py (from ops/constants.py)"
+#endif
+#ifndef SPLAT_ALPHA_MIN
+#error "SPLAT_ALPHA_MIN must be injected by kernels.py (from ops/constants.py)"
+#endif
+#ifndef SPLAT_TRANSMITTANCE_MIN
+#error "SPLAT_TRANSMITTANCE_MIN must be injected by kernels.py (from ops/constants.py)"
+#endif
+
+// Threads of one rasterization threadgroup: one per pixel of a tile.
+#define SPLAT_TILE_PIXELS (SPLAT_TILE_SIZE * SPLAT_TILE_SIZE)
+
+// Radix sort geometry (sort.metal): RADIX_BITS per pass, RADIX_THREADS threads per group, each owning
+// a contiguous run of RADIX_KEYS_PER_THREAD keys. Defined in kernels.py (RADIX_*) and injected.
+#if !defined(SPLAT_RADIX_BITS) || !defined(SPLAT_RADIX_THREADS) || !defined(SPLAT_RADIX_KEYS_PER_THREAD)
+#error "SPLAT_RADIX_* must be injected by kernels.py"
+#endif
+#define SPLAT_RADIX_BINS (1 << SPLAT_RADIX_BITS)
+#define SPLAT_RADIX_BLOCK (SPLAT_RADIX_THREADS * SPLAT_RADIX_KEYS_PER_THREAD)
+
+// Row-major 3x3 helpers on plain float arrays (index r*3+c). Plain arrays rather than float3x3 keep
+// the arithmetic order explicit, which is what the reference backend is compared against.
+inline void mat3_mul(thread const float* a, thread const float* b, thread float* out) {
+  for (int r = 0; r < 3; ++r) {
+    for (int c = 0; c < 3; ++c) {
+      out[r * 3 + c] = a[r * 3 + 0] * b[0 * 3 + c] + a[r * 3 + 1] * b[1 * 3 + c] + a[r * 3 + 2] * b[2 * 3 + c];
+    }
+  }
+}
+
+// out = a * b^T
+inline void mat3_mul_bt(thread const float* a, thread const float* b, thread float* out) {
+  for (int r = 0; r < 3; ++r) {
+    for (int c = 0; c < 3; ++c) {
+      out[r * 3 + c] = a[r * 3 + 0] * b[c * 3 + 0] + a[r * 3 + 1] * b[c * 3 + 1] + a[r * 3 + 2] * b[c * 3 + 2];
+    }
+  }
+}

@@ -1,0 +1,113 @@
+"""MSL emulator: run our .metal kernels on CPU tensors, without a Mac.
+
+The same .metal source is compiled as C++17 by g++ against ``msl_shim.h`` (found as
+``#include <metal_stdlib>``), loaded with ctypes, and launched with torch.mps.compile_shader's call
+convention::
+
+    lib = compile_library(source)                       # cached .so, see "Cache" below
+    lib.my_kernel(out, x, n, 2.5, threads=(W, H), group_size=(16, 16))
+
+Kernel-author rules (the MSL subset that runs both here and on Apple GPUs)
+--------------------------------------------------------------------------
+Kernels
+  * Include only ``<metal_stdlib>`` (then ``using namespace metal;``).
+  * ``kernel void name(params) { ... }`` at file scope, one per name, written out literally
+    (not produced by a macro: the emulator finds kernels with a regex).
+  * Buffer params: ``device T* p [[buffer(i)]]``, ``device const T* p``, ``constant T* p``, or a
+    reference ``constant long& n [[buffer(i)]]`` / ``constant float& x [[buffer(i)]]``. Buffer
+    indices are 0..n-1 and positional argument i binds to ``[[buffer(i)]]``.
+    Python int/bool -> ``constant long&`` (int64), Python float -> ``constant float&``, torch
+    tensor (contiguous, CPU for the emulator) -> pointer at its storage offset (or a
+    ``constant Struct&``). The pointee's scalar type must match the tensor dtype
+    (float*/float3*/packed_float3*/atomic_float* <-> float32, int*/atomic_int* <-> int32,
+    uint* <-> int32/uint32, long* <-> int64, uchar* <-> uint8/bool, ...).
+  * Position params (uint, ushort, uint2 or uint3 as you like): thread_position_in_grid,
+    thread_position_in_threadgroup, threadgroup_position_in_grid, threads_per_threadgroup (the
+    ACTUAL size of this group; edge groups of a non-multiple grid are smaller),
+    dispatch_threads_per_threadgroup (the requested size), threads_per_grid,
+    threadgroups_per_grid, thread_index_in_threadgroup (x + y*tptg.x + z*tptg.x*tptg.y),
+    thread_index_in_simdgroup, simdgroup_index_in_threadgroup, simdgroups_per_threadgroup,
+    threads_per_simdgroup and thread_execution_width (both 32).
+  * Always pass ``threads=`` and ``group_size=`` (same rank, 1-3 dims; at most 1024 threads per
+    group). The emulator refuses to guess defaults.
+Types
+  * Scalars: bool, char/uchar, short/ushort, int/uint, long/ulong (64-bit), float. No double, no half.
+  * Vectors floatN/intN/uintN/shortN/ushortN/charN/ucharN/boolN (N = 2, 3, 4) with Metal sizes:
+    float3 is 16 bytes, aligned 16. packed_float3 etc. are 12 bytes: convert them to float3
+    (``float3 v = p[i];``) before doing math. A torch [N, 3] tensor is packed: read it through
+    ``float*`` with 3*i indexing or ``packed_float3*``; never ``device float3*``.
+  * Components only ``.x .y .z .w`` and ``v[i]``. NO swizzles (``.xy``, ``.xyz``): write
+    ``float2(v.x, v.y)``. A swizzle is a compile error here, never a silent miscompile.
+  * Vector constructors: ``float3(s)`` (broadcast, explicit), ``float3(x, y, z)``,
+    ``float3(float2, z)``, ``float4(float3, w)``, ``float4(float2, float2)``, ``float3(int3)``.
+    ``float3 v = 0.0f;`` (implicit scalar -> vector) does not compile here: write ``float3(0.0f)``.
+  * Matrices floatCxR (C columns of floatR, column-major; float3x3 is 48 bytes): ``m[c]`` is a
+    column, ``float3x3(c0, c1, c2)``, ``float2x2(a, b, c, d)`` (column-major scalars),
+    ``float3x3(1.0f)`` = identity (a scalar sets the diagonal), ``m * v``, ``v * m``, ``m * m``,
+    ``+ - `` and scalar ``*``, ``transpose``, ``determinant`` (2x2, 3x3).
+Functions
+  * dot, length, length_squared, distance, normalize, cross, min, max, clamp, abs, fabs, fmin,
+    fmax, exp, exp2, log, log2, sqrt, rsqrt, pow, powr, floor, ceil, round, rint, trunc, fract,
+    sin, cos, tan, asin, acos, atan, atan2, tanh, fmod, copysign, fma, mix, select, step, sign,
+    saturate, isfinite, isnan, isinf, any, all, ``as_type<T>(x)``; ``precise::`` and ``fast::``
+    are aliases of the same functions. Unsuffixed literals like ``0.5`` are float (as in Metal).
+Threadgroup memory
+  * Only as ``threadgroup T name[N];`` (or ``[N][M]``) declarations in a kernel body, with N a
+    constant visible at file scope (literal, #define, or file-scope constexpr/constant): the
+    emulator adds up ``sizeof`` of every such array and refuses launches over 32 KiB.
+    Helpers may take ``threadgroup T*`` / ``threadgroup T&`` params and kernels may use such
+    local pointers; any other use of ``threadgroup`` (two arrays in one statement, an initialiser,
+    a ``threadgroup`` kernel param) is refused. ``[[threadgroup(i)]]`` params are not supported
+    (torch.mps.compile_shader cannot size them either).
+    Threadgroup memory is uninitialised at group start, as on the GPU.
+Synchronisation
+  * ``threadgroup_barrier(mem_flags::mem_threadgroup | mem_device | mem_none)`` must be reached by
+    every thread of the group the same number of times: never ``return`` early before a barrier
+    (mask the work instead). Violations raise EmulatorError naming the group and thread.
+  * simdgroup ops (32 lanes; lane = thread_index_in_threadgroup % 32; the last simdgroup of a
+    group may be partial): simd_sum/max/min, simd_prefix_exclusive_sum,
+    simd_prefix_inclusive_sum, simd_shuffle, simd_shuffle_down/up/xor, simd_broadcast,
+    simd_broadcast_first, simd_ballot (-> simd_vote, ``(ulong)vote``, ``.any()``, ``.all()``),
+    simd_any, simd_all, simd_is_first, simdgroup_barrier. Call them in uniform control flow
+    (every live lane of the simdgroup calls the same op); lanes that have returned are inactive
+    and excluded. Reading an inactive/nonexistent lane returns the caller's own value.
+  * Device atomics over 4-byte buffers: atomic_int, atomic_uint, atomic_float (``atomic<T>``);
+    atomic_load/store/exchange/fetch_add/fetch_sub/compare_exchange_weak _explicit (all three);
+    fetch_max/min/and/or/xor _explicit (int/uint only, as in Metal); memory_order_relaxed.
+
+What the emulator cannot see (the Mac-side doctor command and the macOS CI job cover these)
+------------------------------------------------------------------------------------------
+  * Apple compiler errors: code that is valid C++ but not valid MSL (recursion, doubles, some
+    implicit conversions, address-space mismatches) compiles here.
+  * GPU precision: fast paths of exp/log/rsqrt and fma contraction on the GPU differ in the last
+    bits; compare with tolerances, never bit-exactly.
+  * Data races are out of scope: threads of one group run one after another between barriers
+    (in thread-index order), so a read of shared memory another thread wrote without a barrier
+    may look fine here and fail on the GPU. Atomics are real, groups run on several OS threads.
+  * Out-of-bounds reads and writes are not checked; the GPU watchdog (~2 s per command buffer)
+    and GPU memory limits do not exist here; per-thread stacks are 256 KiB.
+  * Performance: one CPU core runs a whole group; kernels are correct-not-fast here.
+
+Cache
+-----
+Compiled libraries live in ``$SPLAT_METAL_CACHE_DIR`` (default ``~/.cache/splat_metal/emulator``),
+keyed by a hash of (source, shim, compiler flags); a second process reuses them without compiling.
+"""
+
+from .library import (
+    EmulatorError,
+    EmulatorLibrary,
+    MetalCompileError,
+    cache_dir,
+    compile_count,
+    compile_library,
+)
+
+__all__ = [
+    "EmulatorError",
+    "EmulatorLibrary",
+    "MetalCompileError",
+    "cache_dir",
+    "compile_count",
+    "compile_library",
+]

@@ -1,0 +1,58 @@
+"""Assembles and caches the Metal kernel libraries: generated #defines + common.h + one stage file.
+
+The constants shared by Python and the kernels come from ``ops/constants.py`` (and the radix sort
+geometry below) and are injected as ``#define``s, so they are defined exactly once. Each
+(stage, variant) source is built once per process; ``runtime.library_for`` then compiles it once per
+process and device kind (torch.mps.compile_shader on mps tensors, the MSL emulator on cpu tensors).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .. import constants
+from .runtime import library_for, load_source
+
+# Radix sort geometry (sort.metal): digits of RADIX_BITS per pass, RADIX_THREADS threads per group,
+# each owning a contiguous run of RADIX_KEYS_PER_THREAD keys -> RADIX_BLOCK keys per group.
+RADIX_BITS = 4
+RADIX_THREADS = 256
+RADIX_KEYS_PER_THREAD = 16
+RADIX_BLOCK = RADIX_THREADS * RADIX_KEYS_PER_THREAD
+RADIX_BINS = 1 << RADIX_BITS
+
+# Threads per group of the one-thread-per-item kernels (project, sh, isect).
+GROUP_1D = 256
+
+
+def _base_defines(tile_size: int) -> dict:
+    return {
+        "SPLAT_TILE_SIZE": int(tile_size),
+        "SPLAT_ALPHA_MAX": float(constants.ALPHA_MAX),
+        "SPLAT_ALPHA_MIN": float(constants.ALPHA_MIN),
+        "SPLAT_TRANSMITTANCE_MIN": float(constants.TRANSMITTANCE_MIN),
+        "SPLAT_RADIX_BITS": RADIX_BITS,
+        "SPLAT_RADIX_THREADS": RADIX_THREADS,
+        "SPLAT_RADIX_KEYS_PER_THREAD": RADIX_KEYS_PER_THREAD,
+    }
+
+
+@lru_cache(maxsize=None)
+def stage_source(stage_file: str, tile_size: int = constants.TILE_SIZE, extra: tuple = ()) -> str:
+    """Full source of one library: defines, common.h, then the stage file. `extra` holds
+    (name, value) pairs of per-variant defines (e.g. the channel count of the rasterizer)."""
+    defines = _base_defines(tile_size)
+    defines.update(dict(extra))
+    return load_source("common.h", stage_file, defines=defines)
+
+
+def library(device: torch.device, stage_file: str, tile_size: int = constants.TILE_SIZE, extra: tuple = ()):
+    """The compiled library of `stage_file` for tensors on `device` (cached per process)."""
+    return library_for(device, stage_source(stage_file, tile_size, extra), name=stage_file)
+
+
+def grid_1d(n: int) -> dict:
+    """Launch arguments for one thread per item (partial last group; kernels bound-check)."""
+    return {"threads": (int(n),), "group_size": (GROUP_1D,)}

@@ -1,0 +1,148 @@
+// project.metal: EWA projection of 3D gaussians into every camera (gsplat 1.4 fully_fused_projection,
+// non-packed, pinhole). Backward kernels will live next to the forward one.
+// Compiled after common.h: kernels.py prepends it (compile_shader has no include path).
+
+// project_fwd: one thread per (camera, gaussian), flat index idx = c*N + n < C*N.
+// Why it is shaped so: each output element depends on one gaussian and one camera only, so threads
+// are independent (no barriers, no shared memory) and a thread may return early.
+// Invariants:
+//   * every output slot [c, n] is written exactly once, culled ones with zeros (radius 0), so the
+//     outputs may be allocated with torch.empty;
+//   * the arithmetic follows ops/reference.py::project term by term (same operation order), so the
+//     only differences to the oracle are float32 rounding of library functions;
+//   * quats are normalised here (q / max(|q|, 1e-12), as F.normalize);
+//   * a gaussian is kept iff near < depth < far, det(cov2d + eps2d I) > 0, radius > radius_clip and
+//     its 3-sigma square touches the image; radius = ceil(3 sqrt(b + sqrt(max(b^2 - det, 0.01)))).
+// Bounds: idx < C*N < 2^32 (checked on the host); compensations is written only if calc_comp != 0
+// (otherwise the host passes a 1-element placeholder).
+kernel void project_fwd(
+    const device float* means [[buffer(0)]],     // [N, 3]
+    const device float* quats [[buffer(1)]],     // [N, 4] wxyz
+    const device float* scales [[buffer(2)]],    // [N, 3]
+    const device float* viewmats [[buffer(3)]],  // [C, 4, 4] row-major world -> camera
+    const device float* Ks [[buffer(4)]],        // [C, 3, 3]
+    device int* radii [[buffer(5)]],             // [C, N]
+    device float* means2d [[buffer(6)]],         // [C, N, 2]
+    device float* depths [[buffer(7)]],          // [C, N]
+    device float* conics [[buffer(8)]],          // [C, N, 3]
+    device float* compensations [[buffer(9)]],   // [C, N] or [1] placeholder
+    constant long& C [[buffer(10)]],
+    constant long& N [[buffer(11)]],
+    constant long& width [[buffer(12)]],
+    constant long& height [[buffer(13)]],
+    constant float& eps2d [[buffer(14)]],
+    constant float& near_plane [[buffer(15)]],
+    constant float& far_plane [[buffer(16)]],
+    constant float& radius_clip [[buffer(17)]],
+    constant long& calc_comp [[buffer(18)]],
+    uint idx [[thread_position_in_grid]]) {
+  if ((long)idx >= C * N) {
+    return;
+  }
+  const long cam = (long)idx / N;
+  const long g = (long)idx - cam * N;
+
+  // Culled entries: zeros everywhere (overwritten below if the gaussian survives).
+  radii[idx] = 0;
+  means2d[2 * idx + 0] = 0.0f;
+  means2d[2 * idx + 1] = 0.0f;
+  depths[idx] = 0.0f;
+  conics[3 * idx + 0] = 0.0f;
+  conics[3 * idx + 1] = 0.0f;
+  conics[3 * idx + 2] = 0.0f;
+  if (calc_comp != 0) {
+    compensations[idx] = 0.0f;
+  }
+
+  // World -> camera.
+  const device float* V = viewmats + cam * 16;
+  float Rv[9] = {V[0], V[1], V[2], V[4], V[5], V[6], V[8], V[9], V[10]};
+  const float mx = means[3 * g + 0], my = means[3 * g + 1], mz = means[3 * g + 2];
+  const float tx = Rv[0] * mx + Rv[1] * my + Rv[2] * mz + V[3];
+  const float ty = Rv[3] * mx + Rv[4] * my + Rv[5] * mz + V[7];
+  const float tz = Rv[6] * mx + Rv[7] * my + Rv[8] * mz + V[11];
+  if (!(tz > near_plane && tz < far_plane)) {
+    return;
+  }
+
+  // Rotation from the (normalised) quaternion, then covar = (R S)(R S)^T.
+  float qw = quats[4 * g + 0], qx = quats[4 * g + 1], qy = quats[4 * g + 2], qz = quats[4 * g + 3];
+  const float qn = max(sqrt(qw * qw + qx * qx + qy * qy + qz * qz), 1e-12f);
+  qw = qw / qn;
+  qx = qx / qn;
+  qy = qy / qn;
+  qz = qz / qn;
+  const float Rq[9] = {
+      1.0f - 2.0f * (qy * qy + qz * qz), 2.0f * (qx * qy - qw * qz), 2.0f * (qx * qz + qw * qy),
+      2.0f * (qx * qy + qw * qz), 1.0f - 2.0f * (qx * qx + qz * qz), 2.0f * (qy * qz - qw * qx),
+      2.0f * (qx * qz - qw * qy), 2.0f * (qy * qz + qw * qx), 1.0f - 2.0f * (qx * qx + qy * qy)};
+  const float sx = scales[3 * g + 0], sy = scales[3 * g + 1], sz = scales[3 * g + 2];
+  float M[9];
+  for (int r = 0; r < 3; ++r) {
+    M[r * 3 + 0] = Rq[r * 3 + 0] * sx;
+    M[r * 3 + 1] = Rq[r * 3 + 1] * sy;
+    M[r * 3 + 2] = Rq[r * 3 + 2] * sz;
+  }
+  float cov[9];
+  mat3_mul_bt(M, M, cov);
+  float tmp[9];
+  mat3_mul(Rv, cov, tmp);
+  float covc[9];  // camera-space covariance Rv cov Rv^T
+  mat3_mul_bt(tmp, Rv, covc);
+
+  // Perspective Jacobian with the 1.3 x tan(fov) clamp of the direction used inside J.
+  const device float* K = Ks + cam * 9;
+  const float fx = K[0], fy = K[4], cx = K[2], cy = K[5];
+  const float W = (float)width, H = (float)height;
+  const float tan_fovx = 0.5f * W / fx, tan_fovy = 0.5f * H / fy;
+  const float lim_x_pos = (W - cx) / fx + 0.3f * tan_fovx, lim_x_neg = cx / fx + 0.3f * tan_fovx;
+  const float lim_y_pos = (H - cy) / fy + 0.3f * tan_fovy, lim_y_neg = cy / fy + 0.3f * tan_fovy;
+  const float tx_c = tz * min(max(tx / tz, -lim_x_neg), lim_x_pos);
+  const float ty_c = tz * min(max(ty / tz, -lim_y_neg), lim_y_pos);
+  const float J[6] = {fx / tz, 0.0f, -fx * tx_c / (tz * tz), 0.0f, fy / tz, -fy * ty_c / (tz * tz)};
+  float JC[6];  // J covc, 2x3
+  for (int r = 0; r < 2; ++r) {
+    for (int k = 0; k < 3; ++k) {
+      JC[r * 3 + k] = J[r * 3 + 0] * covc[0 * 3 + k] + J[r * 3 + 1] * covc[1 * 3 + k] + J[r * 3 + 2] * covc[2 * 3 + k];
+    }
+  }
+  float cov2d[4];  // JC J^T, 2x2
+  for (int r = 0; r < 2; ++r) {
+    for (int s = 0; s < 2; ++s) {
+      cov2d[r * 2 + s] = JC[r * 3 + 0] * J[s * 3 + 0] + JC[r * 3 + 1] * J[s * 3 + 1] + JC[r * 3 + 2] * J[s * 3 + 2];
+    }
+  }
+  const float u = fx * tx / tz + cx;
+  const float v = fy * ty / tz + cy;
+
+  // Blur, inverse, radius.
+  float a = cov2d[0], b = 0.5f * (cov2d[1] + cov2d[2]), c = cov2d[3];
+  const float det_orig = a * c - b * b;
+  a = a + eps2d;
+  c = c + eps2d;
+  const float det = a * c - b * b;
+  if (!(det > 0.0f)) {
+    return;
+  }
+  const float half_trace = 0.5f * (a + c);
+  const float v1 = half_trace + sqrt(max(half_trace * half_trace - det, 0.01f));
+  const float radius = ceil(3.0f * sqrt(v1));
+  if (!(radius > radius_clip)) {
+    return;
+  }
+  if (!(u + radius > 0.0f && u - radius < W && v + radius > 0.0f && v - radius < H)) {
+    return;
+  }
+
+  radii[idx] = (int)radius;
+  means2d[2 * idx + 0] = u;
+  means2d[2 * idx + 1] = v;
+  depths[idx] = tz;
+  conics[3 * idx + 0] = c / det;
+  conics[3 * idx + 1] = -b / det;
+  conics[3 * idx + 2] = a / det;
+  if (calc_comp != 0) {
+    const float ratio = det_orig / det;
+    compensations[idx] = ratio > 0.0f ? sqrt(ratio) : 0.0f;
+  }
+}

@@ -1,0 +1,172 @@
+// rasterize.metal: front-to-back alpha compositing of each tile's depth-sorted gaussians
+// (gsplat 1.4 rasterize_to_pixels, classic mode). Backward kernels will live next to the forward one.
+//
+// Per-variant values injected by kernels.py: SPLAT_CHANNELS (D, colour channels per gaussian) and
+// SPLAT_TILE_SIZE. One library is compiled per (D, tile size).
+// Compiled after common.h: kernels.py prepends it (compile_shader has no include path).
+
+#ifndef SPLAT_CHANNELS
+#error "SPLAT_CHANNELS must be injected by kernels.py"
+#endif
+#if SPLAT_TILE_PIXELS > 1024
+#error "a tile must have at most 1024 pixels (one thread each)"
+#endif
+
+// rasterize_fwd: one threadgroup per (tile x, tile y, camera), one thread per pixel of the tile
+// (grid = (tile_width*TS, tile_height*TS, C), group = (TS, TS, 1); threads of pixels outside the image
+// stay alive, masked, because they load gaussians and must reach every barrier).
+//
+// Work bound: a pass handles at most `chunk` gaussians of each tile: [start + pass*chunk, ...). The
+// host runs ceil(max tile length / chunk) passes when one is not enough; between passes a pixel's
+// state lives in global memory (running colour in render_colors, T in transmittance, last_ids, and
+// pixel_done), and the pass that reaches the end of a tile's range finalises it (background,
+// render_alphas). A group whose tile has nothing left in this pass returns at once: that condition
+// is uniform over the group, so no thread of it ever reaches a barrier.
+//
+// Loop invariant per batch of TILE_PIXELS gaussians (three barriers):
+//   A. every simdgroup publishes simd_all(done) in sg_done[]; barrier;
+//   B. all threads read the same sg_done[] -> the same decision to stop (uniform break), else each
+//      thread loads one gaussian (id, mean, conic, opacity) into threadgroup memory; barrier;
+//   C. each live pixel composites the batch in order; barrier (before the next batch overwrites it).
+// Compositing (identical to ops/reference.py): d = mean - (x+0.5, y+0.5),
+// sigma = 0.5 (a dx^2 + c dy^2) + b dx dy, alpha = min(ALPHA_MAX, opacity exp(-sigma)); skip if
+// sigma < 0 or alpha < ALPHA_MIN; stop (without contributing) once T (1 - alpha) <= TRANSMITTANCE_MIN.
+// Recorded for the backward pass: transmittance = final T, last_ids = index into flatten_ids of the
+// last gaussian that contributed (-1 if none).
+// Threadgroup memory: TILE_PIXELS * (4 + 8 + 16) + 32 * 4 bytes = 7.3 KB for 16x16 tiles.
+kernel void rasterize_fwd(
+    const device float* means2d [[buffer(0)]],       // [C*N, 2]
+    const device float* conics [[buffer(1)]],        // [C*N, 3]
+    const device float* colors [[buffer(2)]],        // [C*N, D]
+    const device float* opacities [[buffer(3)]],     // [C*N]
+    const device float* backgrounds [[buffer(4)]],   // [C, D] or [1] placeholder
+    const device int* tile_offsets [[buffer(5)]],    // [C, tile_height, tile_width]
+    const device int* flatten_ids [[buffer(6)]],     // [M]
+    device float* render_colors [[buffer(7)]],       // [C, H, W, D]
+    device float* render_alphas [[buffer(8)]],       // [C, H, W]
+    device float* transmittance [[buffer(9)]],       // [C, H, W]
+    device int* last_ids [[buffer(10)]],             // [C, H, W]
+    device int* pixel_done [[buffer(11)]],           // [C, H, W], or [1] when there is one pass
+    constant long& width [[buffer(12)]],
+    constant long& height [[buffer(13)]],
+    constant long& tile_width [[buffer(14)]],
+    constant long& tile_height [[buffer(15)]],
+    constant long& total_tiles [[buffer(16)]],       // C * tile_height * tile_width
+    constant long& n_isects [[buffer(17)]],          // M
+    constant long& has_background [[buffer(18)]],
+    constant long& pass_index [[buffer(19)]],
+    constant long& chunk [[buffer(20)]],
+    uint3 tgp [[threadgroup_position_in_grid]],
+    uint3 lid [[thread_position_in_threadgroup]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint n_sg [[simdgroups_per_threadgroup]]) {
+  threadgroup int s_ids[SPLAT_TILE_PIXELS];
+  threadgroup float2 s_xy[SPLAT_TILE_PIXELS];
+  threadgroup float4 s_conic_opac[SPLAT_TILE_PIXELS];
+  threadgroup int s_sg_done[32];
+
+  const long cam = (long)tgp.z;
+  const long tile_flat = (cam * tile_height + (long)tgp.y) * tile_width + (long)tgp.x;
+  const long range_start = tile_offsets[tile_flat];
+  const long range_end = (tile_flat + 1 < total_tiles) ? (long)tile_offsets[tile_flat + 1] : n_isects;
+  const long lo = range_start + pass_index * chunk;
+  if (pass_index > 0 && lo >= range_end) {
+    return;  // uniform over the group: this tile was finalised by an earlier pass
+  }
+  const long hi = (lo + chunk < range_end) ? lo + chunk : range_end;
+  const bool final_pass = hi == range_end;
+
+  const long pix_x = (long)tgp.x * SPLAT_TILE_SIZE + (long)lid.x;
+  const long pix_y = (long)tgp.y * SPLAT_TILE_SIZE + (long)lid.y;
+  const bool inside = pix_x < width && pix_y < height;
+  const long pix = (cam * height + pix_y) * width + pix_x;  // meaningful only if inside
+  const float px = (float)pix_x + 0.5f;
+  const float py = (float)pix_y + 0.5f;
+
+  float T = 1.0f;
+  float acc[SPLAT_CHANNELS];
+  for (int k = 0; k < SPLAT_CHANNELS; ++k) {
+    acc[k] = 0.0f;
+  }
+  int last = -1;
+  bool done = !inside;
+  if (pass_index > 0 && inside) {
+    T = transmittance[pix];
+    for (int k = 0; k < SPLAT_CHANNELS; ++k) {
+      acc[k] = render_colors[pix * SPLAT_CHANNELS + k];
+    }
+    last = last_ids[pix];
+    done = pixel_done[pix] != 0;
+  }
+
+  for (long batch_start = lo; batch_start < hi; batch_start += SPLAT_TILE_PIXELS) {
+    // A. publish per-simdgroup completion
+    const bool sg_all_done = simd_all(done);
+    if (lane == 0) {
+      s_sg_done[sgid] = sg_all_done ? 1 : 0;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // B. uniform stop decision, then cooperative load
+    bool all_done = true;
+    for (uint s = 0; s < n_sg; ++s) {
+      all_done = all_done && (s_sg_done[s] != 0);
+    }
+    if (all_done) {
+      break;
+    }
+    const long j = batch_start + (long)tid;
+    if (j < hi) {
+      const int g = flatten_ids[j];
+      s_ids[tid] = g;
+      s_xy[tid] = float2(means2d[2 * (long)g], means2d[2 * (long)g + 1]);
+      s_conic_opac[tid] = float4(conics[3 * (long)g], conics[3 * (long)g + 1], conics[3 * (long)g + 2], opacities[g]);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // C. composite this batch
+    const long remaining = hi - batch_start;
+    const int batch_size = remaining < SPLAT_TILE_PIXELS ? (int)remaining : SPLAT_TILE_PIXELS;
+    for (int t = 0; t < batch_size && !done; ++t) {
+      const float4 co = s_conic_opac[t];
+      const float2 xy = s_xy[t];
+      const float dx = xy.x - px;
+      const float dy = xy.y - py;
+      const float sigma = 0.5f * (co.x * dx * dx + co.z * dy * dy) + co.y * dx * dy;
+      const float alpha = min(SPLAT_ALPHA_MAX, co.w * exp(-sigma));
+      if (sigma < 0.0f || alpha < SPLAT_ALPHA_MIN) {
+        continue;
+      }
+      const float next_T = T * (1.0f - alpha);
+      if (next_T <= SPLAT_TRANSMITTANCE_MIN) {
+        done = true;
+        break;
+      }
+      const float vis = alpha * T;
+      const long g = (long)s_ids[t];
+      for (int k = 0; k < SPLAT_CHANNELS; ++k) {
+        acc[k] += colors[g * SPLAT_CHANNELS + k] * vis;
+      }
+      last = (int)(batch_start + t);
+      T = next_T;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  if (inside) {
+    transmittance[pix] = T;
+    last_ids[pix] = last;
+    if (final_pass) {
+      render_alphas[pix] = 1.0f - T;
+      for (int k = 0; k < SPLAT_CHANNELS; ++k) {
+        const float bg = has_background != 0 ? backgrounds[cam * SPLAT_CHANNELS + k] : 0.0f;
+        render_colors[pix * SPLAT_CHANNELS + k] = acc[k] + T * bg;
+      }
+    } else {
+      for (int k = 0; k < SPLAT_CHANNELS; ++k) {
+        render_colors[pix * SPLAT_CHANNELS + k] = acc[k];
+      }
+      pixel_done[pix] = done ? 1 : 0;
+    }
+  }
+}

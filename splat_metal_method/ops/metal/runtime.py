@@ -1,0 +1,127 @@
+"""The runtime seam: where the Metal backend gets its kernel libraries.
+
+Dispatch code is written once against torch.mps.compile_shader's call convention::
+
+    lib = library_for(means.device, load_source(COMMON, "project.metal"))
+    lib.project_fwd(means, out, n, threads=n, group_size=256)   # arg i <-> [[buffer(i)]]
+
+and gets Apple's compiler on an mps tensor, or the MSL emulator (g++ on the CPU) on a cpu tensor.
+Both kinds of library are cached per process by source hash and count their launches per kernel
+name (`launch_counts()`), which the tests use to count kernel launches per training step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+KERNEL_DIR = Path(__file__).resolve().parent
+
+_libraries: dict[tuple[str, str], "_CountingLibrary"] = {}
+_lock = threading.Lock()
+_launches: Counter = Counter()
+
+
+def launch_counts() -> dict[str, int]:
+    """Kernel launches per kernel name since the last reset (both runtimes)."""
+    return dict(_launches)
+
+
+def reset_launch_counts() -> None:
+    _launches.clear()
+
+
+def metal_available() -> bool:
+    """True on a Mac where torch can compile and run Metal shaders."""
+    return torch.backends.mps.is_available() and hasattr(torch.mps, "compile_shader")
+
+
+def load_source(*metal_files: str | os.PathLike, defines: dict[str, object] | None = None) -> str:
+    """Concatenate kernel files (shared header first, then stage files) into one source.
+
+    Relative paths are taken from this directory. Each file is preceded by `#line 1 "<path>"`, so
+    errors from Apple's compiler or the emulator's g++ name the original .metal file and line.
+    `defines` (e.g. constants shared with Python such as TILE_SIZE) become `#define NAME value`
+    lines at the top; floats are written with an `f` suffix so they stay float in MSL.
+    """
+    parts = []
+    if defines:
+        parts.append('#line 1 "<splat_metal defines>"\n')
+        for k, v in defines.items():
+            val = f"{float(v)!r}f" if isinstance(v, float) else str(int(v)) if isinstance(v, bool) else str(v)
+            parts.append(f"#define {k} {val}\n")
+    for f in metal_files:
+        p = Path(f)
+        if not p.is_absolute():
+            p = KERNEL_DIR / p
+        text = p.read_text()
+        parts.append(f'#line 1 "{p}"\n{text}')
+        if not text.endswith("\n"):
+            parts.append("\n")
+    return "".join(parts)
+
+
+class _CountingLibrary:
+    """Wraps a compiled library (MPS or emulator); `lib.kernel(...)` counts then launches."""
+
+    def __init__(self, lib, runtime: str):
+        self._lib, self.runtime = lib, runtime
+        self._kernels: dict[str, object] = {}
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        fn = self._kernels.get(name)
+        if fn is None:
+            kernel = getattr(self._lib, name)
+
+            def fn(*args, _kernel=kernel, _name=name, **launch):  # launch: threads=, group_size=
+                _launches[_name] += 1
+                return _kernel(*args, **launch)
+
+            self._kernels[name] = fn
+        return fn
+
+    def __dir__(self):
+        return dir(self._lib)
+
+
+def get_library(source: str, name: str = "splat_metal", runtime: str | None = None) -> _CountingLibrary:
+    """Compile `source` once per process (cached by hash) for `runtime`.
+
+    runtime: "mps" (torch.mps.compile_shader), "emulator" (g++ on the CPU), or None = mps when
+    Metal is available, else the emulator. `name` labels emulator diagnostics.
+    """
+    if runtime is None:
+        runtime = "mps" if metal_available() else "emulator"
+    if runtime not in ("mps", "emulator"):
+        raise ValueError(f"[get_library] runtime must be 'mps' or 'emulator', got {runtime!r}")
+    key = (runtime, hashlib.sha256(source.encode()).hexdigest())
+    with _lock:
+        lib = _libraries.get(key)
+        if lib is None:
+            if runtime == "mps":
+                if not metal_available():
+                    raise RuntimeError("[get_library] runtime 'mps' needs macOS 14+ with torch MPS")
+                raw = torch.mps.compile_shader(source)
+            else:
+                from .emulator import compile_library
+
+                raw = compile_library(source, name)
+            lib = _libraries[key] = _CountingLibrary(raw, runtime)
+    return lib
+
+
+def library_for(device: torch.device | str, source: str, name: str = "splat_metal") -> _CountingLibrary:
+    """The library that runs kernels on tensors of `device`: Metal for mps, the emulator for cpu."""
+    device = torch.device(device)
+    if device.type == "mps":
+        return get_library(source, name, "mps")
+    if device.type == "cpu":
+        return get_library(source, name, "emulator")
+    raise ValueError(f"[library_for] Metal kernels run on mps (or cpu via the emulator), not on {device}")

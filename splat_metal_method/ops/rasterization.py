@@ -1,0 +1,209 @@
+"""The one public op: ``rasterization``, with gsplat 1.4.0's semantics for what splatfacto passes.
+
+Backends:
+  - "gsplat":    gsplat's CUDA kernels (the whole call is passed through unchanged).
+  - "metal":     our Metal kernels (MPS tensors; CPU tensors run them under the MSL emulator).
+  - "reference": pure PyTorch on any device; the oracle for the others.
+  - "auto":      by tensor device: cuda -> gsplat, mps -> metal, cpu -> the best CPU backend.
+The environment variable SPLAT_METAL_BACKEND overrides "auto" for the whole process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from types import ModuleType
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .constants import EPS2D, TILE_SIZE
+
+BACKENDS = ("auto", "reference", "gsplat", "metal")
+RENDER_MODES = ("RGB", "D", "ED", "RGB+D", "RGB+ED")
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run here; the message says why."""
+
+
+def _check_gsplat(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise BackendUnavailable(
+            f"backend 'gsplat' runs gsplat's CUDA kernels and needs CUDA tensors, got tensors on {device}"
+            + ("" if torch.cuda.is_available() else " (no CUDA device on this machine)")
+        )
+
+
+def _check_metal(device: torch.device) -> None:
+    if device.type not in ("mps", "cpu"):
+        raise BackendUnavailable(
+            f"backend 'metal' runs on MPS tensors (or CPU tensors under the MSL emulator), got {device}"
+        )
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Turns "auto" (or SPLAT_METAL_BACKEND) into a concrete backend for tensors on ``device``."""
+    if backend == "auto":
+        backend = os.environ.get("SPLAT_METAL_BACKEND", "auto") or "auto"
+        if backend not in BACKENDS:
+            raise BackendUnavailable(f"SPLAT_METAL_BACKEND={backend!r} is not one of {BACKENDS}")
+    if backend == "auto":
+        backend = {"cuda": "gsplat", "mps": "metal"}.get(device.type, "reference")
+    if backend == "gsplat":
+        _check_gsplat(device)
+    elif backend == "metal":
+        _check_metal(device)
+    elif backend != "reference":
+        raise BackendUnavailable(f"[rasterization] backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def backend_module(name: str) -> ModuleType:
+    """The module implementing the five stages for a (non-gsplat) backend."""
+    if name == "reference":
+        from . import reference
+
+        return reference
+    if name == "metal":
+        from . import metal
+
+        return metal
+    raise BackendUnavailable(f"no stage module for backend {name!r}")
+
+
+def _check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds):
+    def fail(msg):
+        raise ValueError(f"[rasterization] {msg}")
+
+    N = means.shape[0] if means.dim() == 2 else -1
+    if means.dim() != 2 or means.shape[1] != 3:
+        fail(f"means must be [N,3], got {list(means.shape)}")
+    for name, t, shape in (("quats", quats, (N, 4)), ("scales", scales, (N, 3)), ("opacities", opacities, (N,))):
+        if tuple(t.shape) != shape:
+            fail(f"{name} must be {list(shape)}, got {list(t.shape)}")
+    C = viewmats.shape[0] if viewmats.dim() == 3 else -1
+    if tuple(viewmats.shape) != (C, 4, 4):
+        fail(f"viewmats must be [C,4,4], got {list(viewmats.shape)}")
+    if tuple(Ks.shape) != (C, 3, 3):
+        fail(f"Ks must be [C,3,3] with C={C} like viewmats, got {list(Ks.shape)}")
+    if sh_degree is None:
+        if colors.dim() != 2 or colors.shape[0] != N:
+            fail(f"colors must be [N,D] when sh_degree is None, got {list(colors.shape)} (N={N})")
+    else:
+        if colors.dim() != 3 or colors.shape[0] != N or colors.shape[2] != 3:
+            fail(f"colors must be [N,K,3] SH coefficients when sh_degree is set, got {list(colors.shape)}")
+        if not 0 <= sh_degree <= 3 or (sh_degree + 1) ** 2 > colors.shape[1]:
+            fail(f"sh_degree={sh_degree} needs 0..3 and K >= (sh_degree+1)^2, got K={colors.shape[1]}")
+    if render_mode not in RENDER_MODES:
+        fail(f"render_mode must be one of {RENDER_MODES}, got {render_mode!r}")
+    tensors = [means, quats, scales, opacities, colors, viewmats, Ks]
+    if any(t.device != means.device for t in tensors):
+        fail("all inputs must be on the same device: " + ", ".join(str(t.device) for t in tensors))
+    if backgrounds is not None and tuple(backgrounds.shape) != (C, colors.shape[-1]):
+        fail(f"backgrounds must be [C,D] with C={C}, D={colors.shape[-1]} like colors, got {list(backgrounds.shape)}")
+
+
+def rasterization(
+    means: Tensor,  # [N, 3]
+    quats: Tensor,  # [N, 4] wxyz (normalised internally)
+    scales: Tensor,  # [N, 3]
+    opacities: Tensor,  # [N]
+    colors: Tensor,  # [N, D] post-activation, or [N, K, 3] SH coefficients with sh_degree
+    viewmats: Tensor,  # [C, 4, 4] world -> camera
+    Ks: Tensor,  # [C, 3, 3]
+    width: int,
+    height: int,
+    near_plane: float = 0.01,
+    far_plane: float = 1e10,
+    radius_clip: float = 0.0,
+    eps2d: float = EPS2D,
+    sh_degree: Optional[int] = None,
+    packed: bool = False,
+    tile_size: int = TILE_SIZE,
+    backgrounds: Optional[Tensor] = None,  # [C, D]
+    render_mode: str = "RGB",
+    sparse_grad: bool = False,
+    absgrad: bool = False,
+    rasterize_mode: str = "classic",
+    backend: str = "auto",
+) -> Tuple[Tensor, Tensor, Dict]:
+    """Renders C cameras. Returns render_colors [C,H,W,D'], render_alphas [C,H,W,1] and the meta
+    dict gsplat 1.4's DefaultStrategy reads (means2d with grad and, if asked, absgrad; radii [C,N];
+    width; height; n_cameras; ...)."""
+    _check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds)
+    if rasterize_mode not in ("classic", "antialiased"):
+        raise ValueError(f"[rasterization] rasterize_mode must be 'classic' or 'antialiased', got {rasterize_mode!r}")
+    name = resolve_backend(backend, means.device)
+    if name == "gsplat":
+        from gsplat.rendering import rasterization as gsplat_rasterization
+
+        return gsplat_rasterization(
+            means, quats, scales, opacities, colors, viewmats, Ks, width, height,
+            near_plane=near_plane, far_plane=far_plane, radius_clip=radius_clip, eps2d=eps2d,
+            sh_degree=sh_degree, packed=packed, tile_size=tile_size, backgrounds=backgrounds,
+            render_mode=render_mode, sparse_grad=sparse_grad, absgrad=absgrad, rasterize_mode=rasterize_mode,
+        )  # fmt: skip
+    if packed or sparse_grad:
+        raise ValueError(f"[rasterization] packed/sparse_grad are only supported by backend 'gsplat' (using {name!r})")
+    ops = backend_module(name)
+    C, N = viewmats.shape[0], means.shape[0]
+
+    radii, means2d, depths, conics, compensations = ops.project(
+        means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane, radius_clip,
+        rasterize_mode == "antialiased",
+    )  # fmt: skip
+    opacities = opacities.expand(C, N)  # [C, N]
+    if compensations is not None:
+        opacities = opacities * compensations
+
+    if sh_degree is None:
+        colors = colors.expand(C, -1, -1)  # [C, N, D]
+    else:
+        campos = torch.linalg.inv(viewmats)[:, :3, 3]  # [C, 3]
+        dirs = means[None, :, :] - campos[:, None, :]  # [C, N, 3]
+        coeffs = colors.expand(C, -1, -1, -1)  # [C, N, K, 3]
+        colors = torch.clamp_min(ops.spherical_harmonics(sh_degree, dirs, coeffs, radii > 0) + 0.5, 0.0)
+
+    if render_mode in ("RGB+D", "RGB+ED"):
+        colors = torch.cat([colors, depths[..., None]], dim=-1)
+        if backgrounds is not None:
+            backgrounds = torch.cat([backgrounds, backgrounds.new_zeros(C, 1)], dim=-1)
+    elif render_mode in ("D", "ED"):
+        colors = depths[..., None]
+        if backgrounds is not None:
+            backgrounds = backgrounds.new_zeros(C, 1)
+
+    tile_width, tile_height = math.ceil(width / tile_size), math.ceil(height / tile_size)
+    tiles_per_gauss, isect_ids, flatten_ids = ops.isect_tiles(means2d, radii, depths, tile_size, tile_width, tile_height)
+    isect_offsets = ops.isect_offset_encode(isect_ids, C, tile_width, tile_height)
+    render_colors, render_alphas = ops.rasterize_to_pixels(
+        means2d, conics, colors.contiguous(), opacities.contiguous(), width, height, tile_size,
+        isect_offsets, flatten_ids, backgrounds, absgrad,
+    )  # fmt: skip
+    if render_mode in ("ED", "RGB+ED"):
+        render_colors = torch.cat(
+            [render_colors[..., :-1], render_colors[..., -1:] / render_alphas.clamp(min=1e-10)], dim=-1
+        )
+    meta = {
+        "camera_ids": None,
+        "gaussian_ids": None,
+        "radii": radii,
+        "means2d": means2d,
+        "depths": depths,
+        "conics": conics,
+        "opacities": opacities,
+        "tile_width": tile_width,
+        "tile_height": tile_height,
+        "tiles_per_gauss": tiles_per_gauss,
+        "isect_ids": isect_ids,
+        "flatten_ids": flatten_ids,
+        "isect_offsets": isect_offsets,
+        "width": width,
+        "height": height,
+        "tile_size": tile_size,
+        "n_cameras": C,
+        "backend": name,
+    }
+    return render_colors, render_alphas, meta

@@ -1,0 +1,356 @@
+"""Reference backend: pure PyTorch, differentiable, runs on cpu, mps and cuda.
+
+It is the oracle every other backend is tested against, so it favours plain, vectorised math
+over speed. Semantics follow gsplat 1.4 (non-packed, pinhole). Cost grows with tile
+intersections (each tile composites only the gaussians listed for it), and memory stays bounded
+by compositing tiles in chunks (recomputed in backward when the work is large).
+
+Every backend module exposes the same five stages with the same signatures:
+``project``, ``spherical_harmonics``, ``isect_tiles``, ``isect_offset_encode``,
+``rasterize_to_pixels``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from .constants import ALPHA_MAX, ALPHA_MIN, TRANSMITTANCE_MIN
+
+# Elements of one [tiles, gaussians, pixels] block composited at once. Bounds peak memory.
+CHUNK_ELEMENTS = 1 << 22
+# Above this much total compositing work, chunks are recomputed in backward instead of stored.
+CHECKPOINT_ELEMENTS = 1 << 24
+
+
+def quat_to_rotmat(quats: Tensor) -> Tensor:  # [..., 4] wxyz -> [..., 3, 3]
+    w, x, y, z = F.normalize(quats, p=2, dim=-1).unbind(-1)
+    rows = [
+        1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y),
+        2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x),
+        2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y),
+    ]  # fmt: skip
+    return torch.stack(rows, dim=-1).reshape(quats.shape[:-1] + (3, 3))
+
+
+def project(
+    means: Tensor,  # [N, 3]
+    quats: Tensor,  # [N, 4] wxyz, normalised here
+    scales: Tensor,  # [N, 3]
+    viewmats: Tensor,  # [C, 4, 4] world -> camera
+    Ks: Tensor,  # [C, 3, 3]
+    width: int,
+    height: int,
+    eps2d: float = 0.3,
+    near_plane: float = 0.01,
+    far_plane: float = 1e10,
+    radius_clip: float = 0.0,
+    calc_compensations: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """EWA projection. Returns radii [C,N] int32, means2d [C,N,2], depths [C,N], conics [C,N,3],
+    compensations [C,N] (or None). Culled entries have radius 0 and zero outputs."""
+    M = quat_to_rotmat(quats) * scales[:, None, :]  # [N, 3, 3]
+    covars = M @ M.transpose(-1, -2)  # [N, 3, 3]
+    R = viewmats[:, :3, :3]  # [C, 3, 3]
+    t = viewmats[:, :3, 3]  # [C, 3]
+    means_c = torch.einsum("cij,nj->cni", R, means) + t[:, None, :]  # [C, N, 3]
+    covars_c = torch.einsum("cij,njk,clk->cnil", R, covars, R)  # [C, N, 3, 3]
+
+    tx, ty, tz = means_c.unbind(-1)  # [C, N]
+    in_depth = (tz >= near_plane) & (tz <= far_plane)  # gsplat's kernel culls z < near or z > far
+    # Culled gaussians still flow through the math below; a safe depth keeps their values (and
+    # therefore every gradient) finite before they are zeroed.
+    tz = torch.where(in_depth, tz, torch.ones_like(tz))
+    fx, fy = Ks[:, 0, 0, None], Ks[:, 1, 1, None]  # [C, 1]
+    cx, cy = Ks[:, 0, 2, None], Ks[:, 1, 2, None]  # [C, 1]
+    tan_fovx, tan_fovy = 0.5 * width / fx, 0.5 * height / fy
+    lim_x_pos, lim_x_neg = (width - cx) / fx + 0.3 * tan_fovx, cx / fx + 0.3 * tan_fovx
+    lim_y_pos, lim_y_neg = (height - cy) / fy + 0.3 * tan_fovy, cy / fy + 0.3 * tan_fovy
+    tx_c = tz * torch.minimum(torch.maximum(tx / tz, -lim_x_neg), lim_x_pos)
+    ty_c = tz * torch.minimum(torch.maximum(ty / tz, -lim_y_neg), lim_y_pos)
+    zero = torch.zeros_like(tz)
+    J = torch.stack(
+        [fx / tz, zero, -fx * tx_c / (tz * tz), zero, fy / tz, -fy * ty_c / (tz * tz)], dim=-1
+    ).reshape(tz.shape + (2, 3))  # [C, N, 2, 3]
+    cov2d = J @ covars_c @ J.transpose(-1, -2)  # [C, N, 2, 2]
+    means2d = torch.stack([fx * tx / tz + cx, fy * ty / tz + cy], dim=-1)  # [C, N, 2]
+
+    a, b, c = cov2d[..., 0, 0], 0.5 * (cov2d[..., 0, 1] + cov2d[..., 1, 0]), cov2d[..., 1, 1]
+    det_orig = a * c - b * b
+    a, c = a + eps2d, c + eps2d
+    det = a * c - b * b
+    valid = in_depth & (det > 0)
+    det = torch.where(valid, det, torch.ones_like(det))
+    conics = torch.stack([c / det, -b / det, a / det], dim=-1)  # [C, N, 3]
+
+    with torch.no_grad():
+        half_trace = 0.5 * (a + c)
+        v1 = half_trace + torch.sqrt(torch.clamp(half_trace * half_trace - det, min=0.01))
+        radius = torch.ceil(3.0 * torch.sqrt(v1))
+        x, y = means2d[..., 0], means2d[..., 1]
+        inside = (x + radius > 0) & (x - radius < width) & (y + radius > 0) & (y - radius < height)
+        keep = valid & (radius > radius_clip) & inside
+        radii = torch.where(keep, radius, torch.zeros_like(radius)).int()
+
+    compensations = None
+    if calc_compensations:
+        ratio = det_orig / det
+        positive = keep & (ratio > 0)
+        compensations = torch.where(positive, torch.sqrt(torch.where(positive, ratio, 1.0)), 0.0)
+    k = keep[..., None]
+    return (
+        radii,
+        torch.where(k, means2d, 0.0),
+        torch.where(keep, means_c[..., 2], 0.0),
+        torch.where(k, conics, 0.0),
+        compensations,
+    )
+
+
+# Real spherical-harmonics constants (Sloan 2013 evaluation order, as gsplat and 3DGS).
+_SH_C0 = 0.2820947917738781
+_SH_C1 = 0.48860251190292
+
+
+def sh_bases(degree: int, dirs: Tensor) -> Tensor:  # dirs [..., 3] unit -> [..., (degree+1)^2]
+    x, y, z = dirs.unbind(-1)
+    out = [torch.full_like(x, _SH_C0)]
+    if degree >= 1:
+        out += [-_SH_C1 * y, _SH_C1 * z, -_SH_C1 * x]
+    if degree >= 2:
+        z2 = z * z
+        fc1, fs1 = x * x - y * y, 2 * x * y
+        tmp_b = -1.092548430592079 * z
+        out += [
+            0.5462742152960395 * fs1, tmp_b * y, 0.9461746957575601 * z2 - 0.3153915652525201,
+            tmp_b * x, 0.5462742152960395 * fc1,
+        ]  # fmt: skip
+    if degree >= 3:
+        tmp_c = -2.285228997322329 * z2 + 0.4570457994644658
+        tmp_b = 1.445305721320277 * z
+        fc2, fs2 = x * fc1 - y * fs1, x * fs1 + y * fc1
+        out += [
+            -0.5900435899266435 * fs2, tmp_b * fs1, tmp_c * y,
+            z * (1.865881662950577 * z2 - 1.119528997770346),
+            tmp_c * x, tmp_b * fc1, -0.5900435899266435 * fc2,
+        ]  # fmt: skip
+    if degree > 3:
+        raise ValueError(f"[spherical_harmonics] degree must be 0..3, got {degree}")
+    return torch.stack(out, dim=-1)
+
+
+def spherical_harmonics(
+    degree: int,
+    dirs: Tensor,  # [C, N, 3] unnormalised view directions (mean - camera centre)
+    coeffs: Tensor,  # [C, N, K, 3], K >= (degree+1)^2
+    masks: Optional[Tensor] = None,  # [C, N] bool; False -> output 0
+) -> Tensor:  # [C, N, 3] (no +0.5 offset; the public API adds it)
+    n_bases = (degree + 1) ** 2
+    bases = sh_bases(degree, F.normalize(dirs, p=2, dim=-1))  # [C, N, n_bases]
+    colors = (bases[..., None] * coeffs[..., :n_bases, :]).sum(dim=-2)
+    if masks is not None:
+        colors = torch.where(masks[..., None], colors, 0.0)
+    return colors
+
+
+@torch.no_grad()
+def isect_tiles(
+    means2d: Tensor,  # [C, N, 2]
+    radii: Tensor,  # [C, N] int32
+    depths: Tensor,  # [C, N]
+    tile_size: int,
+    tile_width: int,
+    tile_height: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Lists every (gaussian, tile) overlap, sorted by camera, tile, then depth (stable, so ties
+    keep emission order). Returns tiles_per_gauss [C,N] int32, isect_ids [M] int64, flatten_ids [M] int32."""
+    C, N = radii.shape
+    device = means2d.device
+    tile_xy = means2d.float() / tile_size  # [C, N, 2]
+    tile_r = radii.float() / tile_size  # [C, N]
+    lo = torch.floor(tile_xy - tile_r[..., None]).long()  # [C, N, 2]
+    hi = torch.ceil(tile_xy + tile_r[..., None]).long()
+    limit = torch.tensor([tile_width, tile_height], device=device)
+    lo = torch.minimum(torch.clamp(lo, min=0), limit)
+    hi = torch.minimum(torch.clamp(hi, min=0), limit)
+    span = hi - lo  # [C, N, 2]
+    tiles_per_gauss = span[..., 0] * span[..., 1] * (radii > 0)  # [C, N]
+
+    counts = tiles_per_gauss.flatten()
+    owner = torch.repeat_interleave(torch.arange(C * N, device=device), counts)  # [M]
+    first = torch.cumsum(counts, 0) - counts
+    local = torch.arange(owner.numel(), device=device) - first[owner]
+    span_x = span.reshape(-1, 2)[owner, 0]
+    lo_flat = lo.reshape(-1, 2)[owner]
+    tile_x = lo_flat[:, 0] + local % span_x.clamp(min=1)
+    tile_y = lo_flat[:, 1] + local // span_x.clamp(min=1)
+    tile_id = tile_y * tile_width + tile_x
+    cam_id = owner // max(N, 1)
+    tile_bits = (tile_width * tile_height).bit_length()
+    depth_bits = depths.float().contiguous().view(torch.int32).long().flatten()[owner] & 0xFFFFFFFF
+    isect_ids = (cam_id << (32 + tile_bits)) | (tile_id << 32) | depth_bits
+    isect_ids, order = torch.sort(isect_ids, stable=True)
+    flatten_ids = owner[order].int()
+    return tiles_per_gauss.int(), isect_ids, flatten_ids
+
+
+@torch.no_grad()
+def isect_offset_encode(isect_ids: Tensor, C: int, tile_width: int, tile_height: int) -> Tensor:
+    """Start of each tile's range in the sorted intersection list: [C, tile_height, tile_width] int32."""
+    tile_bits = (tile_width * tile_height).bit_length()
+    n_tiles = tile_width * tile_height
+    key = isect_ids >> 32
+    dense = (key >> tile_bits) * n_tiles + (key & ((1 << tile_bits) - 1))  # camera-major tile index
+    counts = torch.bincount(dense, minlength=C * n_tiles)
+    offsets = torch.cumsum(counts, 0) - counts
+    return offsets.reshape(C, tile_height, tile_width).int()
+
+
+class _PixelDeltas(torch.autograd.Function):
+    """deltas[t, l, p] = means2d of gaussian l of tile t minus pixel p's centre.
+
+    Its backward is where per-pixel gradients w.r.t. means2d exist separately, so it also
+    accumulates their absolute values (gsplat's absgrad, read by DefaultStrategy)."""
+
+    @staticmethod
+    def forward(ctx, means, pixels, gaussian_ids, absgrad_out):  # [T,L,2], [T,P,2], [T,L], [C*N,2]|None
+        ctx.save_for_backward(gaussian_ids)
+        ctx.absgrad_out = absgrad_out
+        return means[:, :, None, :] - pixels[:, None, :, :]  # [T, L, P, 2]
+
+    @staticmethod
+    def backward(ctx, grad):  # grad [T, L, P, 2]
+        (gaussian_ids,) = ctx.saved_tensors
+        if ctx.absgrad_out is not None:
+            ctx.absgrad_out.index_add_(0, gaussian_ids.flatten(), grad.abs().sum(2).flatten(0, 1))
+        return grad.sum(2), None, None, None  # means, pixels (constant), ids, absgrad buffer
+
+
+def _composite_tiles(means2d, conics, colors, opacities, pixels, pixel_ok, gaussian_ids, valid, absgrad_out):
+    """Front-to-back compositing of a block of tiles, exactly as gsplat's kernel does per pixel.
+
+    means2d [T,L,2], conics [T,L,3], colors [T,L,D], opacities [T,L], pixels [T,P,2],
+    pixel_ok [T,P], gaussian_ids [T,L], valid [T,L] -> colors [T,P,D], transmittance [T,P]."""
+    delta = _PixelDeltas.apply(means2d, pixels, gaussian_ids, absgrad_out)  # [T, L, P, 2]
+    dx, dy = delta[..., 0], delta[..., 1]
+    a, b, c = (conics[..., i, None] for i in range(3))
+    sigma = 0.5 * (a * dx * dx + c * dy * dy) + b * dx * dy  # [T, L, P]
+    alpha = torch.clamp_max(opacities[..., None] * torch.exp(-sigma), ALPHA_MAX)
+    used = (sigma >= 0) & (alpha >= ALPHA_MIN) & valid[..., None] & pixel_ok[:, None, :]
+    alpha = torch.where(used, alpha, 0.0)
+    with torch.no_grad():  # a pixel stops before the gaussian that would drop T to the floor
+        used = used & (torch.cumprod(1 - alpha, dim=1) > TRANSMITTANCE_MIN)
+    alpha = torch.where(used, alpha, 0.0)
+    trans = torch.cumprod(1 - alpha, dim=1)  # [T, L, P] transmittance after each gaussian
+    trans_before = torch.cat([torch.ones_like(trans[:, :1]), trans[:, :-1]], dim=1)
+    weights = alpha * trans_before
+    return torch.einsum("tlp,tld->tpd", weights, colors), trans[:, -1]
+
+
+def rasterize_to_pixels(
+    means2d: Tensor,  # [C, N, 2]
+    conics: Tensor,  # [C, N, 3]
+    colors: Tensor,  # [C, N, D]
+    opacities: Tensor,  # [C, N]
+    width: int,
+    height: int,
+    tile_size: int,
+    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32
+    flatten_ids: Tensor,  # [M] int32
+    backgrounds: Optional[Tensor] = None,  # [C, D]
+    absgrad: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    """Alpha-composites each tile's depth-sorted gaussians. Returns render_colors [C,H,W,D] and
+    render_alphas [C,H,W,1]. With absgrad, sets ``means2d.absgrad`` [C,N,2] (filled by backward)."""
+    C, N, D = colors.shape
+    tile_height, tile_width = isect_offsets.shape[1:]
+    n_tiles = C * tile_height * tile_width
+    P = tile_size * tile_size
+    device = means2d.device
+    M = flatten_ids.numel()
+
+    starts = isect_offsets.flatten().long()
+    ends = torch.cat([starts[1:], torch.tensor([M], device=device)])
+    counts = ends - starts  # [n_tiles]
+    absgrad_out = None
+    if absgrad:
+        absgrad_out = torch.zeros(C * N, 2, device=device, dtype=means2d.dtype)
+        means2d.absgrad = absgrad_out.view(C, N, 2)
+
+    means_flat = means2d.reshape(C * N, 2)
+    conics_flat = conics.reshape(C * N, 3)
+    colors_flat = colors.reshape(C * N, D)
+    opac_flat = opacities.reshape(C * N)
+
+    # Pixel centres of every tile: [n_tiles, P, 2] built lazily per chunk from the tile index.
+    local = torch.arange(P, device=device)
+    local_xy = torch.stack([local % tile_size, local // tile_size], dim=-1)  # [P, 2]
+
+    def tile_pixels(tile_idx):  # [T] -> pixels [T,P,2] float, inside-image mask [T,P]
+        ty = (tile_idx // tile_width) % tile_height
+        tx = tile_idx % tile_width
+        xy = torch.stack([tx, ty], dim=-1)[:, None, :] * tile_size + local_xy[None]  # [T, P, 2]
+        ok = (xy[..., 0] < width) & (xy[..., 1] < height)
+        return xy.to(means2d.dtype) + 0.5, ok
+
+    def composite(tile_idx, length, means_f, conics_f, colors_f, opac_f):
+        pos = starts[tile_idx, None] + torch.arange(length, device=device)  # [T, L]
+        valid = torch.arange(length, device=device) < counts[tile_idx, None]
+        gids = flatten_ids[torch.where(valid, pos, 0).clamp(max=max(M - 1, 0))].long()  # [T, L]
+        gids = torch.where(valid, gids, 0)
+        pixels, pixel_ok = tile_pixels(tile_idx)
+        return _composite_tiles(
+            means_f[gids], conics_f[gids], colors_f[gids], opac_f[gids],
+            pixels, pixel_ok, gids, valid, absgrad_out,
+        )  # fmt: skip
+
+    # Group non-empty tiles by gaussian count so padding stays small, then cut into chunks.
+    busy = torch.nonzero(counts > 0).flatten()
+    busy = busy[torch.argsort(counts[busy], stable=True)]
+    busy_counts = counts[busy].tolist()
+    total_work = sum(busy_counts) * P
+    use_checkpoint = torch.is_grad_enabled() and total_work > CHECKPOINT_ELEMENTS
+    tile_ids, tile_colors, tile_trans = [], [], []
+    i = 0
+    while i < len(busy_counts):
+        j = i + 1
+        # Tiles are sorted by count, so the last in the chunk sets the padded length.
+        while j < len(busy_counts) and (j + 1 - i) * busy_counts[j] * P <= CHUNK_ELEMENTS:
+            j += 1
+        idx, length = busy[i:j], busy_counts[j - 1]
+        args = (idx, length, means_flat, conics_flat, colors_flat, opac_flat)
+        if use_checkpoint:
+            col, trans = checkpoint(composite, *args, use_reentrant=False)
+        else:
+            col, trans = composite(*args)
+        tile_ids.append(idx)
+        tile_colors.append(col)
+        tile_trans.append(trans)
+        i = j
+
+    image = torch.zeros(n_tiles, P, D, device=device, dtype=colors.dtype)
+    trans_all = torch.ones(n_tiles, P, device=device, dtype=colors.dtype)
+    if tile_ids:
+        idx = torch.cat(tile_ids)
+        image = image.index_copy(0, idx, torch.cat(tile_colors))
+        trans_all = trans_all.index_copy(0, idx, torch.cat(tile_trans))
+    else:
+        # Nothing visible: keep the outputs attached to the inputs (an empty slice sums to exactly 0)
+        # so backward still runs and gives zero gradients, as gsplat's kernels do; DefaultStrategy
+        # reads means2d.grad even for views that see no gaussian.
+        anchor = sum(t[:0].sum() for t in (means_flat, conics_flat, colors_flat, opac_flat))
+        image, trans_all = image + anchor, trans_all + anchor
+
+    def to_image(x):  # [n_tiles, P, K] -> [C, H, W, K]
+        x = x.reshape(C, tile_height, tile_width, tile_size, tile_size, -1).permute(0, 1, 3, 2, 4, 5)
+        return x.reshape(C, tile_height * tile_size, tile_width * tile_size, -1)[:, :height, :width]
+
+    render_colors = to_image(image)
+    render_alphas = 1.0 - to_image(trans_all[..., None])
+    if backgrounds is not None:
+        render_colors = render_colors + backgrounds[:, None, None, :] * (1.0 - render_alphas)
+    return render_colors, render_alphas
