@@ -1,18 +1,21 @@
 """`ns-train splat-metal`: splatfacto's training recipe with SplatMetalModel and a device chosen
-by itself (mps > cuda > cpu) unless the user passes --machine.device-type."""
+by itself (mps > cuda > cpu) unless the user passes --machine.device-type. The dataset is checked
+(dataparser.py) before ns-train writes anything."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from nerfstudio.configs.base_config import MachineConfig, ViewerConfig
 from nerfstudio.data.datamanagers.full_images_datamanager import FullImageDatamanagerConfig
-from nerfstudio.data.dataparsers.nerfstudio_dataparser import NerfstudioDataParserConfig
 from nerfstudio.engine.optimizers import AdamOptimizerConfig
 from nerfstudio.engine.schedulers import ExponentialDecaySchedulerConfig
 from nerfstudio.engine.trainer import TrainerConfig
 from nerfstudio.pipelines.base_pipeline import VanillaPipelineConfig
 from nerfstudio.plugins.types import MethodSpecification
 
+from .dataparser import SplatMetalDataParserConfig, check_dataset
 from .model import SplatMetalModelConfig
 
 
@@ -25,13 +28,26 @@ def default_device_type() -> str:
     return "cpu"
 
 
+@dataclass
+class SplatMetalTrainerConfig(TrainerConfig):
+    """TrainerConfig that checks the dataset before ns-train saves config.yml (its first write)."""
+
+    def save_config(self) -> None:
+        datamanager = self.pipeline.datamanager
+        dataparser = getattr(datamanager, "dataparser", None)
+        if isinstance(dataparser, SplatMetalDataParserConfig):  # not when the user picked another dataparser
+            data = datamanager.data if datamanager.data is not None else dataparser.data
+            check_dataset(data, load_3D_points=dataparser.load_3D_points)
+        super().save_config()
+
+
 def _adam(lr: float) -> AdamOptimizerConfig:
     return AdamOptimizerConfig(lr=lr, eps=1e-15)
 
 
 def splat_metal_trainer_config() -> TrainerConfig:
     """splatfacto's TrainerConfig from nerfstudio 1.1.5 (same schedule and learning rates)."""
-    return TrainerConfig(
+    return SplatMetalTrainerConfig(
         method_name="splat-metal",
         steps_per_eval_image=100,
         steps_per_eval_batch=0,
@@ -42,7 +58,7 @@ def splat_metal_trainer_config() -> TrainerConfig:
         machine=MachineConfig(device_type=default_device_type()),
         pipeline=VanillaPipelineConfig(
             datamanager=FullImageDatamanagerConfig(
-                dataparser=NerfstudioDataParserConfig(load_3D_points=True),
+                dataparser=SplatMetalDataParserConfig(load_3D_points=True),
                 cache_images_type="uint8",
             ),
             model=SplatMetalModelConfig(),

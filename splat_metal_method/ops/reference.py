@@ -318,8 +318,13 @@ def rasterize_to_pixels(
     i = 0
     while i < len(busy_counts):
         j = i + 1
-        # Tiles are sorted by count, so the last in the chunk sets the padded length.
-        while j < len(busy_counts) and (j + 1 - i) * busy_counts[j] * P <= CHUNK_ELEMENTS:
+        # Tiles are sorted by count, so the last in the chunk sets the padded length; a chunk ends
+        # when it would exceed the memory bound or pad its first tile by more than 25%.
+        while (
+            j < len(busy_counts)
+            and (j + 1 - i) * busy_counts[j] * P <= CHUNK_ELEMENTS
+            and busy_counts[j] <= 1.25 * busy_counts[i] + 8
+        ):
             j += 1
         idx, length = busy[i:j], busy_counts[j - 1]
         args = (idx, length, means_flat, conics_flat, colors_flat, opac_flat)

@@ -80,7 +80,9 @@ def isect_tiles_fwd(
 def isect_offset_encode_fwd(isect_ids: Tensor, C: int, tile_width: int, tile_height: int) -> Tensor:
     """Start of each tile's range in the sorted list: [C, tile_height, tile_width] int32."""
     if isect_ids.dim() != 1 or isect_ids.dtype != torch.int64:
-        raise ValueError(f"[isect_offset_encode] isect_ids must be [M] int64, got {list(isect_ids.shape)} {isect_ids.dtype}")
+        raise ValueError(
+            f"[isect_offset_encode] isect_ids must be [M] int64, got {list(isect_ids.shape)} {isect_ids.dtype}"
+        )
     device = isect_ids.device
     n_tiles = int(tile_width) * int(tile_height)
     M = isect_ids.numel()

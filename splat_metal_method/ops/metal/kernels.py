@@ -56,3 +56,28 @@ def library(device: torch.device, stage_file: str, tile_size: int = constants.TI
 def grid_1d(n: int) -> dict:
     """Launch arguments for one thread per item (partial last group; kernels bound-check)."""
     return {"threads": (int(n),), "group_size": (GROUP_1D,)}
+
+
+# Every library the backend compiles in normal use: stage file + variant defines. The rasterizer is
+# compiled per channel count: 3 (RGB), 4 (RGB+depth), 1 (depth only).
+_STANDARD_VARIANTS = {
+    "project": ("project.metal", ()),
+    "sh": ("sh.metal", ()),
+    "isect": ("isect.metal", ()),
+    "sort": ("sort.metal", ()),
+    "rasterize_rgb": ("rasterize.metal", (("SPLAT_CHANNELS", 3),)),
+    "rasterize_rgbd": ("rasterize.metal", (("SPLAT_CHANNELS", 4),)),
+    "rasterize_d": ("rasterize.metal", (("SPLAT_CHANNELS", 1),)),
+}
+
+
+def all_sources() -> dict:
+    """name -> full assembled source of every standard library (for `xcrun metal` compile checks)."""
+    return {name: stage_source(f, constants.TILE_SIZE, extra) for name, (f, extra) in _STANDARD_VARIANTS.items()}
+
+
+def compile_all(device: torch.device):
+    """Compiles every standard library for `device` (cached); yields their names as it goes."""
+    for name, (f, extra) in _STANDARD_VARIANTS.items():
+        library(torch.device(device), f, constants.TILE_SIZE, extra)
+        yield name

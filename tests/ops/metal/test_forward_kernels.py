@@ -425,12 +425,13 @@ def test_one_gaussian_covering_every_tile(device):
 # --------------------------------------------------------------------------------------------------
 # garden: real cameras and points
 # --------------------------------------------------------------------------------------------------
-GARDEN_N = 6000
+GARDEN_N = 2000  # a subsample with made-up 3 cm gaussians keeps the reference side of the test fast
+GARDEN_SCALE = 0.03
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_garden_stage_by_stage(device, garden):
-    scene = garden_scene(garden, n=GARDEN_N, seed=0)
+    scene = garden_scene(garden, n=GARDEN_N, seed=0, scale=GARDEN_SCALE)
     C, W, H, N = scene.C, scene.width, scene.height, scene.N
     m, _ = project_both(scene, device, near_plane=0.2)
     r = check_projection("garden", m, scene, near_plane=0.2)
@@ -442,7 +443,7 @@ def test_garden_stage_by_stage(device, garden):
     mr, rr = rasterize_both(device, means2d, conics, colors, opacities, W, H, offsets, flatten_ids, None)
     assert_close("garden.colors", mr[0], rr[0])
     assert_close("garden.alphas", mr[1], rr[1])
-    assert rr[1].mean() > 0.2, "the garden render should cover a good part of the images"
+    assert rr[1].mean() > 0.3, "the garden render should cover a good part of the images"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -456,7 +457,7 @@ def test_garden_public_api_end_to_end(device, garden):
     1/255 (plus the same relative change of what lies behind). So: all but 0.01% of pixels within
     1e-4 and every pixel within 2/255 (colours) -- the expected depth channel (divided by alpha) is
     compared where alpha > 0.5."""
-    scene = garden_scene(garden, n=GARDEN_N, seed=1)
+    scene = garden_scene(garden, n=GARDEN_N, seed=1, scale=GARDEN_SCALE)
     C, N = scene.C, scene.N
     g = torch.Generator().manual_seed(3)
     sh = torch.zeros(N, 4, 3)
@@ -515,8 +516,10 @@ class _nullctx:
 
 
 def test_bad_inputs_name_the_op():
+    cam = (torch.eye(4)[None], torch.eye(3)[None])
     with pytest.raises(ValueError, match=r"\[project\] quats"):
-        mtl.project(torch.zeros(3, 3), torch.zeros(2, 4), torch.ones(3, 3), torch.eye(4)[None], torch.eye(3)[None], 8, 8)
+        mtl.project(torch.zeros(3, 3), torch.zeros(2, 4), torch.ones(3, 3), *cam, 8, 8)
+    gauss = (torch.zeros(1, 2, 2), torch.zeros(1, 2, 3), torch.zeros(1, 2, 3), torch.zeros(1, 2))
+    bad_offsets = torch.zeros(1, 2, 2, dtype=torch.int32)  # a 16x16 image has 1x1 tiles
     with pytest.raises(ValueError, match=r"\[rasterize_to_pixels\] isect_offsets"):
-        mtl.rasterize_to_pixels(torch.zeros(1, 2, 2), torch.zeros(1, 2, 3), torch.zeros(1, 2, 3), torch.zeros(1, 2),
-                                16, 16, 16, torch.zeros(1, 2, 2, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))  # fmt: skip
+        mtl.rasterize_to_pixels(*gauss, 16, 16, 16, bad_offsets, torch.zeros(0, dtype=torch.int32))

@@ -1,0 +1,272 @@
+"""splat-metal-doctor: checks this machine's splat-metal kernels against the reference renderer.
+
+    splat-metal-doctor            # MPS on a Mac, the MSL emulator elsewhere, gsplat on CUDA
+    splat-metal-doctor --device cpu --size 64x40
+
+Prints torch, OS and device facts and the backend "auto" would choose, compiles every kernel,
+runs each stage forward and backward on a random non-square scene against the pure-PyTorch
+reference on the same device, and prints max errors and timings. Exits 1 on any mismatch.
+Paste its output into bug reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Sequence
+
+import torch
+
+# Forward outputs must agree to this (float32, a few hundred gaussians per pixel at most) ...
+FWD_ATOL = 1e-4
+# ... and gradients to this relative error (atomics reorder float sums on a GPU).
+BWD_RTOL = 1e-3
+
+
+@dataclass
+class Check:
+    stage: str
+    direction: str
+    max_abs: float
+    rel: float
+    ms: float
+    ok: bool
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def random_scene(device: torch.device, n: int = 300, width: int = 61, height: int = 37, cameras: int = 2, seed: int = 0):
+    """A seeded scene of n gaussians in front of `cameras` cameras; width != height on purpose."""
+    g = torch.Generator().manual_seed(seed)
+    means = torch.randn(n, 3, generator=g) * 0.6
+    quats = torch.randn(n, 4, generator=g)
+    scales = torch.rand(n, 3, generator=g) * 0.08 + 0.01
+    opacities = torch.rand(n, generator=g) * 0.8 + 0.1
+    coeffs = torch.randn(n, 16, 3, generator=g) * 0.3
+    viewmats = torch.eye(4).repeat(cameras, 1, 1)
+    viewmats[:, 2, 3] = 3.0
+    viewmats[:, 0, 3] = torch.linspace(-0.3, 0.3, cameras)
+    f = 0.9 * width
+    Ks = torch.tensor([[f, 0, width / 2], [0, f * 1.02, height / 2 + 0.7], [0, 0, 1]]).repeat(cameras, 1, 1)
+    scene = dict(means=means, quats=quats, scales=scales, opacities=opacities, coeffs=coeffs, viewmats=viewmats, Ks=Ks)
+    return {k: v.to(device) for k, v in scene.items()}, width, height
+
+
+def _timed(fn: Callable, device: torch.device):
+    def sync():
+        if device.type == "mps":
+            torch.mps.synchronize()
+        elif device.type == "cuda":
+            torch.cuda.synchronize()
+
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return out, (time.perf_counter() - start) * 1000
+
+
+def _compare_stage(name: str, run: Callable, inputs: Dict[str, torch.Tensor], fast, ref, device) -> List[Check]:
+    """Runs `run(backend_module, **leaves)` for both backends, compares outputs, then the gradients of
+    a fixed random projection of the outputs w.r.t. every floating input."""
+    checks = []
+    results = {}
+    for label, module in (("fast", fast), ("ref", ref)):
+        leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in inputs.items()}
+        outs, ms = _timed(lambda: run(module, **leaves), device)
+        results[label] = (leaves, [o for o in outs if o is not None], ms)
+    (leaves_f, outs_f, ms_f), (leaves_r, outs_r, _) = results["fast"], results["ref"]
+    err = max((_max_abs(a, b) for a, b in zip(outs_f, outs_r)), default=0.0)
+    rel = max((_rel(a, b) for a, b in zip(outs_f, outs_r) if a.is_floating_point()), default=0.0)
+    checks.append(Check(name, "forward", err, rel, ms_f, err <= FWD_ATOL))
+
+    g = torch.Generator().manual_seed(1)
+    weights = [torch.randn(o.shape, generator=g).to(device) for o in outs_r if o.is_floating_point()]
+    grads = {}
+    for label, leaves, outs in (("fast", leaves_f, outs_f), ("ref", leaves_r, outs_r)):
+        floats = [o for o in outs if o.is_floating_point()]
+        wanted = [v for v in leaves.values() if v.requires_grad]
+        loss = sum((o * w).sum() for o, w in zip(floats, weights))
+        (got, ms) = _timed(lambda: torch.autograd.grad(loss, wanted, allow_unused=True), device)
+        grads[label] = ([torch.zeros_like(v) if x is None else x for v, x in zip(wanted, got)], ms)
+    pairs = list(zip(grads["fast"][0], grads["ref"][0]))
+    err = max((_max_abs(a, b) for a, b in pairs), default=0.0)
+    rel = max((_rel(a, b) for a, b in pairs), default=0.0)
+    checks.append(Check(name, "backward", err, rel, grads["fast"][1], rel <= BWD_RTOL))
+    return checks
+
+
+def stage_checks(device: torch.device, fast, ref, width: int, height: int) -> List[Check]:
+    """Every stage of the backend contract, forward and backward, `fast` vs `ref`, on one scene."""
+    scene, W, H = random_scene(device, width=width, height=height)
+    checks: List[Check] = []
+    proj_in = {k: scene[k] for k in ("means", "quats", "scales", "viewmats", "Ks")}
+    for mode in ("classic", "antialiased"):
+        checks += _compare_stage(
+            f"project ({mode})",
+            lambda m, **x: m.project(**x, width=W, height=H, calc_compensations=mode == "antialiased"),
+            proj_in, fast, ref, device,
+        )  # fmt: skip
+    radii, means2d, depths, conics, _ = ref.project(**proj_in, width=W, height=H)
+    C, N = radii.shape
+    campos = torch.linalg.inv(scene["viewmats"])[:, :3, 3]
+    dirs = scene["means"][None] - campos[:, None]
+    for degree in range(4):
+        sh_in = {"dirs": dirs, "coeffs": scene["coeffs"].expand(C, -1, -1, -1).contiguous()}
+        checks += _compare_stage(
+            f"sh (degree {degree})", lambda m, **x: (m.spherical_harmonics(degree, **x, masks=radii > 0),),
+            sh_in, fast, ref, device,
+        )  # fmt: skip
+
+    tw, th = -(-W // 16), -(-H // 16)
+    (tiles_f, ids_f, flat_f), ms = _timed(lambda: fast.isect_tiles(means2d, radii, depths, 16, tw, th), device)
+    tiles_r, ids_r, flat_r = ref.isect_tiles(means2d, radii, depths, 16, tw, th)
+    same = (
+        torch.equal(tiles_f.cpu(), tiles_r.cpu()) and torch.equal(ids_f.cpu(), ids_r.cpu())
+        and torch.equal(flat_f.cpu(), flat_r.cpu())
+    )  # fmt: skip
+    offsets = ref.isect_offset_encode(ids_r, C, tw, th)
+    same = same and torch.equal(fast.isect_offset_encode(ids_f, C, tw, th).cpu(), offsets.cpu())
+    checks.append(Check("isect + sort", "forward", 0.0 if same else float("inf"), 0.0, ms, same))
+
+    colors = torch.rand(C, N, 4, device=device)
+    opac = scene["opacities"].expand(C, -1).contiguous()
+    raster_in = {"means2d": means2d, "conics": conics, "colors": colors, "opacities": opac,
+                 "backgrounds": torch.rand(C, 4, device=device)}  # fmt: skip
+    checks += _compare_stage(
+        "rasterize (RGB+depth)",
+        lambda m, **x: m.rasterize_to_pixels(
+            x["means2d"], x["conics"], x["colors"], x["opacities"], W, H, 16, offsets, flat_r, x["backgrounds"]
+        ),
+        raster_in, fast, ref, device,
+    )  # fmt: skip
+    return checks
+
+
+def full_op_checks(device: torch.device, backend: str, width: int, height: int) -> List[Check]:
+    """The whole public op `backend` vs "reference" (used for gsplat on CUDA, which has no stage API)."""
+    from .ops import rasterization
+    from .ops import reference
+
+    scene, W, H = random_scene(device, width=width, height=height)
+
+    def run(backend_name):
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in scene.items() if k != "Ks"}
+        out, ms = _timed(
+            lambda: rasterization(
+                leaves["means"], leaves["quats"], leaves["scales"], leaves["opacities"], leaves["coeffs"],
+                leaves["viewmats"], scene["Ks"], W, H, sh_degree=3, render_mode="RGB+ED", backend=backend_name,
+            ),
+            device,
+        )  # fmt: skip
+        colors, alphas, _ = out
+        (colors[..., :3].sum() + alphas.sum()).backward()
+        return colors, alphas, leaves, ms
+
+    del reference
+    cf, af, lf, ms = run(backend)
+    cr, ar, lr, _ = run("reference")
+    err = max(_max_abs(cf[..., :3], cr[..., :3]), _max_abs(af, ar))
+    checks = [Check(f"rasterization ({backend})", "forward", err, _rel(cf[..., :3], cr[..., :3]), ms, err <= FWD_ATOL)]
+    rel = max(_rel(lf[k].grad, lr[k].grad) for k in lf)
+    checks.append(Check(f"rasterization ({backend})", "backward", 0.0, rel, 0.0, rel <= BWD_RTOL))
+    return checks
+
+
+def facts(device: torch.device) -> Dict[str, str]:
+    from .ops import resolve_backend
+
+    info = {
+        "splat-metal": __import__("splat_metal_method").__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "os": f"{platform.system()} {platform.release()} ({platform.machine()})",
+        "mac": platform.mac_ver()[0] or "-",
+        "mps available": str(torch.backends.mps.is_available()),
+        "cuda available": str(torch.cuda.is_available()),
+        "checking on": str(device),
+        "auto backend here": resolve_backend("auto", device),
+    }
+    if device.type == "mps" and hasattr(torch.mps, "recommended_max_memory"):
+        info["mps recommended max memory"] = f"{torch.mps.recommended_max_memory() / 2**30:.1f} GiB"
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _print_table(checks: Sequence[Check]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="kernels vs reference")
+    for col in ("stage", "pass", "max abs err", "rel err", "ms", "result"):
+        table.add_column(col)
+    for c in checks:
+        table.add_row(c.stage, c.direction, f"{c.max_abs:.2e}", f"{c.rel:.2e}", f"{c.ms:.1f}",
+                      "[green]ok[/green]" if c.ok else "[red]MISMATCH[/red]")  # fmt: skip
+    Console().print(table)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="splat-metal-doctor", description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=["auto", "mps", "cuda", "cpu"], default="auto")
+    parser.add_argument("--size", default="61x37", help="image WIDTHxHEIGHT of the test scene (keep it non-square)")
+    parser.add_argument("--emit-metal", metavar="DIR", help="write each assembled kernel library to DIR/*.metal and exit "
+                        "(for compile checks with `xcrun metal`)")
+    args = parser.parse_args(argv)
+    if args.emit_metal:
+        from pathlib import Path
+
+        from .ops.metal import kernels
+
+        out = Path(args.emit_metal)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, source in kernels.all_sources().items():
+            (out / f"{name}.metal").write_text(source)
+            print(out / f"{name}.metal")
+        return 0
+    width, height = (int(v) for v in args.size.lower().split("x"))
+    if args.device == "auto":
+        from .config import default_device_type
+
+        args.device = default_device_type()
+    device = torch.device(args.device)
+    for key, value in facts(device).items():
+        print(f"{key:>28}: {value}")
+
+    from rich.progress import Progress
+
+    from .ops import reference
+
+    with Progress(transient=True) as progress:
+        task = progress.add_task("checking kernels", total=None)
+        if device.type == "cuda":
+            checks = full_op_checks(device, "gsplat", width, height)
+        else:
+            from .ops import metal
+            from .ops.metal import kernels
+
+            progress.update(task, description="compiling every Metal kernel")
+            compiled, ms = _timed(lambda: sum(1 for _ in kernels.compile_all(device)), device)
+            checks = [Check(f"compile {compiled} kernels", "-", 0.0, 0.0, ms, compiled > 0)]
+            progress.update(task, description="running stages forward and backward")
+            checks += stage_checks(device, metal, reference, width, height)
+    _print_table(checks)
+    bad = [c for c in checks if not c.ok]
+    print(f"{len(checks) - len(bad)}/{len(checks)} checks passed" + (": MISMATCH, please report" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

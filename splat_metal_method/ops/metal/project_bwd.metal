@@ -1,0 +1,300 @@
+// project_bwd.metal: gradients of the EWA projection (project.metal) with respect to means, quats,
+// scales and viewmats (the camera pose), including the antialiased compensation term. The maths is
+// gsplat 1.4's fully_fused_projection_bwd (persp_proj_vjp with the clamped tx/ty,
+// covar_world_to_cam_vjp, quat_scale_to_covar_vjp), written as the exact derivative of
+// ops/reference.py::project, which is the oracle.
+// Compiled after common.h: kernels.py prepends it (compile_shader has no include path).
+
+// 2x2 symmetric helpers: a symmetric matrix is (m00, m01, m11).
+// out = -P V P for symmetric P (the conic) and V: the vjp of a matrix inverse.
+inline void inverse_vjp2(float p00, float p01, float p11, float v00, float v01, float v11,
+                         thread float* g00, thread float* g01, thread float* g11) {
+  const float a00 = v00 * p00 + v01 * p01, a01 = v00 * p01 + v01 * p11;  // V P, row 0
+  const float a10 = v01 * p00 + v11 * p01, a11 = v01 * p01 + v11 * p11;  // V P, row 1
+  *g00 = -(p00 * a00 + p01 * a10);
+  *g01 = -(p00 * a01 + p01 * a11);
+  *g11 = -(p01 * a01 + p11 * a11);
+}
+
+// out = a^T * b (3x3, row-major)
+inline void mat3_mul_at(thread const float* a, thread const float* b, thread float* out) {
+  for (int r = 0; r < 3; ++r) {
+    for (int c = 0; c < 3; ++c) {
+      out[r * 3 + c] = a[0 * 3 + r] * b[0 * 3 + c] + a[1 * 3 + r] * b[1 * 3 + c] + a[2 * 3 + r] * b[2 * 3 + c];
+    }
+  }
+}
+
+// project_bwd: one thread per (gaussian n, camera c) on the grid (N_pad, C), N_pad = N rounded up to
+// the group size GROUP (256) so that every threadgroup is full and lies in one camera; threads with
+// n >= N or radius 0 (culled: the forward wrote constant zeros) contribute zeros.
+// Outputs:
+//   * v_means / v_quats / v_scales: one row per (camera, gaussian), [C, N, .]; the host sums over C
+//     (deterministic, no atomics; a view when C == 1);
+//   * v_viewmats: only if calc_viewmat != 0 (uniform, so barriers stay uniform): the 12 entries
+//     d/d viewmat[c, 0:3, 0:4] of the group's 256 gaussians, reduced with simd_sum and then across
+//     simdgroups in threadgroup memory, one partial row per group: v_viewmat_part [C, n_groups, 12];
+//     the host sums over groups.
+// Every derivative mirrors the reference's forward term by term:
+//   conics = inverse(cov2d + eps2d I)        -> G = -P V P, V = [[v0, v1/2], [v1/2, v2]]
+//   compensation = sqrt(det_orig / det_blur)  -> dG from d ratio / d (a, b, c), zero where ratio <= 0
+//   cov2d = J covc J^T                        -> v_covc = J^T G J, v_J = G J covc^T + G^T J covc
+//   J = [[fx/z, 0, -fx tx_c/z^2], [0, fy/z, -fy ty_c/z^2]], tx_c = z clamp(x/z, -lim_neg, lim_pos):
+//       d J02/dx = -fx/z^2 unclamped, 0 clamped; d J02/dz = 2 fx tx_c/z^3 (- fx tx_c/z^3 if clamped)
+//   means2d = (fx x/z + cx, fy y/z + cy); depth = z
+//   mean_c = R m + t, covc = R cov R^T       -> v_m = R^T v_mc, v_R = v_mc m^T + v_covc R cov^T + v_covc^T R cov
+//   cov = M M^T, M = Rq(q/|q|) diag(s)       -> v_M = (v_cov + v_cov^T) M, then rotation-matrix and
+//                                               normalisation vjps.
+// Threadgroup memory: 8 * 12 * 4 = 384 bytes.
+#define PROJECT_BWD_GROUP 256
+#define PROJECT_BWD_SIMDGROUPS (PROJECT_BWD_GROUP / 32)
+kernel void project_bwd(
+    const device float* means [[buffer(0)]],       // [N, 3]
+    const device float* quats [[buffer(1)]],       // [N, 4] wxyz
+    const device float* scales [[buffer(2)]],      // [N, 3]
+    const device float* viewmats [[buffer(3)]],    // [C, 4, 4]
+    const device float* Ks [[buffer(4)]],          // [C, 3, 3]
+    const device int* radii [[buffer(5)]],         // [C, N] (forward output; 0 = culled)
+    const device float* v_means2d [[buffer(6)]],   // [C, N, 2]
+    const device float* v_depths [[buffer(7)]],    // [C, N]
+    const device float* v_conics [[buffer(8)]],    // [C, N, 3]
+    const device float* v_comp [[buffer(9)]],      // [C, N] or [1] placeholder
+    device float* v_means [[buffer(10)]],          // [C, N, 3]
+    device float* v_quats [[buffer(11)]],          // [C, N, 4]
+    device float* v_scales [[buffer(12)]],         // [C, N, 3]
+    device float* v_viewmat_part [[buffer(13)]],   // [C, n_groups, 12] or [1] placeholder
+    constant long& N [[buffer(14)]],
+    constant long& width [[buffer(15)]],
+    constant long& height [[buffer(16)]],
+    constant float& eps2d [[buffer(17)]],
+    constant long& calc_comp [[buffer(18)]],
+    constant long& calc_viewmat [[buffer(19)]],
+    constant long& n_groups [[buffer(20)]],
+    uint2 gpos [[thread_position_in_grid]],
+    uint2 tgp [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float s_part[PROJECT_BWD_SIMDGROUPS * 12];
+
+  const long g = (long)gpos.x;
+  const long cam = (long)gpos.y;
+  const long idx = cam * N + g;
+  const bool active = g < N && radii[idx] > 0;
+
+  float vR[9] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // d/d viewmat[0:3, 0:3]
+  float vt[3] = {0.0f, 0.0f, 0.0f};                                        // d/d viewmat[0:3, 3]
+  if (active) {
+    // ---- forward recomputation (same operations as project.metal) ----
+    const device float* V = viewmats + cam * 16;
+    const float Rv[9] = {V[0], V[1], V[2], V[4], V[5], V[6], V[8], V[9], V[10]};
+    const float m[3] = {means[3 * g + 0], means[3 * g + 1], means[3 * g + 2]};
+    const float tx = Rv[0] * m[0] + Rv[1] * m[1] + Rv[2] * m[2] + V[3];
+    const float ty = Rv[3] * m[0] + Rv[4] * m[1] + Rv[5] * m[2] + V[7];
+    const float tz = Rv[6] * m[0] + Rv[7] * m[1] + Rv[8] * m[2] + V[11];
+
+    const float q0[4] = {quats[4 * g + 0], quats[4 * g + 1], quats[4 * g + 2], quats[4 * g + 3]};
+    const float qnorm = sqrt(q0[0] * q0[0] + q0[1] * q0[1] + q0[2] * q0[2] + q0[3] * q0[3]);
+    const float qden = max(qnorm, 1e-12f);
+    const float qw = q0[0] / qden, qx = q0[1] / qden, qy = q0[2] / qden, qz = q0[3] / qden;
+    const float Rq[9] = {
+        1.0f - 2.0f * (qy * qy + qz * qz), 2.0f * (qx * qy - qw * qz), 2.0f * (qx * qz + qw * qy),
+        2.0f * (qx * qy + qw * qz), 1.0f - 2.0f * (qx * qx + qz * qz), 2.0f * (qy * qz - qw * qx),
+        2.0f * (qx * qz - qw * qy), 2.0f * (qy * qz + qw * qx), 1.0f - 2.0f * (qx * qx + qy * qy)};
+    const float s[3] = {scales[3 * g + 0], scales[3 * g + 1], scales[3 * g + 2]};
+    float M[9];
+    for (int r = 0; r < 3; ++r) {
+      for (int c = 0; c < 3; ++c) {
+        M[r * 3 + c] = Rq[r * 3 + c] * s[c];
+      }
+    }
+    float cov[9];
+    mat3_mul_bt(M, M, cov);
+    float Rcov[9];  // Rv cov
+    mat3_mul(Rv, cov, Rcov);
+    float covc[9];  // Rv cov Rv^T
+    mat3_mul_bt(Rcov, Rv, covc);
+
+    const device float* K = Ks + cam * 9;
+    const float fx = K[0], fy = K[4], cx = K[2], cy = K[5];
+    const float W = (float)width, H = (float)height;
+    const float tan_fovx = 0.5f * W / fx, tan_fovy = 0.5f * H / fy;
+    const float lim_x_pos = (W - cx) / fx + 0.3f * tan_fovx, lim_x_neg = cx / fx + 0.3f * tan_fovx;
+    const float lim_y_pos = (H - cy) / fy + 0.3f * tan_fovy, lim_y_neg = cy / fy + 0.3f * tan_fovy;
+    const float rx = tx / tz, ry = ty / tz;
+    const bool x_clamped = rx < -lim_x_neg || rx > lim_x_pos;
+    const bool y_clamped = ry < -lim_y_neg || ry > lim_y_pos;
+    const float tx_c = tz * min(max(rx, -lim_x_neg), lim_x_pos);
+    const float ty_c = tz * min(max(ry, -lim_y_neg), lim_y_pos);
+    const float J[6] = {fx / tz, 0.0f, -fx * tx_c / (tz * tz), 0.0f, fy / tz, -fy * ty_c / (tz * tz)};
+    float JC[6];  // J covc, 2x3
+    for (int r = 0; r < 2; ++r) {
+      for (int k = 0; k < 3; ++k) {
+        JC[r * 3 + k] = J[r * 3 + 0] * covc[0 * 3 + k] + J[r * 3 + 1] * covc[1 * 3 + k] + J[r * 3 + 2] * covc[2 * 3 + k];
+      }
+    }
+    float JCt[6];  // J covc^T, 2x3
+    for (int r = 0; r < 2; ++r) {
+      for (int k = 0; k < 3; ++k) {
+        JCt[r * 3 + k] = J[r * 3 + 0] * covc[k * 3 + 0] + J[r * 3 + 1] * covc[k * 3 + 1] + J[r * 3 + 2] * covc[k * 3 + 2];
+      }
+    }
+    float cov2d[4];
+    for (int r = 0; r < 2; ++r) {
+      for (int c = 0; c < 2; ++c) {
+        cov2d[r * 2 + c] = JC[r * 3 + 0] * J[c * 3 + 0] + JC[r * 3 + 1] * J[c * 3 + 1] + JC[r * 3 + 2] * J[c * 3 + 2];
+      }
+    }
+    const float a0 = cov2d[0], b = 0.5f * (cov2d[1] + cov2d[2]), c0 = cov2d[3];
+    const float det_orig = a0 * c0 - b * b;
+    const float a = a0 + eps2d, c = c0 + eps2d;
+    const float det = a * c - b * b;
+
+    // ---- conics -> G = d loss / d cov2d (symmetric: G01 = G10 = d loss / d b / 2) ----
+    const float P00 = c / det, P01 = -b / det, P11 = a / det;
+    const device float* vc = v_conics + 3 * idx;
+    float G00, G01, G11;
+    inverse_vjp2(P00, P01, P11, vc[0], 0.5f * vc[1], vc[2], &G00, &G01, &G11);
+    if (calc_comp != 0) {
+      const float ratio = det_orig / det;
+      if (ratio > 0.0f) {
+        const float v_ratio = v_comp[idx] * 0.5f / sqrt(ratio);  // d sqrt(r) / d r = 1 / (2 sqrt(r))
+        const float det2 = det * det;
+        G00 += v_ratio * (c0 * det - det_orig * c) / det2;
+        G11 += v_ratio * (a0 * det - det_orig * a) / det2;
+        G01 += 0.5f * v_ratio * (-2.0f * b * (det - det_orig)) / det2;
+      }
+    }
+    const float G[4] = {G00, G01, G01, G11};
+
+    // ---- cov2d = J covc J^T ----
+    float GJ[6];  // G J, 2x3
+    for (int r = 0; r < 2; ++r) {
+      for (int k = 0; k < 3; ++k) {
+        GJ[r * 3 + k] = G[r * 2 + 0] * J[0 * 3 + k] + G[r * 2 + 1] * J[1 * 3 + k];
+      }
+    }
+    float v_covc[9];  // J^T G J
+    for (int r = 0; r < 3; ++r) {
+      for (int k = 0; k < 3; ++k) {
+        v_covc[r * 3 + k] = J[0 * 3 + r] * GJ[0 * 3 + k] + J[1 * 3 + r] * GJ[1 * 3 + k];
+      }
+    }
+    float vJ[6];  // G (J covc^T) + G^T (J covc)
+    for (int r = 0; r < 2; ++r) {
+      for (int k = 0; k < 3; ++k) {
+        vJ[r * 3 + k] = G[r * 2 + 0] * JCt[0 * 3 + k] + G[r * 2 + 1] * JCt[1 * 3 + k] +
+                        G[0 * 2 + r] * JC[0 * 3 + k] + G[1 * 2 + r] * JC[1 * 3 + k];
+      }
+    }
+
+    // ---- camera-space mean: means2d, depth and J ----
+    const float vu = v_means2d[2 * idx + 0], vv = v_means2d[2 * idx + 1];
+    const float tz2 = tz * tz, tz3 = tz2 * tz;
+    float v_mc[3];
+    v_mc[0] = fx / tz * vu;
+    v_mc[1] = fy / tz * vv;
+    v_mc[2] = -fx * tx / tz2 * vu - fy * ty / tz2 * vv + v_depths[idx];
+    v_mc[2] += -fx / tz2 * vJ[0] - fy / tz2 * vJ[4];
+    v_mc[2] += 2.0f * fx * tx_c / tz3 * vJ[2] + 2.0f * fy * ty_c / tz3 * vJ[5];
+    if (x_clamped) {
+      v_mc[2] += -fx / tz2 * (tx_c / tz) * vJ[2];
+    } else {
+      v_mc[0] += -fx / tz2 * vJ[2];
+    }
+    if (y_clamped) {
+      v_mc[2] += -fy / tz2 * (ty_c / tz) * vJ[5];
+    } else {
+      v_mc[1] += -fy / tz2 * vJ[5];
+    }
+
+    // ---- world -> camera ----
+    for (int k = 0; k < 3; ++k) {
+      v_means[3 * idx + k] = Rv[0 * 3 + k] * v_mc[0] + Rv[1 * 3 + k] * v_mc[1] + Rv[2 * 3 + k] * v_mc[2];
+    }
+    float tmp[9];
+    float v_cov[9];  // Rv^T v_covc Rv
+    mat3_mul_at(Rv, v_covc, tmp);
+    mat3_mul(tmp, Rv, v_cov);
+    if (calc_viewmat != 0) {
+      float A[9], B[9], Bt[9];
+      mat3_mul(v_covc, Rv, A);   // v_covc Rv
+      mat3_mul_bt(A, cov, B);    // v_covc Rv cov^T
+      mat3_mul_at(v_covc, Rv, A);  // v_covc^T Rv
+      mat3_mul(A, cov, Bt);      // v_covc^T Rv cov
+      for (int r = 0; r < 3; ++r) {
+        for (int k = 0; k < 3; ++k) {
+          vR[r * 3 + k] = v_mc[r] * m[k] + B[r * 3 + k] + Bt[r * 3 + k];
+        }
+        vt[r] = v_mc[r];
+      }
+    }
+
+    // ---- cov = M M^T, M = Rq diag(s) ----
+    float vcs[9];  // v_cov + v_cov^T
+    for (int r = 0; r < 3; ++r) {
+      for (int k = 0; k < 3; ++k) {
+        vcs[r * 3 + k] = v_cov[r * 3 + k] + v_cov[k * 3 + r];
+      }
+    }
+    float vM[9];
+    mat3_mul(vcs, M, vM);
+    float vRq[9];
+    for (int k = 0; k < 3; ++k) {
+      v_scales[3 * idx + k] = vM[0 * 3 + k] * Rq[0 * 3 + k] + vM[1 * 3 + k] * Rq[1 * 3 + k] + vM[2 * 3 + k] * Rq[2 * 3 + k];
+      for (int r = 0; r < 3; ++r) {
+        vRq[r * 3 + k] = vM[r * 3 + k] * s[k];
+      }
+    }
+    // d Rq / d (w, x, y, z) of the normalised quaternion
+    const float vqn[4] = {
+        2.0f * (-qz * vRq[1] + qy * vRq[2] + qz * vRq[3] - qx * vRq[5] - qy * vRq[6] + qx * vRq[7]),
+        2.0f * (qy * vRq[1] + qz * vRq[2] + qy * vRq[3] - 2.0f * qx * vRq[4] - qw * vRq[5] + qz * vRq[6] +
+                qw * vRq[7] - 2.0f * qx * vRq[8]),
+        2.0f * (-2.0f * qy * vRq[0] + qx * vRq[1] + qw * vRq[2] + qx * vRq[3] + qz * vRq[5] - qw * vRq[6] +
+                qz * vRq[7] - 2.0f * qy * vRq[8]),
+        2.0f * (-2.0f * qz * vRq[0] - qw * vRq[1] + qx * vRq[2] + qw * vRq[3] - 2.0f * qz * vRq[4] + qy * vRq[5] +
+                qx * vRq[6] + qy * vRq[7])};
+    // q / max(|q|, eps): (v - qn (qn . v)) / |q| above eps, v / eps below
+    const float qn[4] = {qw, qx, qy, qz};
+    const float proj = qnorm > 1e-12f ? qn[0] * vqn[0] + qn[1] * vqn[1] + qn[2] * vqn[2] + qn[3] * vqn[3] : 0.0f;
+    for (int k = 0; k < 4; ++k) {
+      v_quats[4 * idx + k] = (vqn[k] - qn[k] * proj) / qden;
+    }
+  } else if (g < N) {
+    for (int k = 0; k < 3; ++k) {
+      v_means[3 * idx + k] = 0.0f;
+      v_scales[3 * idx + k] = 0.0f;
+    }
+    for (int k = 0; k < 4; ++k) {
+      v_quats[4 * idx + k] = 0.0f;
+    }
+  }
+
+  if (calc_viewmat != 0) {  // uniform over the dispatch: every thread reaches the barriers
+    float vals[12];
+    for (int k = 0; k < 3; ++k) {
+      vals[4 * k + 0] = vR[3 * k + 0];
+      vals[4 * k + 1] = vR[3 * k + 1];
+      vals[4 * k + 2] = vR[3 * k + 2];
+      vals[4 * k + 3] = vt[k];
+    }
+    for (int k = 0; k < 3; ++k) {  // row k of viewmat[0:3, 0:4] as one float4 reduction
+      const float4 r = simd_sum(float4(vals[4 * k + 0], vals[4 * k + 1], vals[4 * k + 2], vals[4 * k + 3]));
+      if (lane == 0) {
+        s_part[sgid * 12 + 4 * k + 0] = r.x;
+        s_part[sgid * 12 + 4 * k + 1] = r.y;
+        s_part[sgid * 12 + 4 * k + 2] = r.z;
+        s_part[sgid * 12 + 4 * k + 3] = r.w;
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tid < 12) {
+      float total = 0.0f;
+      for (int sg = 0; sg < PROJECT_BWD_SIMDGROUPS; ++sg) {
+        total += s_part[sg * 12 + tid];
+      }
+      v_viewmat_part[(cam * n_groups + (long)tgp.x) * 12 + tid] = total;
+    }
+  }
+}

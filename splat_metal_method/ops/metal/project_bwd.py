@@ -1,0 +1,68 @@
+"""Dispatch of project_bwd.metal: gradients of the EWA projection."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .kernels import library
+
+GROUP = 256  # PROJECT_BWD_GROUP in project_bwd.metal: threads per group, one camera per group
+
+
+def project_bwd(
+    means: Tensor,  # [N, 3]
+    quats: Tensor,  # [N, 4]
+    scales: Tensor,  # [N, 3]
+    viewmats: Tensor,  # [C, 4, 4]
+    Ks: Tensor,  # [C, 3, 3]
+    width: int,
+    height: int,
+    eps2d: float,
+    radii: Tensor,  # [C, N] int32 (forward output)
+    v_means2d: Tensor,  # [C, N, 2]
+    v_depths: Tensor,  # [C, N]
+    v_conics: Tensor,  # [C, N, 3]
+    v_compensations: Optional[Tensor] = None,  # [C, N]; None when the forward had no compensations
+    viewmats_grad: bool = True,
+) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Runs project_bwd. Returns v_means [N,3], v_quats [N,4], v_scales [N,3] (summed over cameras)
+    and v_viewmats [C,4,4] (row 3 is zero; None unless ``viewmats_grad``). No host sync."""
+    op = "project_bwd"
+    device = means.device
+    N, C = means.shape[0], viewmats.shape[0]
+    for name, t, shape in (
+        ("v_means2d", v_means2d, (C, N, 2)), ("v_depths", v_depths, (C, N)), ("v_conics", v_conics, (C, N, 3)),
+    ):  # fmt: skip
+        if tuple(t.shape) != shape or t.dtype != torch.float32:
+            raise ValueError(f"[{op}] {name} must be {list(shape)} float32, got {list(t.shape)} {t.dtype}")
+    if v_compensations is not None and tuple(v_compensations.shape) != (C, N):
+        raise ValueError(f"[{op}] v_compensations must be {[C, N]}, got {list(v_compensations.shape)}")
+    if tuple(radii.shape) != (C, N) or radii.dtype != torch.int32:
+        raise ValueError(f"[{op}] radii must be {[C, N]} int32, got {list(radii.shape)} {radii.dtype}")
+
+    v_means = torch.empty((C, N, 3), dtype=torch.float32, device=device)
+    v_quats = torch.empty((C, N, 4), dtype=torch.float32, device=device)
+    v_scales = torch.empty((C, N, 3), dtype=torch.float32, device=device)
+    n_groups = (N + GROUP - 1) // GROUP
+    placeholder = torch.zeros((1,), dtype=torch.float32, device=device)
+    part = torch.empty((C, n_groups, 12), dtype=torch.float32, device=device) if viewmats_grad else placeholder
+    if C * N > 0:
+        library(device, "project_bwd.metal").project_bwd(
+            means.contiguous(), quats.contiguous(), scales.contiguous(), viewmats.contiguous(), Ks.contiguous(),
+            radii.contiguous(), v_means2d.contiguous(), v_depths.contiguous(), v_conics.contiguous(),
+            v_compensations.contiguous() if v_compensations is not None else placeholder,
+            v_means, v_quats, v_scales, part,
+            N, int(width), int(height), float(eps2d), int(v_compensations is not None), int(viewmats_grad), n_groups,
+            threads=(n_groups * GROUP, C), group_size=(GROUP, 1),
+        )  # fmt: skip
+    v_viewmats = None
+    if viewmats_grad:
+        v_viewmats = torch.zeros((C, 4, 4), dtype=torch.float32, device=device)
+        if C * N > 0:
+            v_viewmats[:, :3, :] = part.sum(dim=1).view(C, 3, 4)
+    if C == 1:
+        return v_means[0], v_quats[0], v_scales[0], v_viewmats
+    return v_means.sum(0), v_quats.sum(0), v_scales.sum(0), v_viewmats

@@ -1,0 +1,241 @@
+// rasterize_bwd.metal: gradients of front-to-back alpha compositing (rasterize.metal) with respect to
+// means2d (and the per-pixel absolute sums gsplat calls absgrad), conics, colors (all D channels) and
+// opacities. The maths is gsplat 1.4's rasterize_to_pixels_bwd; backgrounds' gradient is a plain
+// torch reduction on the host side (sum over pixels of T_final * v_render_colors).
+//
+// Per-variant values injected by kernels.py: SPLAT_CHANNELS (D), SPLAT_TILE_SIZE and SPLAT_BWD_BATCH
+// (gaussians per shared-memory batch: TILE_PIXELS, or fewer when D is large so the batch stays under
+// the threadgroup-memory budget; see rasterize_bwd.py).
+// Compiled after common.h: kernels.py prepends it (compile_shader has no include path).
+
+#ifndef SPLAT_CHANNELS
+#error "SPLAT_CHANNELS must be injected by kernels.py"
+#endif
+#ifndef SPLAT_BWD_BATCH
+#error "SPLAT_BWD_BATCH must be injected by rasterize_bwd.py"
+#endif
+#if SPLAT_BWD_BATCH > SPLAT_TILE_PIXELS || SPLAT_BWD_BATCH < 1
+#error "SPLAT_BWD_BATCH must be in 1..TILE_PIXELS (one loading thread per gaussian)"
+#endif
+
+// Colour gradients are reduced four channels at a time (simd_sum of a float4).
+#define SPLAT_COLOR_VEC4 ((SPLAT_CHANNELS + 3) / 4)
+// Per gaussian and simdgroup, the reduced values are scattered to device memory by lane q:
+//   q = 0,1,2: conic; 3: opacity; 4,5: means2d; 6,7: |means2d| (absgrad); 8 + k: colour channel k.
+#define SPLAT_BWD_QUANTITIES (8 + SPLAT_CHANNELS)
+
+// rasterize_bwd: one threadgroup per (tile x, tile y, camera), one thread per pixel of the tile
+// (grid = (tile_width*TS, tile_height*TS, C), group = (TS, TS, 1)); the launch geometry of
+// rasterize_fwd. Threads of pixels outside the image stay alive (masked): they load gaussians and
+// reach every barrier.
+//
+// The walk is back to front (gsplat's): each pixel starts from the forward's final transmittance
+// T_final and "un-composites" one gaussian at a time, T_i = T_{i+1} / (1 - alpha_i), keeping in
+// `buf` the colour composited behind the current gaussian. Only gaussians at list positions
+// <= last_ids[pixel] (the forward's last contributor) and passing the forward's tests
+// (sigma >= 0, alpha >= ALPHA_MIN) are differentiated, which is exactly the set the forward used.
+// Per pixel and gaussian (v_c = dL/d colour_out, v_a = dL/d alpha_out, bg = background):
+//   v_alpha = sum_k (c_k T_i - buf_k / (1 - alpha)) v_c_k + T_final / (1 - alpha) (v_a - sum_k bg_k v_c_k)
+//   v_colour_k = alpha T_i v_c_k;  if opacity*exp(-sigma) <= ALPHA_MAX (alpha not clamped):
+//   v_sigma = -opacity exp(-sigma) v_alpha, v_conic = (dx^2/2, dx dy, dy^2/2) v_sigma,
+//   v_mean = v_sigma (a dx + b dy, b dx + c dy), v_opacity = exp(-sigma) v_alpha.
+// absgrad accumulates |v_mean| per pixel before summing, as gsplat does.
+//
+// Reduction: per gaussian, every simdgroup sums its 32 pixels' contributions with simd_sum over float4s
+// (3 + ceil(D/4) reductions), then lanes q < 8 + D each issue ONE device atomic add for quantity q, so
+// a gaussian costs at most (simdgroups per tile) atomics per output element and tile. A simdgroup skips
+// gaussians behind all of its pixels' last contributors (simd_max of last_ids) and gaussians that
+// touch none of its pixels (simd_any), like gsplat's warp-level skips.
+//
+// Work bound (GPU watchdog): a pass handles at most `chunk` gaussians of each tile, counted from the
+// back: [max(start, end - (p+1) chunk), end - p chunk). Between passes a pixel's T and buf live in
+// pix_T / pix_buf. A group whose tile has nothing in this pass returns at once: that condition is
+// uniform over the group, so no thread of it reaches a barrier.
+//
+// Loop invariant per batch (two barriers): barrier (everyone finished reading the previous batch);
+// threads tid < batch_size load gaussian (batch_end - 1 - tid) into slot tid, so slot 0 is the
+// furthest back; barrier; each simdgroup walks the slots in order.
+// Threadgroup memory: BATCH * (4 + 8 + 16 + 4 D) bytes = 10 KB for 16x16 tiles and D = 3.
+kernel void rasterize_bwd(
+    const device float* means2d [[buffer(0)]],          // [C*N, 2]
+    const device float* conics [[buffer(1)]],           // [C*N, 3]
+    const device float* colors [[buffer(2)]],           // [C*N, D]
+    const device float* opacities [[buffer(3)]],        // [C*N]
+    const device float* backgrounds [[buffer(4)]],      // [C, D] or [1] placeholder
+    const device int* tile_offsets [[buffer(5)]],       // [C, tile_height, tile_width]
+    const device int* flatten_ids [[buffer(6)]],        // [M]
+    const device float* transmittance [[buffer(7)]],    // [C, H, W] final T of the forward
+    const device int* last_ids [[buffer(8)]],           // [C, H, W] last contributor (-1: none)
+    const device float* v_render_colors [[buffer(9)]],  // [C, H, W, D]
+    const device float* v_render_alphas [[buffer(10)]], // [C, H, W]
+    device float* pix_T [[buffer(11)]],                 // [C, H, W] between passes, or [1]
+    device float* pix_buf [[buffer(12)]],               // [C, H, W, D] between passes, or [1]
+    device atomic_float* v_means2d [[buffer(13)]],      // [C*N, 2], zero-initialised
+    device atomic_float* v_conics [[buffer(14)]],       // [C*N, 3], zero-initialised
+    device atomic_float* v_colors [[buffer(15)]],       // [C*N, D], zero-initialised
+    device atomic_float* v_opacities [[buffer(16)]],    // [C*N], zero-initialised
+    device atomic_float* v_means2d_abs [[buffer(17)]],  // [C*N, 2] (accumulated into), or [1]
+    constant long& width [[buffer(18)]],
+    constant long& height [[buffer(19)]],
+    constant long& tile_width [[buffer(20)]],
+    constant long& tile_height [[buffer(21)]],
+    constant long& total_tiles [[buffer(22)]],          // C * tile_height * tile_width
+    constant long& n_isects [[buffer(23)]],             // M
+    constant long& has_background [[buffer(24)]],
+    constant long& has_absgrad [[buffer(25)]],
+    constant long& pass_index [[buffer(26)]],
+    constant long& chunk [[buffer(27)]],
+    uint3 tgp [[threadgroup_position_in_grid]],
+    uint3 lid [[thread_position_in_threadgroup]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup int s_ids[SPLAT_BWD_BATCH];
+  threadgroup float2 s_xy[SPLAT_BWD_BATCH];
+  threadgroup float4 s_conic_opac[SPLAT_BWD_BATCH];
+  threadgroup float s_rgb[SPLAT_BWD_BATCH * SPLAT_CHANNELS];
+
+  const long cam = (long)tgp.z;
+  const long tile_flat = (cam * tile_height + (long)tgp.y) * tile_width + (long)tgp.x;
+  const long range_start = tile_offsets[tile_flat];
+  const long range_end = (tile_flat + 1 < total_tiles) ? (long)tile_offsets[tile_flat + 1] : n_isects;
+  const long hi = range_end - pass_index * chunk;  // exclusive end of this pass (back to front)
+  if (hi <= range_start) {
+    return;  // uniform over the group: empty tile, or finished by earlier passes
+  }
+  const long lo = (hi - chunk > range_start) ? hi - chunk : range_start;
+  const bool more_passes = lo > range_start;
+
+  const long pix_x = (long)tgp.x * SPLAT_TILE_SIZE + (long)lid.x;
+  const long pix_y = (long)tgp.y * SPLAT_TILE_SIZE + (long)lid.y;
+  const bool inside = pix_x < width && pix_y < height;
+  const long pix = (cam * height + pix_y) * width + pix_x;  // meaningful only if inside
+  const float px = (float)pix_x + 0.5f;
+  const float py = (float)pix_y + 0.5f;
+
+  float T_final = 1.0f;
+  float T = 1.0f;
+  float buf[SPLAT_CHANNELS];
+  float v_c[SPLAT_CHANNELS];
+  float v_a = 0.0f;
+  float bg_dot = 0.0f;  // sum_k bg_k v_c_k
+  long bin_final = -1;
+  for (int k = 0; k < SPLAT_CHANNELS; ++k) {
+    buf[k] = 0.0f;
+    v_c[k] = 0.0f;
+  }
+  if (inside) {
+    T_final = transmittance[pix];
+    T = T_final;
+    bin_final = (long)last_ids[pix];
+    v_a = v_render_alphas[pix];
+    for (int k = 0; k < SPLAT_CHANNELS; ++k) {
+      v_c[k] = v_render_colors[pix * SPLAT_CHANNELS + k];
+      if (has_background != 0) {
+        bg_dot += backgrounds[cam * SPLAT_CHANNELS + k] * v_c[k];
+      }
+    }
+    if (pass_index > 0) {
+      T = pix_T[pix];
+      for (int k = 0; k < SPLAT_CHANNELS; ++k) {
+        buf[k] = pix_buf[pix * SPLAT_CHANNELS + k];
+      }
+    }
+  }
+  // Gaussians behind every pixel of this simdgroup are skipped without touching memory.
+  const long sg_bin_final = (long)simd_max((int)bin_final);
+
+  for (long batch_end = hi; batch_end > lo; batch_end -= SPLAT_BWD_BATCH) {
+    const long batch_lo = (batch_end - SPLAT_BWD_BATCH > lo) ? batch_end - SPLAT_BWD_BATCH : lo;
+    const int batch_size = (int)(batch_end - batch_lo);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // previous batch fully read
+    if ((int)tid < batch_size) {
+      const long j = batch_end - 1 - (long)tid;
+      const int g = flatten_ids[j];
+      s_ids[tid] = g;
+      s_xy[tid] = float2(means2d[2 * (long)g], means2d[2 * (long)g + 1]);
+      s_conic_opac[tid] = float4(conics[3 * (long)g], conics[3 * (long)g + 1], conics[3 * (long)g + 2], opacities[g]);
+      for (int k = 0; k < SPLAT_CHANNELS; ++k) {
+        s_rgb[(int)tid * SPLAT_CHANNELS + k] = colors[(long)g * SPLAT_CHANNELS + k];
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // Slot t holds list position batch_end - 1 - t; start at the first one <= sg_bin_final.
+    // (simdgroup-uniform loop bounds: the simd ops inside are reached by every lane)
+    const long skip = batch_end - 1 - sg_bin_final;
+    const int t_start = skip > 0 ? (skip < (long)batch_size ? (int)skip : batch_size) : 0;
+    for (int t = t_start; t < batch_size; ++t) {
+      const long pos = batch_end - 1 - (long)t;
+      const float4 co = s_conic_opac[t];
+      const float2 xy = s_xy[t];
+      const float dx = xy.x - px;
+      const float dy = xy.y - py;
+      const float sigma = 0.5f * (co.x * dx * dx + co.z * dy * dy) + co.y * dx * dy;
+      const float vis = exp(-sigma);
+      const float alpha = min(SPLAT_ALPHA_MAX, co.w * vis);
+      const bool valid = inside && pos <= bin_final && sigma >= 0.0f && alpha >= SPLAT_ALPHA_MIN;
+      if (!simd_any(valid)) {
+        continue;
+      }
+      float4 g_conic_opac = float4(0.0f);  // conic x, y, z; opacity
+      float4 g_xy = float4(0.0f);          // means2d x, y; |means2d| x, y
+      float4 g_rgb[SPLAT_COLOR_VEC4];
+      for (int q = 0; q < SPLAT_COLOR_VEC4; ++q) {
+        g_rgb[q] = float4(0.0f);
+      }
+      if (valid) {
+        const float ra = 1.0f / (1.0f - alpha);
+        T = T * ra;  // transmittance in front of this gaussian
+        const float fac = alpha * T;
+        float v_alpha = 0.0f;
+        for (int k = 0; k < SPLAT_CHANNELS; ++k) {
+          g_rgb[k / 4][k % 4] = fac * v_c[k];
+          v_alpha += (s_rgb[t * SPLAT_CHANNELS + k] * T - buf[k] * ra) * v_c[k];
+        }
+        v_alpha += T_final * ra * (v_a - bg_dot);
+        if (co.w * vis <= SPLAT_ALPHA_MAX) {
+          const float v_sigma = -co.w * vis * v_alpha;
+          g_conic_opac = float4(0.5f * v_sigma * dx * dx, v_sigma * dx * dy, 0.5f * v_sigma * dy * dy, vis * v_alpha);
+          const float gx = v_sigma * (co.x * dx + co.y * dy);
+          const float gy = v_sigma * (co.y * dx + co.z * dy);
+          g_xy = float4(gx, gy, abs(gx), abs(gy));
+        }
+        for (int k = 0; k < SPLAT_CHANNELS; ++k) {
+          buf[k] += s_rgb[t * SPLAT_CHANNELS + k] * fac;
+        }
+      }
+      g_conic_opac = simd_sum(g_conic_opac);
+      g_xy = simd_sum(g_xy);
+      for (int q = 0; q < SPLAT_COLOR_VEC4; ++q) {
+        g_rgb[q] = simd_sum(g_rgb[q]);
+      }
+      // Every lane now holds the simdgroup's sums; lane q scatters quantity q.
+      const long g = (long)s_ids[t];
+      for (int q = (int)lane; q < SPLAT_BWD_QUANTITIES; q += 32) {
+        if (q < 4) {
+          if (q < 3) {
+            atomic_fetch_add_explicit(&v_conics[3 * g + q], g_conic_opac[q], memory_order_relaxed);
+          } else {
+            atomic_fetch_add_explicit(&v_opacities[g], g_conic_opac[3], memory_order_relaxed);
+          }
+        } else if (q < 6) {
+          atomic_fetch_add_explicit(&v_means2d[2 * g + (q - 4)], g_xy[q - 4], memory_order_relaxed);
+        } else if (q < 8) {
+          if (has_absgrad != 0) {
+            atomic_fetch_add_explicit(&v_means2d_abs[2 * g + (q - 6)], g_xy[q - 4], memory_order_relaxed);
+          }
+        } else {
+          const int k = q - 8;
+          atomic_fetch_add_explicit(&v_colors[g * SPLAT_CHANNELS + k], g_rgb[k / 4][k % 4], memory_order_relaxed);
+        }
+      }
+    }
+  }
+
+  if (inside && more_passes) {
+    pix_T[pix] = T;
+    for (int k = 0; k < SPLAT_CHANNELS; ++k) {
+      pix_buf[pix * SPLAT_CHANNELS + k] = buf[k];
+    }
+  }
+}

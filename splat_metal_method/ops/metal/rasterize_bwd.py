@@ -1,0 +1,113 @@
+"""Dispatch of rasterize_bwd.metal: gradients of per-tile alpha compositing."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .kernels import library
+from .rasterize import MAX_CHANNELS, RASTER_CHUNK
+
+# Threadgroup memory the backward's shared-memory batch may use (Metal allows 32 KiB per group).
+BWD_BATCH_BYTES = 28 * 1024
+
+
+def bwd_batch(tile_size: int, channels: int) -> int:
+    """Gaussians per shared-memory batch: one per pixel of a tile, fewer when D is large.
+
+    A gaussian takes 4 (id) + 8 (mean) + 16 (conic, opacity) + 4 D (colour) bytes; the batch is
+    rounded down to whole simdgroups (32) when it has to shrink."""
+    per_gaussian = 4 + 8 + 16 + 4 * channels
+    batch = min(tile_size * tile_size, BWD_BATCH_BYTES // per_gaussian)
+    if batch < tile_size * tile_size and batch >= 32:
+        batch -= batch % 32
+    return max(1, batch)
+
+
+def rasterize_to_pixels_bwd(
+    means2d: Tensor,  # [C, N, 2]
+    conics: Tensor,  # [C, N, 3]
+    colors: Tensor,  # [C, N, D]
+    opacities: Tensor,  # [C, N]
+    backgrounds: Optional[Tensor],  # [C, D]
+    width: int,
+    height: int,
+    tile_size: int,
+    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32
+    flatten_ids: Tensor,  # [M] int32
+    transmittance: Tensor,  # [C, H, W] final T (from rasterize_to_pixels_fwd)
+    last_ids: Tensor,  # [C, H, W] int32 (from rasterize_to_pixels_fwd)
+    v_render_colors: Tensor,  # [C, H, W, D]
+    v_render_alphas: Tensor,  # [C, H, W, 1]
+    absgrad_out: Optional[Tensor] = None,  # [C, N, 2] float32 contiguous: |per-pixel grad| ADDED here
+    chunk: Optional[int] = None,
+    n_passes: Optional[int] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Runs rasterize_bwd. Returns v_means2d [C,N,2], v_conics [C,N,3], v_colors [C,N,D],
+    v_opacities [C,N] and v_backgrounds [C,D] (None without backgrounds). With ``absgrad_out``,
+    sum over pixels of |per-pixel d loss / d means2d| is accumulated into it (gsplat's absgrad).
+
+    Host sync: none when M <= chunk or when the caller passes ``n_passes`` (the forward's pass
+    count, ceil(longest tile list / chunk)); otherwise one, to read the longest tile list."""
+    op = "rasterize_to_pixels_bwd"
+    C, N, D = colors.shape
+    device = colors.device
+    if not 1 <= D <= MAX_CHANNELS:
+        raise ValueError(f"[{op}] colors must have 1..{MAX_CHANNELS} channels, got {D}")
+    for name, t, shape in (
+        ("means2d", means2d, (C, N, 2)), ("conics", conics, (C, N, 3)), ("opacities", opacities, (C, N)),
+        ("transmittance", transmittance, (C, height, width)), ("v_render_colors", v_render_colors, (C, height, width, D)),
+        ("v_render_alphas", v_render_alphas, (C, height, width, 1)),
+    ):  # fmt: skip
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != device:
+            raise ValueError(f"[{op}] {name} must be {list(shape)} float32 on {device}, "
+                             f"got {list(t.shape)} {t.dtype} on {t.device}")  # fmt: skip
+    if tuple(last_ids.shape) != (C, height, width) or last_ids.dtype != torch.int32:
+        raise ValueError(f"[{op}] last_ids must be {[C, height, width]} int32, got {list(last_ids.shape)} {last_ids.dtype}")
+    if absgrad_out is not None and (tuple(absgrad_out.shape) != (C, N, 2) or not absgrad_out.is_contiguous()
+                                    or absgrad_out.dtype != torch.float32):  # fmt: skip
+        raise ValueError(f"[{op}] absgrad_out must be a contiguous [C,N,2] float32 buffer")
+    tile_height, tile_width = math.ceil(height / tile_size), math.ceil(width / tile_size)
+    M = flatten_ids.numel()
+
+    v_means2d = torch.zeros((C, N, 2), dtype=torch.float32, device=device)
+    v_conics = torch.zeros((C, N, 3), dtype=torch.float32, device=device)
+    v_colors = torch.zeros((C, N, D), dtype=torch.float32, device=device)
+    v_opacities = torch.zeros((C, N), dtype=torch.float32, device=device)
+    v_backgrounds = None
+    if backgrounds is not None:  # d colour / d bg = T_final per pixel
+        v_backgrounds = (v_render_colors * transmittance[..., None]).sum(dim=(1, 2))
+    if M == 0 or C * height * width == 0:
+        return v_means2d, v_conics, v_colors, v_opacities, v_backgrounds
+
+    chunk = int(chunk or RASTER_CHUNK)
+    if n_passes is None:
+        n_passes = 1
+        if M > chunk:
+            starts = isect_offsets.view(-1).long()
+            ends = torch.cat([starts[1:], starts.new_full((1,), M)])
+            n_passes = max(1, math.ceil(int((ends - starts).max().item()) / chunk))
+    multi = n_passes > 1
+    pix_T = torch.empty((C, height, width) if multi else (1,), dtype=torch.float32, device=device)
+    pix_buf = torch.empty((C, height, width, D) if multi else (1,), dtype=torch.float32, device=device)
+    placeholder = torch.zeros((1,), dtype=torch.float32, device=device)
+    bg = backgrounds.contiguous() if backgrounds is not None else placeholder
+    abs_buf = absgrad_out if absgrad_out is not None else placeholder
+
+    lib = library(device, "rasterize_bwd.metal", tile_size=tile_size,
+                  extra=(("SPLAT_CHANNELS", D), ("SPLAT_BWD_BATCH", bwd_batch(tile_size, D))))  # fmt: skip
+    grid = {"threads": (tile_width * tile_size, tile_height * tile_size, C), "group_size": (tile_size, tile_size, 1)}
+    args = (
+        means2d.contiguous(), conics.contiguous(), colors.contiguous(), opacities.contiguous(), bg,
+        isect_offsets.contiguous(), flatten_ids.contiguous(), transmittance.contiguous(), last_ids.contiguous(),
+        v_render_colors.contiguous(), v_render_alphas.contiguous(), pix_T, pix_buf,
+        v_means2d, v_conics, v_colors, v_opacities, abs_buf,
+        int(width), int(height), tile_width, tile_height, C * tile_width * tile_height, M,
+        int(backgrounds is not None), int(absgrad_out is not None),
+    )  # fmt: skip
+    for p in range(n_passes):
+        lib.rasterize_bwd(*args, p, chunk, **grid)
+    return v_means2d, v_conics, v_colors, v_opacities, v_backgrounds

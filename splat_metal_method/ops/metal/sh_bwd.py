@@ -1,0 +1,45 @@
+"""Dispatch of sh_bwd.metal: gradients of spherical-harmonics colours."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .kernels import grid_1d, library
+
+
+def spherical_harmonics_bwd(
+    degree: int,
+    dirs: Tensor,  # [..., 3] unnormalised
+    coeffs: Tensor,  # [..., K, 3]
+    masks: Optional[Tensor],  # [...] bool
+    v_colors: Tensor,  # [..., 3]
+    dirs_grad: bool = True,
+) -> Tuple[Optional[Tensor], Tensor]:
+    """Runs sh_bwd. Returns v_dirs [..., 3] (None unless ``dirs_grad``) and v_coeffs [..., K, 3]
+    (rows beyond (degree+1)^2 are zero). No host sync."""
+    op = "spherical_harmonics_bwd"
+    lead = tuple(dirs.shape[:-1])
+    K = coeffs.shape[-2]
+    if tuple(v_colors.shape) != lead + (3,) or v_colors.dtype != torch.float32:
+        raise ValueError(f"[{op}] v_colors must be {list(lead) + [3]} float32, got {list(v_colors.shape)} {v_colors.dtype}")
+    device = dirs.device
+    total = dirs.numel() // 3
+    v_coeffs = torch.empty(coeffs.shape, dtype=torch.float32, device=device)
+    v_dirs = torch.empty(dirs.shape, dtype=torch.float32, device=device) if dirs_grad else None
+    if total == 0:
+        return v_dirs, v_coeffs
+    placeholder = torch.zeros((1,), dtype=torch.float32, device=device)
+    if masks is not None:
+        mask_buf = masks.to(device=device, dtype=torch.bool).contiguous()
+    else:
+        mask_buf = torch.ones((1,), dtype=torch.bool, device=device)
+    library(device, "sh_bwd.metal").sh_bwd(
+        dirs.contiguous(), coeffs.contiguous(), mask_buf, v_colors.contiguous(), v_coeffs,
+        v_dirs if v_dirs is not None else placeholder,
+        total, K, int(degree), int(masks is not None), int(dirs_grad),
+        **grid_1d(total),
+    )  # fmt: skip
+    return v_dirs, v_coeffs
