@@ -57,6 +57,7 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "os": f"{platform.system()} {platform.release()}",
+        "loadavg_1m": round(os.getloadavg()[0], 2),  # other work on the machine skews the numbers
     }
 
 

@@ -39,6 +39,7 @@ from nerfstudio.data.dataparsers.nerfstudio_dataparser import Nerfstudio, Nerfst
 from PIL import Image
 
 MAX_LISTED_PROBLEMS = 8
+CAMERA_KEYS = ("fl_x", "fl_y", "cx", "cy", "w", "h")  # shared at the top of transforms.json or per frame
 HINT_NO_DATASET = (
     "ns-train splat-metal --data needs a nerfstudio dataset: a folder with transforms.json and the images "
     "it lists. Make one from photos or a video with ns-process-data, or a demo scene with "
@@ -114,51 +115,62 @@ def _read_transforms(data: Path) -> Tuple[Path, Path, dict]:
     return transforms, data_dir, meta
 
 
-def check_dataset(data: Path, open_images: bool = True, load_3D_points: bool = True) -> None:
+def check_dataset(data: Path, inference: bool = False, load_3D_points: bool = True) -> None:
     """Raises DatasetError naming every problem found (the first few) in the dataset at ``data``.
 
-    ``open_images=False`` checks transforms.json only (what nerfstudio's inference setup reads)."""
+    ``inference=True`` checks transforms.json only: nerfstudio's inference setup (ns-export, ns-viewer)
+    reads the cameras from it but opens no image, and the model comes from the checkpoint."""
     data = Path(data)
     transforms, data_dir, meta = _read_transforms(data)
     problems: List[str] = []
     to_decode: List[Tuple[Path, Tuple[int, int], str]] = []  # (image, (w, h) its camera says, frame label)
 
-    if load_3D_points and "ply_file_path" in meta and not (data_dir / str(meta["ply_file_path"])).is_file():
+    if not inference and load_3D_points and "ply_file_path" in meta and not (data_dir / str(meta["ply_file_path"])).is_file():
         problems.append(f"seed points {data_dir / str(meta['ply_file_path'])} (ply_file_path) do not exist")
 
+    def check_value(key: str, value, where: str) -> bool:
+        x = _number(value)
+        if key in ("fl_x", "fl_y") and (x is None or x <= 0):
+            problems.append(f"{where}focal length {key} = {value!r} in {transforms}; it must be a number > 0")
+            return False
+        if key in ("w", "h") and (x is None or x <= 0 or x != int(x)):
+            problems.append(f"{where}image size {key} = {value!r} in {transforms}; it must be a whole number > 0")
+            return False
+        if x is None:
+            problems.append(f"{where}{key} = {value!r} in {transforms}; it must be a finite number")
+            return False
+        return True
+
+    shared_ok = {key: check_value(key, meta[key], "") for key in CAMERA_KEYS if key in meta}  # shared by all frames
     for i, frame in enumerate(meta["frames"]):
         if not isinstance(frame, dict) or not isinstance(frame.get("file_path"), str):
             problems.append(f"frame {i} in {transforms} has no \"file_path\"")
             continue
         label = f"frame {i} ({frame['file_path']})"
-        for key in ("fl_x", "fl_y"):
-            value = frame.get(key, meta.get(key))
-            if value is None:
-                problems.append(f"{label}: no focal length {key} in {transforms} (neither shared nor per frame)")
-            elif _number(value) is None or _number(value) <= 0:
-                problems.append(f"{label}: focal length {key} = {value!r} in {transforms}; it must be a number > 0")
-        size = []
-        for key in ("w", "h"):
-            value = frame.get(key, meta.get(key))
-            if value is None:
-                problems.append(f"{label}: no image {'width' if key == 'w' else 'height'} {key} in {transforms}")
-            elif _number(value) is None or _number(value) <= 0 or _number(value) != int(_number(value)):
-                problems.append(f"{label}: {key} = {value!r} in {transforms}; it must be a whole number > 0")
+        camera_ok = True
+        for key in CAMERA_KEYS:
+            if key in frame:
+                camera_ok &= check_value(key, frame[key], f"{label}: ")
+            elif key in meta:
+                camera_ok &= shared_ok[key]
             else:
-                size.append(int(value))
+                problems.append(f"{label}: no {key} in {transforms} (neither shared nor in the frame)")
+                camera_ok = False
+        camera = {key: _number(frame.get(key, meta.get(key))) for key in CAMERA_KEYS} if camera_ok else None
+        size = (int(camera["w"]), int(camera["h"])) if camera_ok else None
         matrix = frame.get("transform_matrix")
         rows = matrix if isinstance(matrix, list) else []
         if not (len(rows) == 4 and all(isinstance(r, list) and len(r) == 4 and all(_number(x) is not None for x in r)
                                        for r in rows)):  # fmt: skip
             problems.append(f"{label}: transform_matrix in {transforms} must be a 4x4 matrix of finite numbers")
-        if "mask_path" in frame and not (data_dir / str(frame["mask_path"])).is_file():
+        if not inference and "mask_path" in frame and not (data_dir / str(frame["mask_path"])).is_file():
             problems.append(f"{label}: mask {data_dir / str(frame['mask_path'])} does not exist")
-        if open_images:
+        if not inference:
             image = data_dir / frame["file_path"]
             if not image.is_file():
                 problems.append(f"{label}: image {image} does not exist")
-            elif len(size) == 2:
-                to_decode.append((image, (size[0], size[1]), label))
+            elif size is not None:
+                to_decode.append((image, size, label))
 
     if to_decode:
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
@@ -197,7 +209,7 @@ class SplatMetalDataParser(Nerfstudio):
             # nerfstudio's inference setup (ns-export, ns-viewer) sets downscale_factor = 1 on the parser
             # (not its config) so that no image is opened; then only transforms.json is checked.
             inference = self.downscale_factor == 1 and self.config.downscale_factor is None
-            check_dataset(self.config.data, open_images=not inference, load_3D_points=self.config.load_3D_points)
+            check_dataset(self.config.data, inference=inference, load_3D_points=self.config.load_3D_points)
             self._checked = True
         outputs = super()._generate_dataparser_outputs(split, **kwargs)
         if self.downscale_factor is not None and self.downscale_factor > 1:  # images come from images_<factor>/

@@ -21,6 +21,7 @@ import torch
 from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.models.splatfacto import RGB2SH, SplatfactoModel, SplatfactoModelConfig, get_viewmat
 
+from . import memory, render_device
 from .ops import rasterization
 
 # torchvision's AlexNet weights, which torchmetrics' LPIPS loads at construction.
@@ -63,6 +64,21 @@ class SplatMetalModelConfig(SplatfactoModelConfig):
     backend: Literal["auto", "reference", "gsplat", "metal"] = "auto"
     """Op-layer backend. "auto" picks by device (mps -> metal, cuda -> gsplat, cpu -> reference);
     the SPLAT_METAL_BACKEND environment variable overrides "auto"."""
+    # Memory management (splat_metal_method/memory.py); what is in effect is printed when training starts.
+    max_gaussians: int = -1
+    """Densification adds no gaussians beyond this count (pruning still runs). -1: derived from the
+    device's memory; 0: no cap."""
+    max_intersections: int = -1
+    """Tile intersections one render may allocate; above it the view is rasterized in depth chunks with
+    the same result (not for backend gsplat). -1: derived from the device's memory; 0: no budget."""
+    empty_cache_after_refine: bool = True
+    """Release cached device memory after every densify/prune and opacity-reset step."""
+    empty_cache_after_eval: bool = True
+    """Release cached device memory after eval passes."""
+    empty_cache_every: int = 0
+    """Also release cached device memory every this many steps (0: off)."""
+    memory_log_every: int = 100
+    """Write memory scalars (Memory/...) to tensorboard/wandb/comet every this many steps (0: off)."""
 
 
 class SplatMetalModel(SplatfactoModel):
@@ -85,6 +101,12 @@ class SplatMetalModel(SplatfactoModel):
                 else:
                     self.features_dc.copy_(torch.logit(rgb, eps=1e-10))
                 self.features_rest.zero_()
+        self.memory = memory.setup_model_memory(self)  # caps self.strategy; hooks via get_training_callbacks
+
+    def get_training_callbacks(self, training_callback_attributes):
+        return super().get_training_callbacks(training_callback_attributes) + self.memory.training_callbacks(
+            training_callback_attributes
+        )
 
     def get_outputs(self, camera: Cameras) -> Dict[str, Union[torch.Tensor, List]]:
         if not isinstance(camera, Cameras):
@@ -95,9 +117,12 @@ class SplatMetalModel(SplatfactoModel):
         else:
             camera_to_world = camera.camera_to_worlds
 
-        params = {k: v for k, v in self.gauss_params.items()}
+        # The model's own parameters and backend, or a device copy when get_outputs_for_camera renders
+        # elsewhere (render_device.py: ns-viewer on a Mac keeps the model on cpu and renders with Metal).
+        params, backend = render_device.render_source(self)
+        device = params["means"].device
         if self.crop_box is not None and not self.training:
-            crop_ids = self.crop_box.within(self.means).squeeze()
+            crop_ids = self.crop_box.within(self.means).squeeze().to(device)
             if crop_ids.sum() == 0:
                 return self.get_empty_outputs(int(camera.width.item()), int(camera.height.item()), self.background_color)
             params = {k: v[crop_ids] for k, v in params.items()}
@@ -106,7 +131,7 @@ class SplatMetalModel(SplatfactoModel):
         scale = self._get_downscale_factor()
         camera.rescale_output_resolution(1 / scale)
         viewmat = get_viewmat(camera_to_world)  # [1, 4, 4]
-        K = camera.get_intrinsics_matrices().to(self.device)  # [1, 3, 3]
+        K = camera.get_intrinsics_matrices().to(device)  # [1, 3, 3]
         W, H = int(camera.width.item()), int(camera.height.item())
         self.last_size = (H, W)
         camera.rescale_output_resolution(scale)
@@ -134,12 +159,14 @@ class SplatMetalModel(SplatfactoModel):
             sh_degree=sh_degree,
             absgrad=self.strategy.absgrad,
             rasterize_mode=self.config.rasterize_mode,
-            backend=self.config.backend,
+            backend=backend,
+            max_intersections=self.memory.max_intersections,
         )
+        self.memory.note_render(self.training)
         if self.training:
             self.strategy.step_pre_backward(self.gauss_params, self.optimizers, self.strategy_state, self.step, self.info)
 
-        background = self._get_background_color()
+        background = self._get_background_color().to(device)
         rgb = torch.clamp(render[..., :3] + (1 - alpha) * background, 0.0, 1.0)
         if self.config.use_bilateral_grid and self.training:
             if camera.metadata is not None and "cam_idx" in camera.metadata:
@@ -151,6 +178,11 @@ class SplatMetalModel(SplatfactoModel):
         if background.shape[0] == 3 and not self.training:
             background = background.expand(H, W, 3)
         return {"rgb": rgb.squeeze(0), "depth": depth, "accumulation": alpha.squeeze(0), "background": background}
+
+    @torch.no_grad()
+    def get_outputs_for_camera(self, camera: Cameras, obb_box=None) -> Dict[str, torch.Tensor]:
+        """Viewer, ns-render, ns-eval: renders on the best device (render_device.py), outputs on self.device."""
+        return render_device.render_for_camera(self, camera, obb_box, super().get_outputs_for_camera)
 
     def get_image_metrics_and_images(self, outputs, batch):
         if self.lpips is not None:

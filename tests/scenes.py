@@ -127,7 +127,8 @@ def random_scene(
     for c in range(C):
         theta = uniform((), 0.0, 2 * math.pi).item()
         phi = uniform((), 0.3, 1.2).item()
-        campos = distance * torch.tensor([math.cos(theta) * math.sin(phi), math.sin(theta) * math.sin(phi), math.cos(phi)])
+        direction = [math.cos(theta) * math.sin(phi), math.sin(theta) * math.sin(phi), math.cos(phi)]
+        campos = distance * torch.tensor(direction)
         target = uniform((3,), -0.2 * extent, 0.2 * extent)
         viewmats.append(look_at(campos, target))
         fov = fov_x_deg * uniform((), 0.85, 1.15).item()

@@ -128,10 +128,15 @@ def rasterization(
     absgrad: bool = False,
     rasterize_mode: str = "classic",
     backend: str = "auto",
+    max_intersections: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor, Dict]:
     """Renders C cameras. Returns render_colors [C,H,W,D'], render_alphas [C,H,W,1] and the meta
     dict gsplat 1.4's DefaultStrategy reads (means2d with grad and, if asked, absgrad; radii [C,N];
-    width; height; n_cameras; ...)."""
+    width; height; n_cameras; ...).
+
+    ``max_intersections`` (not a gsplat argument): when the render's tile intersections exceed it,
+    it is rasterized in depth chunks with the same result (ops/chunked.py); meta then has
+    ``depth_chunks`` > 1 and no isect_ids/flatten_ids/isect_offsets. Ignored by backend "gsplat"."""
     _check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds)
     if rasterize_mode not in ("classic", "antialiased"):
         raise ValueError(f"[rasterization] rasterize_mode must be 'classic' or 'antialiased', got {rasterize_mode!r}")
@@ -176,12 +181,24 @@ def rasterization(
             backgrounds = backgrounds.new_zeros(C, 1)
 
     tile_width, tile_height = math.ceil(width / tile_size), math.ceil(height / tile_size)
-    tiles_per_gauss, isect_ids, flatten_ids = ops.isect_tiles(means2d, radii, depths, tile_size, tile_width, tile_height)
-    isect_offsets = ops.isect_offset_encode(isect_ids, C, tile_width, tile_height)
-    render_colors, render_alphas = ops.rasterize_to_pixels(
-        means2d, conics, colors.contiguous(), opacities.contiguous(), width, height, tile_size,
-        isect_offsets, flatten_ids, backgrounds, absgrad,
-    )  # fmt: skip
+    chunks = None
+    if max_intersections:  # bounded intersections: depth chunks when over budget (ops/chunked.py)
+        from . import chunked
+
+        chunks = chunked.plan(means2d, radii, depths, tile_size, tile_width, tile_height, int(max_intersections))
+    if chunks is None:
+        tiles_per_gauss, isect_ids, flatten_ids = ops.isect_tiles(means2d, radii, depths, tile_size, tile_width, tile_height)
+        isect_offsets = ops.isect_offset_encode(isect_ids, C, tile_width, tile_height)
+        render_colors, render_alphas = ops.rasterize_to_pixels(
+            means2d, conics, colors.contiguous(), opacities.contiguous(), width, height, tile_size,
+            isect_offsets, flatten_ids, backgrounds, absgrad,
+        )  # fmt: skip
+    else:
+        tiles_per_gauss, isect_ids, flatten_ids, isect_offsets = chunks.tiles_per_gauss, None, None, None
+        render_colors, render_alphas = chunked.rasterize_in_depth_chunks(
+            ops, chunks, means2d, conics, colors.contiguous(), opacities.contiguous(), radii, depths,
+            width, height, tile_size, tile_width, tile_height, backgrounds, absgrad,
+        )  # fmt: skip
     if render_mode in ("ED", "RGB+ED"):
         render_colors = torch.cat(
             [render_colors[..., :-1], render_colors[..., -1:] / render_alphas.clamp(min=1e-10)], dim=-1
@@ -205,5 +222,6 @@ def rasterization(
         "tile_size": tile_size,
         "n_cameras": C,
         "backend": name,
+        "depth_chunks": 1 if chunks is None else chunks.n_chunks,
     }
     return render_colors, render_alphas, meta

@@ -158,6 +158,26 @@ def spherical_harmonics(
 
 
 @torch.no_grad()
+def tile_bounds(
+    means2d: Tensor,  # [C, N, 2]
+    radii: Tensor,  # [C, N] int32
+    tile_size: int,
+    tile_width: int,
+    tile_height: int,
+) -> Tuple[Tensor, Tensor]:
+    """First tile (x, y) and tile span (w, h) of each gaussian's screen bounding box, clipped to the
+    grid: lo [C,N,2] int64, span [C,N,2] int64. Its tile count is span_x * span_y where radii > 0."""
+    tile_xy = means2d.float() / tile_size  # [C, N, 2]
+    tile_r = radii.float() / tile_size  # [C, N]
+    lo = torch.floor(tile_xy - tile_r[..., None]).long()  # [C, N, 2]
+    hi = torch.ceil(tile_xy + tile_r[..., None]).long()
+    limit = torch.tensor([tile_width, tile_height], device=means2d.device)
+    lo = torch.minimum(torch.clamp(lo, min=0), limit)
+    hi = torch.minimum(torch.clamp(hi, min=0), limit)
+    return lo, hi - lo
+
+
+@torch.no_grad()
 def isect_tiles(
     means2d: Tensor,  # [C, N, 2]
     radii: Tensor,  # [C, N] int32
@@ -170,14 +190,7 @@ def isect_tiles(
     keep emission order). Returns tiles_per_gauss [C,N] int32, isect_ids [M] int64, flatten_ids [M] int32."""
     C, N = radii.shape
     device = means2d.device
-    tile_xy = means2d.float() / tile_size  # [C, N, 2]
-    tile_r = radii.float() / tile_size  # [C, N]
-    lo = torch.floor(tile_xy - tile_r[..., None]).long()  # [C, N, 2]
-    hi = torch.ceil(tile_xy + tile_r[..., None]).long()
-    limit = torch.tensor([tile_width, tile_height], device=device)
-    lo = torch.minimum(torch.clamp(lo, min=0), limit)
-    hi = torch.minimum(torch.clamp(hi, min=0), limit)
-    span = hi - lo  # [C, N, 2]
+    lo, span = tile_bounds(means2d, radii, tile_size, tile_width, tile_height)
     tiles_per_gauss = span[..., 0] * span[..., 1] * (radii > 0)  # [C, N]
 
     counts = tiles_per_gauss.flatten()
@@ -230,11 +243,24 @@ class _PixelDeltas(torch.autograd.Function):
         return grad.sum(2), None, None, None  # means, pixels (constant), ids, absgrad buffer
 
 
-def _composite_tiles(means2d, conics, colors, opacities, pixels, pixel_ok, gaussian_ids, valid, absgrad_out):
+def _running_transmittance(alpha: Tensor, trans_in: Optional[Tensor]) -> Tensor:
+    """Transmittance after each gaussian, [T,L,P], starting from 1 or from ``trans_in`` [T,P].
+
+    ``trans_in`` enters as the first factor of the running product, so a list composited in two
+    depth chunks multiplies the same factors in the same order as the list composited at once."""
+    if trans_in is None:
+        return torch.cumprod(1 - alpha, dim=1)
+    return torch.cumprod(torch.cat([trans_in[:, None, :], 1 - alpha], dim=1), dim=1)[:, 1:]
+
+
+def _composite_tiles(
+    means2d, conics, colors, opacities, pixels, pixel_ok, gaussian_ids, valid, absgrad_out, trans_in=None
+):
     """Front-to-back compositing of a block of tiles, exactly as gsplat's kernel does per pixel.
 
     means2d [T,L,2], conics [T,L,3], colors [T,L,D], opacities [T,L], pixels [T,P,2],
-    pixel_ok [T,P], gaussian_ids [T,L], valid [T,L] -> colors [T,P,D], transmittance [T,P]."""
+    pixel_ok [T,P], gaussian_ids [T,L], valid [T,L], trans_in [T,P] or None (start at 1; 0 marks a
+    pixel that has already stopped) -> colors [T,P,D], transmittance [T,P], stopped [T,P] bool."""
     delta = _PixelDeltas.apply(means2d, pixels, gaussian_ids, absgrad_out)  # [T, L, P, 2]
     dx, dy = delta[..., 0], delta[..., 1]
     a, b, c = (conics[..., i, None] for i in range(3))
@@ -243,12 +269,15 @@ def _composite_tiles(means2d, conics, colors, opacities, pixels, pixel_ok, gauss
     used = (sigma >= 0) & (alpha >= ALPHA_MIN) & valid[..., None] & pixel_ok[:, None, :]
     alpha = torch.where(used, alpha, 0.0)
     with torch.no_grad():  # a pixel stops before the gaussian that would drop T to the floor
-        used = used & (torch.cumprod(1 - alpha, dim=1) > TRANSMITTANCE_MIN)
+        reach = _running_transmittance(alpha, trans_in)
+        used = used & (reach > TRANSMITTANCE_MIN)
+        stopped = reach[:, -1] <= TRANSMITTANCE_MIN  # T only falls, so the last entry tells
     alpha = torch.where(used, alpha, 0.0)
-    trans = torch.cumprod(1 - alpha, dim=1)  # [T, L, P] transmittance after each gaussian
-    trans_before = torch.cat([torch.ones_like(trans[:, :1]), trans[:, :-1]], dim=1)
+    trans = _running_transmittance(alpha, trans_in)  # [T, L, P] transmittance after each gaussian
+    first = torch.ones_like(trans[:, :1]) if trans_in is None else trans_in[:, None, :]
+    trans_before = torch.cat([first, trans[:, :-1]], dim=1)
     weights = alpha * trans_before
-    return torch.einsum("tlp,tld->tpd", weights, colors), trans[:, -1]
+    return torch.einsum("tlp,tld->tpd", weights, colors), trans[:, -1], stopped
 
 
 def rasterize_to_pixels(
@@ -266,6 +295,63 @@ def rasterize_to_pixels(
 ) -> Tuple[Tensor, Tensor]:
     """Alpha-composites each tile's depth-sorted gaussians. Returns render_colors [C,H,W,D] and
     render_alphas [C,H,W,1]. With absgrad, sets ``means2d.absgrad`` [C,N,2] (filled by backward)."""
+    C, N, _ = colors.shape
+    absgrad_out = None
+    if absgrad:
+        absgrad_out = torch.zeros(C, N, 2, device=means2d.device, dtype=means2d.dtype)
+        means2d.absgrad = absgrad_out
+    render_colors, trans, _ = _rasterize(
+        means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, absgrad_out
+    )
+    render_alphas = 1.0 - trans[..., None]
+    if backgrounds is not None:
+        render_colors = render_colors + backgrounds[:, None, None, :] * (1.0 - render_alphas)
+    return render_colors, render_alphas
+
+
+def rasterize_depth_chunk(
+    means2d: Tensor,  # [C, N, 2]
+    conics: Tensor,  # [C, N, 3]
+    colors: Tensor,  # [C, N, D]
+    opacities: Tensor,  # [C, N]
+    width: int,
+    height: int,
+    tile_size: int,
+    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32, of this chunk's intersections
+    flatten_ids: Tensor,  # [M_k] int32, this chunk's intersections
+    transmittance: Tensor,  # [C, H, W] running transmittance before this chunk
+    stopped: Tensor,  # [C, H, W] bool: the pixel has already hit the transmittance floor
+    absgrad_out: Optional[Tensor] = None,  # [C, N, 2] buffer backward adds |per-pixel d loss/d means2d| to
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Resumes compositing with the gaussians of one depth chunk (all behind the previous chunks).
+
+    Returns this chunk's colors [C,H,W,D] (already weighted by the incoming transmittance, no
+    background), the transmittance after it [C,H,W] and the stopped mask [C,H,W]. Chaining the
+    chunks front to back (colors summed, state passed on) gives the render of the whole list: the
+    stop rule (stop before the gaussian that would take T to <= 1e-4) sees the absolute T."""
+    trans_in = torch.where(stopped, torch.zeros_like(transmittance), transmittance)
+    out_colors, trans, stopped_out = _rasterize(
+        means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, absgrad_out,
+        trans_in,
+    )  # fmt: skip
+    return out_colors, torch.where(stopped, transmittance, trans), stopped | stopped_out
+
+
+def _rasterize(
+    means2d: Tensor,  # [C, N, 2]
+    conics: Tensor,  # [C, N, 3]
+    colors: Tensor,  # [C, N, D]
+    opacities: Tensor,  # [C, N]
+    width: int,
+    height: int,
+    tile_size: int,
+    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32
+    flatten_ids: Tensor,  # [M] int32
+    absgrad_out: Optional[Tensor] = None,  # [C, N, 2]
+    trans_in: Optional[Tensor] = None,  # [C, H, W]; None = 1; 0 marks a pixel that has stopped
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Compositing of every tile: colors [C,H,W,D] (no background), transmittance [C,H,W],
+    stopped [C,H,W] bool."""
     C, N, D = colors.shape
     tile_height, tile_width = isect_offsets.shape[1:]
     n_tiles = C * tile_height * tile_width
@@ -276,10 +362,7 @@ def rasterize_to_pixels(
     starts = isect_offsets.flatten().long()
     ends = torch.cat([starts[1:], torch.tensor([M], device=device)])
     counts = ends - starts  # [n_tiles]
-    absgrad_out = None
-    if absgrad:
-        absgrad_out = torch.zeros(C * N, 2, device=device, dtype=means2d.dtype)
-        means2d.absgrad = absgrad_out.view(C, N, 2)
+    absgrad_flat = absgrad_out.view(C * N, 2) if absgrad_out is not None else None
 
     means_flat = means2d.reshape(C * N, 2)
     conics_flat = conics.reshape(C * N, 3)
@@ -297,7 +380,15 @@ def rasterize_to_pixels(
         ok = (xy[..., 0] < width) & (xy[..., 1] < height)
         return xy.to(means2d.dtype) + 0.5, ok
 
-    def composite(tile_idx, length, means_f, conics_f, colors_f, opac_f):
+    def to_tiles(x):  # [C, H, W, K] -> [n_tiles, P, K] (pixels past the image edge padded with 1)
+        pad_h, pad_w = tile_height * tile_size - height, tile_width * tile_size - width
+        x = F.pad(x, (0, 0, 0, pad_w, 0, pad_h), value=1.0)
+        x = x.reshape(C, tile_height, tile_size, tile_width, tile_size, -1).permute(0, 1, 3, 2, 4, 5)
+        return x.reshape(n_tiles, P, -1)
+
+    trans_tiles = None if trans_in is None else to_tiles(trans_in[..., None])[..., 0]  # [n_tiles, P]
+
+    def composite(tile_idx, length, means_f, conics_f, colors_f, opac_f, trans_t):
         pos = starts[tile_idx, None] + torch.arange(length, device=device)  # [T, L]
         valid = torch.arange(length, device=device) < counts[tile_idx, None]
         gids = flatten_ids[torch.where(valid, pos, 0).clamp(max=max(M - 1, 0))].long()  # [T, L]
@@ -305,7 +396,7 @@ def rasterize_to_pixels(
         pixels, pixel_ok = tile_pixels(tile_idx)
         return _composite_tiles(
             means_f[gids], conics_f[gids], colors_f[gids], opac_f[gids],
-            pixels, pixel_ok, gids, valid, absgrad_out,
+            pixels, pixel_ok, gids, valid, absgrad_flat, None if trans_t is None else trans_t[tile_idx],
         )  # fmt: skip
 
     # Group non-empty tiles by gaussian count so padding stays small, then cut into chunks.
@@ -314,35 +405,36 @@ def rasterize_to_pixels(
     busy_counts = counts[busy].tolist()
     total_work = sum(busy_counts) * P
     use_checkpoint = torch.is_grad_enabled() and total_work > CHECKPOINT_ELEMENTS
-    tile_ids, tile_colors, tile_trans = [], [], []
+    tile_ids, tile_colors, tile_trans, tile_stopped = [], [], [], []
     i = 0
     while i < len(busy_counts):
         j = i + 1
-        # Tiles are sorted by count, so the last in the chunk sets the padded length; a chunk ends
-        # when it would exceed the memory bound or pad its first tile by more than 25%.
-        while (
-            j < len(busy_counts)
-            and (j + 1 - i) * busy_counts[j] * P <= CHUNK_ELEMENTS
-            and busy_counts[j] <= 1.25 * busy_counts[i] + 8
-        ):
+        # Tiles are sorted by count, so the last in the chunk sets the padded length.
+        while j < len(busy_counts) and (j + 1 - i) * busy_counts[j] * P <= CHUNK_ELEMENTS:
             j += 1
         idx, length = busy[i:j], busy_counts[j - 1]
-        args = (idx, length, means_flat, conics_flat, colors_flat, opac_flat)
+        args = (idx, length, means_flat, conics_flat, colors_flat, opac_flat, trans_tiles)
         if use_checkpoint:
-            col, trans = checkpoint(composite, *args, use_reentrant=False)
+            col, trans, stop = checkpoint(composite, *args, use_reentrant=False)
         else:
-            col, trans = composite(*args)
+            col, trans, stop = composite(*args)
         tile_ids.append(idx)
         tile_colors.append(col)
         tile_trans.append(trans)
+        tile_stopped.append(stop)
         i = j
 
     image = torch.zeros(n_tiles, P, D, device=device, dtype=colors.dtype)
-    trans_all = torch.ones(n_tiles, P, device=device, dtype=colors.dtype)
+    if trans_tiles is None:
+        trans_all = torch.ones(n_tiles, P, device=device, dtype=colors.dtype)
+    else:
+        trans_all = trans_tiles
+    stopped_all = trans_all <= TRANSMITTANCE_MIN
     if tile_ids:
         idx = torch.cat(tile_ids)
         image = image.index_copy(0, idx, torch.cat(tile_colors))
         trans_all = trans_all.index_copy(0, idx, torch.cat(tile_trans))
+        stopped_all = stopped_all.index_copy(0, idx, torch.cat(tile_stopped))
     else:
         # Nothing visible: keep the outputs attached to the inputs (an empty slice sums to exactly 0)
         # so backward still runs and gives zero gradients, as gsplat's kernels do; DefaultStrategy
@@ -354,8 +446,4 @@ def rasterize_to_pixels(
         x = x.reshape(C, tile_height, tile_width, tile_size, tile_size, -1).permute(0, 1, 3, 2, 4, 5)
         return x.reshape(C, tile_height * tile_size, tile_width * tile_size, -1)[:, :height, :width]
 
-    render_colors = to_image(image)
-    render_alphas = 1.0 - to_image(trans_all[..., None])
-    if backgrounds is not None:
-        render_colors = render_colors + backgrounds[:, None, None, :] * (1.0 - render_alphas)
-    return render_colors, render_alphas
+    return to_image(image), to_image(trans_all[..., None])[..., 0], to_image(stopped_all[..., None])[..., 0]

@@ -188,6 +188,41 @@ def test_tile_box_rule_is_gsplats():
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
 
 
+def test_negative_sigma_is_skipped():
+    """A conic that is not positive definite (only reachable by calling the stage directly, e.g.
+    from another backend's projection) gives sigma < 0 at some pixels; gsplat skips them there
+    instead of letting exp(-sigma) > 1 saturate alpha."""
+    W, H, ts = 37, 23, 16
+    means2d = torch.tensor([[[18.3, 11.6], [9.1, 7.7]]])
+    conics = torch.tensor([[[0.05, 0.08, 0.05], [0.2, 0.0, 0.1]]])  # the first has det < 0
+    radii = torch.tensor([[12, 6]], dtype=torch.int32)
+    depths, opac = torch.tensor([[1.0, 2.0]]), torch.tensor([[0.5, 0.5]])
+    colors = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]])
+    tw, th = math.ceil(W / ts), math.ceil(H / ts)
+    _, ids, fids = ref.isect_tiles(means2d, radii, depths, ts, tw, th)
+    offsets = ref.isect_offset_encode(ids, 1, tw, th)
+    out, alpha = ref.rasterize_to_pixels(means2d, conics, colors, opac, W, H, ts, offsets, fids)
+    expected, expected_alpha = brute_force(means2d, conics, colors, opac, radii, depths, W, H)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(alpha, expected_alpha, rtol=0, atol=1e-6)
+    # Along the diagonal dx = -dy the first conic gives sigma < 0: those pixels stay untouched by it.
+    assert out[0, 14, 15, 0] == 0 and out[0, 14, 21, 0] > 0.1  # (dx, dy) = (2.8, -2.9) vs (-3.2, -2.9)
+
+
+def test_isect_tile_bounds_on_tile_edges():
+    """Gaussians whose box ends exactly on a tile edge: ceil/floor must give gsplat's ranges."""
+    ts, tw, th = 16, 4, 3
+    r = torch.tensor([[4, 8, 16, 5, 12, 3]], dtype=torch.int32)
+    x = torch.tensor([[12.0, 24.0, 16.0, 43.0, 36.0, 61.0]])  # x + r on an edge for the first four
+    y = torch.tensor([[12.0, 8.0, 32.0, 21.0, 4.0, 45.0]])
+    means2d = torch.stack([x, y], dim=-1)
+    depths = torch.arange(1.0, 7.0)[None]
+    tpg, ids, fids = ref.isect_tiles(means2d, r, depths, ts, tw, th)
+    g_tpg, g_ids, g_fids = _isect_tiles(means2d, r, depths, ts, tw, th)
+    assert torch.equal(tpg, g_tpg) and torch.equal(ids, g_ids) and torch.equal(fids, g_fids)
+    assert tpg[0, 0].item() == 1  # [12-4, 12+4] = [8, 16]: only tile (0, 0)
+
+
 def test_low_opacity_tiling_is_lossless():
     """Below opacity 0.35 a gaussian is under 1/255 outside its 3-sigma radius, so the renderer must
     equal the plain per-pixel compositor with no tile rule at all (tile size 16 and 4)."""
@@ -495,8 +530,10 @@ def test_absgrad_is_sum_of_per_pixel_abs_grads():
     radii = meta["radii"]
     means2d = meta["means2d"].detach().clone().requires_grad_()
     cols = scene.colors.expand(2, -1, -1)
-    bf_colors, bf_alphas = brute_force(means2d, meta["conics"].detach(), cols, meta["opacities"].detach(), radii,
-                                       meta["depths"].detach(), scene.width, scene.height, scene.backgrounds, 4)  # fmt: skip
+    bf_colors, bf_alphas = brute_force(
+        means2d, meta["conics"].detach(), cols, meta["opacities"].detach(), radii, meta["depths"].detach(),
+        scene.width, scene.height, scene.backgrounds, 4,
+    )  # fmt: skip
     per_pixel = ((bf_colors * w_colors).sum(-1) + (bf_alphas * w_alphas).sum(-1)).flatten()  # [C*H*W]
     expected_abs = torch.zeros_like(means2d)
     expected_sum = torch.zeros_like(means2d)

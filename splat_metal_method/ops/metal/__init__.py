@@ -4,15 +4,15 @@ On mps tensors the kernels run through torch.mps.compile_shader; on cpu tensors 
 sources run under the MSL emulator (see runtime.py). Each differentiable stage is one
 torch.autograd.Function whose forward runs the Metal kernels.
 
-BACKWARD, FOR NOW: the backward of every stage recomputes that stage with the reference backend
-(ops/reference.py) under enable_grad and returns torch.autograd.grad of it. Gradients are therefore
-exactly the reference's (including means2d.absgrad), but slow and memory-hungry; Metal backward
-kernels replace this in part 2. A one-time warning says so.
+Forward and backward are both Metal kernels (`<stage>.metal` / `<stage>_bwd.metal`, dispatched by
+`<stage>.py` / `<stage>_bwd.py`); there is no reference fallback. Gradients flow to means, quats,
+scales, viewmats (camera pose), SH coefficients / colours, opacities and backgrounds, and
+rasterize_to_pixels accumulates gsplat's absgrad into means2d.absgrad. Ks get no gradient (gsplat's
+kernels give none either).
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -20,8 +20,11 @@ from torch import Tensor
 
 from .isect import isect_offset_encode_fwd, isect_tiles_fwd
 from .project import project_fwd
-from .rasterize import rasterize_to_pixels_fwd
+from .project_bwd import project_bwd
+from .rasterize import RASTER_CHUNK, rasterize_to_pixels_fwd
+from .rasterize_bwd import rasterize_to_pixels_bwd
 from .sh import spherical_harmonics_fwd
+from .sh_bwd import spherical_harmonics_bwd
 
 __all__ = [
     "project",
@@ -32,47 +35,9 @@ __all__ = [
     "rasterize_to_pixels_fwd",
 ]
 
-_warned = False
-
-
-def _warn_reference_backward() -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(
-            "splat-metal: the Metal backend has no backward kernels yet; gradients are recomputed with "
-            "the pure-PyTorch reference backend (correct, but slow and memory-hungry)",
-            stacklevel=3,
-        )
-
-
-def _reference():
-    from .. import reference
-
-    return reference
-
-
-def _leaf(t: Optional[Tensor], differentiable: bool) -> Optional[Tensor]:
-    """A fresh leaf for recomputation: detached, requiring grad only where a gradient is wanted."""
-    if t is None:
-        return None
-    return t.detach().requires_grad_(differentiable)
-
-
-def _grads(outputs, grad_outputs, inputs):
-    """torch.autograd.grad over the (output, grad) pairs that can carry a gradient; None per input
-    that needs none."""
-    pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o is not None and g is not None and o.requires_grad]
-    wanted = [i for i in inputs if i is not None and i.requires_grad]
-    result = {}
-    if pairs and wanted:
-        got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-        result = {id(i): g for i, g in zip(wanted, got)}
-    return [result.get(id(i)) if i is not None else None for i in inputs]
-
 
 class _ProjectFn(torch.autograd.Function):
-    """project: Metal forward; backward = reference recomputation (part 2: Metal backward kernel)."""
+    """project: project.metal forward, project_bwd.metal backward."""
 
     @staticmethod
     def forward(ctx, means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane,
@@ -81,8 +46,8 @@ class _ProjectFn(torch.autograd.Function):
             means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane, radius_clip,
             calc_compensations,
         )  # fmt: skip
-        ctx.save_for_backward(means, quats, scales, viewmats, Ks)
-        ctx.args = (width, height, eps2d, near_plane, far_plane, radius_clip, calc_compensations)
+        ctx.save_for_backward(means, quats, scales, viewmats, Ks, radii)
+        ctx.args = (width, height, eps2d, calc_compensations)
         ctx.mark_non_differentiable(radii)
         if comp is None:
             comp = torch.zeros((0,), dtype=means.dtype, device=means.device)  # placeholder, no gradient
@@ -90,17 +55,33 @@ class _ProjectFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _v_radii, v_means2d, v_depths, v_conics, v_comp):
-        _warn_reference_backward()
-        inputs = [_leaf(t, need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[:5])]
-        with torch.enable_grad():
-            _, means2d, depths, conics, comp = _reference().project(*inputs, *ctx.args)
-        grads = _grads([means2d, depths, conics, comp], [v_means2d, v_depths, v_conics, v_comp], inputs)
-        # width, height, eps2d, near_plane, far_plane, radius_clip, calc_compensations: not differentiable
-        return (*grads, None, None, None, None, None, None, None)
+        means, quats, scales, viewmats, Ks, radii = ctx.saved_tensors
+        width, height, eps2d, calc_compensations = ctx.args
+        need = ctx.needs_input_grad
+        if not any(need[:4]):
+            return (None,) * 12
+
+        def grad_or_zeros(g, *tail):  # outputs that fed nothing may arrive as None
+            return g.contiguous() if g is not None else means.new_zeros(radii.shape + tail)
+
+        v_means, v_quats, v_scales, v_viewmats = project_bwd(
+            means, quats, scales, viewmats, Ks, width, height, eps2d, radii,
+            grad_or_zeros(v_means2d, 2), grad_or_zeros(v_depths), grad_or_zeros(v_conics, 3),
+            grad_or_zeros(v_comp) if calc_compensations else None,
+            viewmats_grad=need[3],
+        )  # fmt: skip
+        return (
+            v_means if need[0] else None,
+            v_quats if need[1] else None,
+            v_scales if need[2] else None,
+            v_viewmats if need[3] else None,
+            None,  # Ks: no gradient (as gsplat)
+            None, None, None, None, None, None, None,  # width, height, eps2d, near, far, radius_clip, calc_comp
+        )
 
 
 class _SphericalHarmonicsFn(torch.autograd.Function):
-    """spherical_harmonics: Metal forward; backward = reference recomputation."""
+    """spherical_harmonics: sh.metal forward, sh_bwd.metal backward."""
 
     @staticmethod
     def forward(ctx, degree, dirs, coeffs, masks):
@@ -111,20 +92,21 @@ class _SphericalHarmonicsFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, v_colors):
-        _warn_reference_backward()
         dirs, coeffs, masks = ctx.saved_tensors
-        inputs = [_leaf(dirs, ctx.needs_input_grad[1]), _leaf(coeffs, ctx.needs_input_grad[2])]
-        with torch.enable_grad():
-            colors = _reference().spherical_harmonics(ctx.degree, inputs[0], inputs[1], masks)
-        v_dirs, v_coeffs = _grads([colors], [v_colors], inputs)
-        return None, v_dirs, v_coeffs, None  # degree, masks: not differentiable
+        if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
+            return None, None, None, None
+        v_dirs, v_coeffs = spherical_harmonics_bwd(
+            ctx.degree, dirs, coeffs, masks, v_colors.contiguous(), dirs_grad=ctx.needs_input_grad[1]
+        )
+        # degree, masks: not differentiable
+        return None, v_dirs, (v_coeffs if ctx.needs_input_grad[2] else None), None
 
 
 class _RasterizeToPixelsFn(torch.autograd.Function):
-    """rasterize_to_pixels: Metal forward (which also records final transmittance and last
-    contributor per pixel for the future Metal backward); backward = reference recomputation.
-    With absgrad, the reference's per-pixel |d loss / d means2d| sums are added into the buffer the
-    wrapper attached as means2d.absgrad at forward time (the reference does the same)."""
+    """rasterize_to_pixels: rasterize.metal forward (which also records final transmittance and last
+    contributor per pixel), rasterize_bwd.metal backward. With absgrad, the per-pixel
+    |d loss / d means2d| sums are added into the buffer the wrapper attached as means2d.absgrad at
+    forward time (the reference does the same)."""
 
     @staticmethod
     def forward(ctx, means2d, conics, colors, opacities, backgrounds, width, height, tile_size,
@@ -140,30 +122,29 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, v_render_colors, v_render_alphas):
-        _warn_reference_backward()
-        means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, _, _ = ctx.saved_tensors
+        (means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, transmittance,
+         last_ids) = ctx.saved_tensors  # fmt: skip
         width, height, tile_size = ctx.args
-        absgrad = ctx.absgrad_buf is not None
-        # means2d needs a graph for absgrad even when only the absgrad (not the gradient) is wanted
-        inputs = [
-            _leaf(means2d, ctx.needs_input_grad[0] or absgrad),
-            _leaf(conics, ctx.needs_input_grad[1]),
-            _leaf(colors, ctx.needs_input_grad[2]),
-            _leaf(opacities, ctx.needs_input_grad[3]),
-            _leaf(backgrounds, ctx.needs_input_grad[4]),
-        ]
-        with torch.enable_grad():
-            out_colors, out_alphas = _reference().rasterize_to_pixels(
-                inputs[0], inputs[1], inputs[2], inputs[3], width, height, tile_size, isect_offsets,
-                flatten_ids, inputs[4], absgrad,
-            )  # fmt: skip
-        grads = _grads([out_colors, out_alphas], [v_render_colors, v_render_alphas], inputs)
-        if absgrad and getattr(inputs[0], "absgrad", None) is not None:
-            ctx.absgrad_buf.add_(inputs[0].absgrad)
-        if not ctx.needs_input_grad[0]:
-            grads[0] = None
-        # width, height, tile_size, isect_offsets, flatten_ids, absgrad buffer: not differentiable
-        return (*grads, None, None, None, None, None, None)
+        need = ctx.needs_input_grad
+        if not (any(need[:5]) or ctx.absgrad_buf is not None):
+            return (None,) * 11
+        if v_render_colors is None:
+            v_render_colors = colors.new_zeros(colors.shape[0], height, width, colors.shape[2])
+        if v_render_alphas is None:
+            v_render_alphas = colors.new_zeros(colors.shape[0], height, width, 1)
+        v_means2d, v_conics, v_colors, v_opacities, v_backgrounds = rasterize_to_pixels_bwd(
+            means2d, conics, colors, opacities, backgrounds, width, height, tile_size, isect_offsets,
+            flatten_ids, transmittance, last_ids, v_render_colors.contiguous(), v_render_alphas.contiguous(),
+            absgrad_out=ctx.absgrad_buf, chunk=RASTER_CHUNK,
+        )  # fmt: skip
+        return (
+            v_means2d if need[0] else None,
+            v_conics if need[1] else None,
+            v_colors if need[2] else None,
+            v_opacities if need[3] else None,
+            v_backgrounds if need[4] else None,
+            None, None, None, None, None, None,  # width, height, tile_size, offsets, flatten_ids, absgrad buffer
+        )
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,497 @@
+"""Memory management: cache release, memory stats, budgets, and the TrainingCallbacks that apply them.
+
+Earlier Metal ports of 3DGS saw MPS memory climb far past what the scene needs. Here memory tracks
+the scene and says what it is doing:
+
+  * ``empty_cache(device)`` and ``memory_stats(device)`` work on mps, cuda and cpu alike.
+  * ``MemoryManager.training_callbacks`` releases cached memory after every refine (densify +
+    prune) and opacity-reset step of the strategy, after eval passes, optionally every N steps,
+    and at the end of training; it writes the memory curve to nerfstudio's writer every K steps
+    (tensorboard / wandb / comet scalars "Memory/...", next to the loss).
+  * Budgets instead of crashes: ``BudgetedStrategy`` stops densification at ``max_gaussians``
+    (pruning still runs); ``max_intersections`` makes the op layer rasterize a view in depth chunks
+    (ops/chunked.py) instead of allocating more intersections than the budget.
+
+Thread safety: every hook that runs inside the training loop runs under the trainer's
+``train_lock`` (nerfstudio holds it around the iteration and its callbacks, and around eval),
+which is also the lock the viewer holds while it renders, so a release never races a viewer
+render. The end-of-training hook runs outside the loop and takes the lock itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import ctypes.util
+import dataclasses
+import gc
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, List, Optional, Tuple, Union
+
+import torch
+from gsplat.strategy import DefaultStrategy
+
+MiB = 1024**2
+GiB = 1024**3
+
+# Default budgets, derived from the device's memory (see default_max_gaussians / _intersections).
+# Bytes one gaussian costs while training with SH degree 3: 59 floats of parameters, their
+# gradients and two Adam moments (944 B) plus per-view projection / SH activations and strategy
+# state (about 1 KB more).
+BYTES_PER_GAUSSIAN = 2048
+GAUSSIAN_MEMORY_FRACTION = 0.5  # the rest: images, per-pixel buffers, intersections, the framework
+# Bytes one tile intersection costs: keys and ids, their sort buffers, and the per-intersection
+# gathers of the compositing that is recomputed in backward.
+BYTES_PER_INTERSECTION = 128
+INTERSECTION_MEMORY_FRACTION = 0.25
+
+DeviceLike = Union[str, torch.device]
+
+
+# ------------------------------------------------------------------------------------------------
+# Device memory: release and stats
+# ------------------------------------------------------------------------------------------------
+def empty_cache(device: DeviceLike) -> bool:
+    """Returns cached, unused device memory to the system: torch.mps / torch.cuda empty_cache
+    (after waiting for queued MPS work, whose buffers are only free once it has run). No-op on cpu.
+    True when something was called."""
+    kind = torch.device(device).type
+    if kind == "mps":
+        torch.mps.synchronize()
+        torch.mps.empty_cache()
+        return True
+    if kind == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        return True
+    return False
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
+
+
+def _load_mallinfo2():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        fn = libc.mallinfo2  # glibc >= 2.33
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+_mallinfo2 = _load_mallinfo2()
+
+
+def malloc_stats() -> Optional[Tuple[int, int]]:
+    """(bytes in use, bytes held from the OS) of the C heap (glibc), where CPU tensors live; None
+    where glibc's mallinfo2 is not available (e.g. macOS)."""
+    if _mallinfo2 is None:
+        return None
+    m = _mallinfo2()
+    return int(m.uordblks + m.hblkhd), int(m.arena + m.hblkhd)
+
+
+def process_rss() -> Optional[int]:
+    """Resident set size of this process in bytes (None if it cannot be read)."""
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass
+class MemoryStats:
+    """One sample, in bytes. None where the device has no such number.
+
+    allocated: cuda/mps: bytes in live tensors (torch.cuda.memory_allocated /
+        torch.mps.current_allocated_memory); cpu: bytes the C heap has handed out (whole process).
+    reserved: cuda: held by the caching allocator (memory_reserved); mps: allocated by the Metal
+        driver for this process (driver_allocated_memory); cpu: C heap held from the OS.
+    peak: cuda: torch.cuda.max_memory_allocated; mps/cpu: the largest `allocated` a MemoryManager
+        has sampled (once per step, so a peak inside a step is not seen).
+    rss: resident set size of the process.
+    """
+
+    device: str
+    allocated: Optional[int]
+    reserved: Optional[int]
+    peak: Optional[int]
+    rss: Optional[int]
+
+    def as_mb(self) -> Dict[str, float]:
+        return {k: v / MiB for k, v in dataclasses.asdict(self).items() if isinstance(v, int)}
+
+
+def memory_stats(device: DeviceLike) -> MemoryStats:
+    """Allocator and process memory for tensors on ``device``."""
+    d = torch.device(device)
+    allocated = reserved = peak = None
+    if d.type == "cuda" and torch.cuda.is_initialized():
+        allocated, reserved = torch.cuda.memory_allocated(d), torch.cuda.memory_reserved(d)
+        peak = torch.cuda.max_memory_allocated(d)
+    elif d.type == "mps":
+        allocated, reserved = torch.mps.current_allocated_memory(), torch.mps.driver_allocated_memory()
+    elif d.type == "cpu":
+        heap = malloc_stats()
+        if heap is not None:
+            allocated, reserved = heap
+    return MemoryStats(str(d), allocated, reserved, peak, process_rss())
+
+
+def device_memory(device: DeviceLike) -> Optional[int]:
+    """Bytes a process may use on ``device``: torch.mps.recommended_max_memory() on a Mac, the GPU's
+    total memory on cuda, physical RAM on cpu; None if unknown."""
+    d = torch.device(device)
+    try:
+        if d.type == "mps":
+            return int(torch.mps.recommended_max_memory())
+        if d.type == "cuda":
+            return int(torch.cuda.get_device_properties(d.index or 0).total_memory)
+        if d.type == "cpu":
+            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (RuntimeError, AssertionError, ValueError, OSError, AttributeError):
+        return None
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Budgets
+# ------------------------------------------------------------------------------------------------
+def default_max_gaussians(device: DeviceLike) -> Tuple[Optional[int], str]:
+    """(cap, how it was derived) for training on ``device``; (None, why) when memory is unknown."""
+    total = device_memory(device)
+    if total is None:
+        return None, f"no cap: the memory of {device} is unknown"
+    cap = int(total * GAUSSIAN_MEMORY_FRACTION) // BYTES_PER_GAUSSIAN
+    return cap, (
+        f"{GAUSSIAN_MEMORY_FRACTION:.0%} of {total / GiB:.1f} GiB ({_memory_source(device)}) "
+        f"at ~{BYTES_PER_GAUSSIAN} B per gaussian"
+    )
+
+
+def default_max_intersections(device: DeviceLike) -> Tuple[Optional[int], str]:
+    """(budget, how it was derived) of tile intersections per render on ``device``."""
+    total = device_memory(device)
+    if total is None:
+        return None, f"no budget: the memory of {device} is unknown"
+    budget = int(total * INTERSECTION_MEMORY_FRACTION) // BYTES_PER_INTERSECTION
+    return budget, (
+        f"{INTERSECTION_MEMORY_FRACTION:.0%} of {total / GiB:.1f} GiB at ~{BYTES_PER_INTERSECTION} B per intersection"
+    )
+
+
+def _memory_source(device: DeviceLike) -> str:
+    return {
+        "mps": "torch.mps.recommended_max_memory()",
+        "cuda": "GPU total memory",
+        "cpu": "physical RAM",
+    }.get(torch.device(device).type, "device memory")
+
+
+def resolve_budget(value: int, default: Callable[[DeviceLike], Tuple[Optional[int], str]], device: DeviceLike):
+    """Config value -> (budget or None, how it was chosen): -1 derives it from the device, 0 means
+    none, a positive value is taken as given."""
+    if value is None or value < 0:
+        return default(device)
+    if value == 0:
+        return None, "off (0)"
+    return int(value), "set in the config"
+
+
+@dataclass
+class BudgetedStrategy(DefaultStrategy):
+    """gsplat's DefaultStrategy with a cap on the number of gaussians, and a record of its events.
+
+    At the cap, a refine step grows nothing (duplicate and split are skipped) while pruning runs as
+    usual. Below the cap, when growth would overshoot it, only the candidates with the largest
+    image-plane gradient are grown, so the count never exceeds the cap. The selection hides the
+    other candidates from gsplat's own ``_grow_gs`` for that call (their accumulated gradient is
+    zeroed, which gsplat does after every refine step anyway; their screen-size record is restored
+    afterwards, as pruning reads it).
+
+    ``events`` records (step, "refine" | "reset") for the memory hooks.
+    """
+
+    max_gaussians: int = 0  # 0: no cap
+    events: Deque[Tuple[int, str]] = field(default_factory=lambda: collections.deque(maxlen=64), repr=False, compare=False)
+    growth_skipped: int = field(default=0, repr=False, compare=False)  # growth candidates not grown (total)
+    cap_hit_step: Optional[int] = field(default=None, repr=False, compare=False)  # first refine limited by the cap
+    on_cap: Optional[Callable[[str], None]] = field(default=None, repr=False, compare=False)  # message sink
+
+    @classmethod
+    def from_strategy(cls, strategy: DefaultStrategy, max_gaussians: Optional[int]) -> "BudgetedStrategy":
+        """The same strategy (every DefaultStrategy setting copied) with the cap (None or 0: no cap)."""
+        settings = {f.name: getattr(strategy, f.name) for f in dataclasses.fields(DefaultStrategy)}
+        return cls(**settings, max_gaussians=int(max_gaussians or 0))
+
+    def step_post_backward(self, params, optimizers, state, step, info, packed=False):
+        super().step_post_backward(params, optimizers, state, step, info, packed=packed)
+        # gsplat resets opacities at these steps (after its refine check, before refine_stop_iter)
+        if step < self.refine_stop_iter and step % self.reset_every == 0:
+            self.events.append((step, "reset"))
+
+    def pop_events(self) -> List[Tuple[int, str]]:
+        events = list(self.events)
+        self.events.clear()
+        return events
+
+    @torch.no_grad()
+    def _grow_gs(self, params, optimizers, state, step) -> Tuple[int, int]:
+        self.events.append((step, "refine"))
+        if self.max_gaussians <= 0:
+            return super()._grow_gs(params, optimizers, state, step)
+        n = len(params["means"])
+        room = self.max_gaussians - n
+        growth, priority, by_screen_size = self._growth_per_gaussian(params, state, step)
+        wanted = int(growth.sum())
+        if wanted <= room:
+            return super()._grow_gs(params, optimizers, state, step)
+        candidates = growth > 0
+        if self.cap_hit_step is None:
+            self.cap_hit_step = step
+            self._say(
+                f"max-gaussians cap {self.max_gaussians:,} reached at step {step} ({n:,} gaussians, growth "
+                f"would add {wanted:,}): densification adds no more than the cap allows from now on; pruning continues"
+            )
+        # Grow the candidates with the largest gradient whose growth still fits; hide the others.
+        order = torch.argsort(torch.where(candidates, priority, -torch.inf), descending=True, stable=True)
+        fits = torch.cumsum(growth[order], 0) <= max(room, 0)
+        keep = torch.zeros_like(candidates)
+        keep[order[fits]] = True
+        hidden = candidates & ~keep
+        self.growth_skipped += wanted - int(growth[keep].sum())
+        if not bool(keep.any()):
+            return 0, 0
+        state["grad2d"][hidden] = 0.0
+        if by_screen_size:  # duplicate/split carry every state tensor along, so the copy stays aligned
+            state["_budget_radii"] = state["radii"].clone()
+            state["radii"][hidden] = 0.0
+        try:
+            result = super()._grow_gs(params, optimizers, state, step)
+        finally:
+            if by_screen_size:
+                state["radii"] = state.pop("_budget_radii")
+        if len(params["means"]) > self.max_gaussians:  # only if gsplat's growth rule changed
+            self._say(f"step {step}: growth went past the cap ({len(params['means']):,} > {self.max_gaussians:,})")
+        return result
+
+    def _growth_per_gaussian(self, params, state, step) -> Tuple[torch.Tensor, torch.Tensor, bool]:
+        """Gaussians each one would add in gsplat 1.4's ``_grow_gs`` (0, 1, or 2 when it is both
+        duplicated and then split), its average image-plane gradient, and whether the screen-size
+        split rule is active at ``step``."""
+        grads = state["grad2d"] / state["count"].clamp_min(1)
+        high = grads > self.grow_grad2d
+        small = torch.exp(params["scales"]).max(dim=-1).values <= self.grow_scale3d * state["scene_scale"]
+        split = high & ~small
+        by_screen_size = step < self.refine_scale2d_stop_iter
+        if by_screen_size:
+            split |= state["radii"] > self.grow_scale2d
+        return (high & small).long() + split.long(), grads, by_screen_size
+
+    def _say(self, message: str) -> None:
+        if self.on_cap is not None:
+            self.on_cap(message)
+
+
+# ------------------------------------------------------------------------------------------------
+# The hooks
+# ------------------------------------------------------------------------------------------------
+def _console_print(message: str) -> None:
+    from nerfstudio.utils.rich_utils import CONSOLE
+
+    CONSOLE.print(f"[bold cyan]splat-metal memory:[/bold cyan] {message}")
+
+
+class MemoryManager:
+    """Applies the memory settings of one model during training (see the module docstring).
+
+    ``releases`` records (step, reason) of every cache release, reasons being "refine", "reset",
+    "eval", "every" and "end" (joined with "+" when several coincide)."""
+
+    def __init__(
+        self,
+        device: DeviceLike,
+        strategy: Optional[DefaultStrategy] = None,
+        num_gaussians: Optional[Callable[[], int]] = None,
+        render_meta: Optional[Callable[[], Optional[dict]]] = None,
+        empty_cache_after_refine: bool = True,
+        empty_cache_after_eval: bool = True,
+        empty_cache_every: int = 0,
+        log_every: int = 100,
+        collect_garbage: bool = True,
+        max_gaussians: Optional[int] = None,
+        max_gaussians_source: str = "",
+        max_intersections: Optional[int] = None,
+        max_intersections_source: str = "",
+        say: Callable[[str], None] = _console_print,
+    ):
+        self.device = torch.device(device)
+        self.strategy = strategy
+        self.num_gaussians = num_gaussians
+        self.render_meta = render_meta
+        self.empty_cache_after_refine = empty_cache_after_refine
+        self.empty_cache_after_eval = empty_cache_after_eval
+        self.empty_cache_every = int(empty_cache_every)
+        self.log_every = int(log_every)
+        self.collect_garbage = collect_garbage
+        self.max_gaussians, self.max_gaussians_source = max_gaussians, max_gaussians_source
+        self.max_intersections, self.max_intersections_source = max_intersections, max_intersections_source
+        self.say = say
+        self.releases: Deque[Tuple[int, str]] = collections.deque(maxlen=10_000)
+        self.last_stats: Optional[MemoryStats] = None
+        self._peak = 0
+        self._eval_renders = 0
+        self._lock: Optional[threading.Lock] = None
+        if isinstance(strategy, BudgetedStrategy) and strategy.on_cap is None:
+            strategy.on_cap = say
+
+    # -- wiring ----------------------------------------------------------------------------------
+    def training_callbacks(self, attributes) -> list:
+        """nerfstudio TrainingCallbacks: before each iteration (release after an eval pass), after
+        each iteration (after refine/reset, every N, stats every K), and after training."""
+        from nerfstudio.engine.callbacks import TrainingCallback, TrainingCallbackLocation
+
+        trainer = getattr(attributes, "trainer", None)
+        self._lock = getattr(trainer, "train_lock", None)
+        self.say(self.describe())
+        return [
+            TrainingCallback([TrainingCallbackLocation.BEFORE_TRAIN_ITERATION], self.before_iteration),
+            TrainingCallback([TrainingCallbackLocation.AFTER_TRAIN_ITERATION], self.after_iteration),
+            TrainingCallback([TrainingCallbackLocation.AFTER_TRAIN], self.after_training),
+        ]
+
+    def describe(self) -> str:
+        stats = memory_stats(self.device)
+        total = device_memory(self.device)
+        hooks = [
+            name
+            for name, on in (
+                ("refine/prune/opacity reset", self.empty_cache_after_refine),
+                ("eval", self.empty_cache_after_eval),
+                (f"every {self.empty_cache_every} steps", self.empty_cache_every > 0),
+            )
+            if on
+        ]
+        parts = [
+            f"device {self.device}" + (f" ({total / GiB:.1f} GiB usable)" if total else ""),
+            "max gaussians "
+            + (f"{self.max_gaussians:,}" if self.max_gaussians else "unlimited")
+            + (f" ({self.max_gaussians_source})" if self.max_gaussians_source else ""),
+            "max intersections per render "
+            + (f"{self.max_intersections:,}" if self.max_intersections else "unlimited")
+            + (f" ({self.max_intersections_source})" if self.max_intersections_source else ""),
+            "empty cache after " + (", ".join(hooks) if hooks else "nothing")
+            + ("" if self.device.type in ("mps", "cuda") else " (no-op on cpu)"),
+            f"stats every {self.log_every} steps" if self.log_every > 0 else "stats off",
+        ]
+        if stats.rss is not None:
+            parts.append(f"RSS now {stats.rss / MiB:.0f} MiB")
+        return "; ".join(parts)
+
+    def note_render(self, training: bool) -> None:
+        """Called by the model for every render. Eval-mode renders on the main thread are eval passes
+        (the viewer renders on its own thread and does not count)."""
+        if not training and threading.current_thread() is threading.main_thread():
+            self._eval_renders += 1
+
+    # -- callbacks -------------------------------------------------------------------------------
+    def before_iteration(self, step: int) -> None:
+        if self._eval_renders:
+            self._eval_renders = 0
+            if self.empty_cache_after_eval:
+                self.release(step, "eval")
+
+    def after_iteration(self, step: int) -> None:
+        reasons = []
+        events = self.strategy.pop_events() if isinstance(self.strategy, BudgetedStrategy) else []
+        if self.empty_cache_after_refine:
+            reasons += sorted({kind for _, kind in events})
+        if self.empty_cache_every > 0 and step % self.empty_cache_every == 0:
+            reasons.append("every")
+        if reasons:
+            self.release(step, "+".join(reasons))
+        stats = self.sample()
+        if self.log_every > 0 and step % self.log_every == 0:
+            self.log(step, stats)
+
+    def after_training(self, step: int) -> None:
+        with self._lock if self._lock is not None else contextlib.nullcontext():
+            self.release(step, "end")
+
+    # -- actions ---------------------------------------------------------------------------------
+    def release(self, step: int, reason: str) -> None:
+        """Frees what Python still holds (gc) and returns the allocator's cache to the system."""
+        if self.collect_garbage:
+            gc.collect()
+        empty_cache(self.device)
+        self.releases.append((step, reason))
+
+    def sample(self) -> MemoryStats:
+        stats = memory_stats(self.device)
+        if stats.peak is None and stats.allocated is not None:
+            self._peak = max(self._peak, stats.allocated)
+            stats.peak = self._peak
+        self.last_stats = stats
+        return stats
+
+    def log(self, step: int, stats: Optional[MemoryStats] = None) -> Dict[str, float]:
+        """Writes the memory scalars for ``step`` to nerfstudio's writer and returns them."""
+        from nerfstudio.utils import writer
+
+        from .ops.workspace import workspace_stats
+
+        stats = stats or self.sample()
+        names = {"allocated": "allocated", "reserved": "reserved", "peak": "peak", "rss": "RSS"}
+        scalars = {f"Memory/{names[k]} (MB)": v for k, v in stats.as_mb().items()}
+        scalars["Memory/workspace (MB)"] = workspace_stats()["bytes"] / MiB
+        scalars["Memory/cache releases"] = float(len(self.releases))
+        if self.num_gaussians is not None:
+            scalars["Memory/gaussians"] = float(self.num_gaussians())
+        meta = self.render_meta() if self.render_meta is not None else None
+        if meta and meta.get("tiles_per_gauss") is not None:
+            scalars["Memory/intersections"] = float(meta["tiles_per_gauss"].sum())
+            scalars["Memory/depth chunks"] = float(meta.get("depth_chunks", 1))
+        if isinstance(self.strategy, BudgetedStrategy):
+            scalars["Memory/growth skipped by cap"] = float(self.strategy.growth_skipped)
+        for name, value in scalars.items():
+            writer.put_scalar(name=name, scalar=value, step=step)
+        return scalars
+
+
+def setup_model_memory(model) -> MemoryManager:
+    """For a SplatMetalModel after splatfacto's populate_modules: caps its strategy and returns the
+    MemoryManager built from its config (empty_cache_*, memory_log_every, max_gaussians,
+    max_intersections)."""
+    config = model.config
+    device = torch.device(model.kwargs.get("device") or "cpu")
+    max_gaussians, g_source = resolve_budget(config.max_gaussians, default_max_gaussians, device)
+    max_isects, i_source = resolve_budget(config.max_intersections, default_max_intersections, device)
+    model.strategy = BudgetedStrategy.from_strategy(model.strategy, max_gaussians)
+    return MemoryManager(
+        device,
+        strategy=model.strategy,
+        num_gaussians=lambda: model.num_points,
+        render_meta=lambda: getattr(model, "info", None),
+        empty_cache_after_refine=config.empty_cache_after_refine,
+        empty_cache_after_eval=config.empty_cache_after_eval,
+        empty_cache_every=config.empty_cache_every,
+        log_every=config.memory_log_every,
+        max_gaussians=max_gaussians,
+        max_gaussians_source=g_source,
+        max_intersections=max_isects,
+        max_intersections_source=i_source,
+    )

@@ -1,0 +1,150 @@
+"""Helpers for tests that drive splat-metal through nerfstudio's real command lines in subprocesses.
+
+``run_cli("ns-train", "splat-metal", ...)`` runs the console script installed next to this Python
+(the venv's), with a hard timeout that kills the whole process group, offline-safe environment
+(WANDB_MODE=disabled, HF_HUB_OFFLINE=1, and a TORCH_HOME of the caller's choosing so that nothing
+is downloaded into or read from the user's cache) and captured output.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Union
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_ARGS = REPO / "configs" / "demo.args"
+
+
+@dataclass
+class CliResult:
+    args: List[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def tail(self, n: int = 60) -> str:
+        """The last ``n`` lines of stdout and stderr, for assertion messages."""
+        out = "\n".join(self.stdout.splitlines()[-n:])
+        err = "\n".join(self.stderr.splitlines()[-n:])
+        return f"$ {' '.join(self.args)}\n(exit {self.returncode}, {self.seconds:.1f} s)\n--- stdout\n{out}\n--- stderr\n{err}"
+
+
+class CliTimeout(AssertionError):
+    pass
+
+
+def executable(name: str) -> str:
+    """The console script ``name`` of the Python running the tests (the venv), else from PATH."""
+    candidate = Path(sys.executable).parent / name
+    if candidate.is_file():
+        return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found next to {sys.executable} or on PATH; is nerfstudio installed?")
+    return found
+
+
+def cli_env(torch_home: Optional[Path] = None, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        WANDB_MODE="disabled",
+        HF_HUB_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        COLUMNS="200",  # rich wraps at the terminal width; keep paths on one line
+    )
+    env.pop("SPLAT_METAL_BACKEND", None)  # the tests choose the backend through the device, like users
+    if torch_home is not None:
+        env["TORCH_HOME"] = str(torch_home)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def run_cli(
+    command: Union[str, Sequence[str]],
+    *args: Union[str, Path, int, float],
+    cwd: Optional[Path] = None,
+    timeout: float = 300.0,
+    torch_home: Optional[Path] = None,
+    env: Optional[Dict[str, str]] = None,
+) -> CliResult:
+    """Runs ``command *args`` (``command`` a console script name like "ns-train", or an argv prefix
+    like [sys.executable, "-m", "pkg"]) and returns its result. Raises CliTimeout (an
+    AssertionError, so the test fails with the output so far) if it runs longer than ``timeout``."""
+    prefix = [executable(command)] if isinstance(command, str) else [str(c) for c in command]
+    argv = prefix + [str(a) for a in args]
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        argv,
+        cwd=str(cwd) if cwd else None,
+        env=env if env is not None else cli_env(torch_home),
+        stdin=subprocess.DEVNULL,  # a prompt (nerfstudio asks some questions) must not hang the test
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        start_new_session=True,  # its own process group, so a timeout kills its children too
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        result = CliResult(argv, -9, stdout, stderr, time.perf_counter() - start)
+        raise CliTimeout(f"timed out after {timeout:.0f} s (a hang?)\n{result.tail()}") from None
+    return CliResult(argv, proc.returncode, stdout, stderr, time.perf_counter() - start)
+
+
+def latest_config(output_dir: Path) -> Path:
+    """The newest config.yml that ns-train wrote under ``output_dir``."""
+    configs = sorted(Path(output_dir).rglob("config.yml"), key=lambda p: p.stat().st_mtime_ns)
+    if not configs:
+        raise FileNotFoundError(f"no config.yml under {output_dir}")
+    return configs[-1]
+
+
+def checkpoints(run_dir: Path) -> List[Path]:
+    """step-*.ckpt files of a run (``run_dir`` is the folder holding config.yml), by step."""
+    return sorted((Path(run_dir) / "nerfstudio_models").glob("step-*.ckpt"))
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(Path(path).stem.split("-")[1])
+
+
+def demo_args(**overrides: Union[str, int, float]) -> List[str]:
+    """configs/demo.args as an argument list (comments dropped), with options replaced or added:
+    ``demo_args(max_num_iterations=100)`` replaces ``--max-num-iterations``; keys map ``_`` to
+    ``-`` and ``__`` to ``.`` (``pipeline__model__warmup_length`` -> ``--pipeline.model.warmup-length``)."""
+    options: Dict[str, List[str]] = {}
+    for line in DEMO_ARGS.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        flag, *values = line.split()
+        options[flag] = values
+    for key, value in overrides.items():
+        options["--" + key.replace("__", ".").replace("_", "-")] = [str(value)]
+    return [item for flag, values in options.items() for item in (flag, *values)]
+
+
+def snapshot(root: Path) -> Dict[str, tuple]:
+    """{relative path: (size, mtime_ns, bytes)} of every file under ``root`` (small trees only)."""
+    root = Path(root)
+    return {
+        p.relative_to(root).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }

@@ -1,0 +1,131 @@
+"""Small demo-scene runs for the tests that drive nerfstudio's own tools as users do (ns-train,
+ns-export, ns-render, ns-eval, ns-viewer). Each scene/run is made once per pytest session (cached
+under pytest's base temp dir) and shared by tests/test_viewer.py, test_export_roundtrip.py and
+test_nerfstudio_tools.py.
+
+Sizes are chosen for CPU speed: 64x48 images (non-square, DESIGN.md), 20 views (nerfstudio's split
+holds out 2), 10-30 training steps. Tests check rendering and tooling, not quality.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+WIDTH, HEIGHT, VIEWS, SEED = 64, 48, 20, 0
+# The eval split nerfstudio's dataparser makes for VIEWS views (see demo_scene.eval_indices).
+N_EVAL = 2
+
+_RUN_ENV_DROP = ("SPLAT_METAL_RENDER_DEVICE", "SPLAT_METAL_RENDER_LOG", "SPLAT_METAL_BACKEND")
+
+
+def demo_args() -> List[str]:
+    """configs/demo.args as ns-train arguments."""
+    lines = (REPO / "configs" / "demo.args").read_text().splitlines()
+    return [tok for line in lines if line.strip() and not line.lstrip().startswith("#") for tok in line.split()]
+
+
+def tool(name: str) -> str:
+    """Path of a nerfstudio console script (ns-train, ...) of this interpreter's environment."""
+    candidate = Path(sys.executable).parent / name
+    found = str(candidate) if candidate.exists() else shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} not found next to {sys.executable} or on PATH: is nerfstudio installed (scripts/setup.sh)?")
+    return found
+
+
+def tool_env(**extra: str) -> Dict[str, str]:
+    """The environment the tools run in: offline, unbuffered, no splat-metal overrides unless given."""
+    env = {k: v for k, v in os.environ.items() if k not in _RUN_ENV_DROP}
+    env.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def run_tool(args: Sequence[str], log_dir: Path, name: str, timeout: float = 600, env=None) -> str:
+    """Runs a tool to completion; fails the test with the end of its output when it fails.
+    Returns stdout+stderr (also kept in log_dir/name.log)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{name}.log"
+    try:
+        proc = subprocess.run(
+            [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            timeout=timeout, env=env or tool_env(), cwd=log_dir,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        log.write_text(e.stdout if isinstance(e.stdout, str) else "")
+        pytest.fail(f"{name} did not finish within {timeout:.0f} s; output in {log}")
+    log.write_text(proc.stdout)
+    if proc.returncode != 0:
+        pytest.fail(f"{name} failed with exit code {proc.returncode}; last output:\n{proc.stdout[-4000:]}")
+    return proc.stdout
+
+
+_cache: Dict[str, Path] = {}
+
+
+def demo_scene(tmp_path_factory) -> Path:
+    if "scene" not in _cache:
+        from splat_metal_method import demo_scene as generator
+
+        out = tmp_path_factory.getbasetemp() / "demo_runs" / "scene"
+        if not (out / "transforms.json").is_file():
+            generator.generate(out, width=WIDTH, height=HEIGHT, views=VIEWS, seed=SEED)
+        _cache["scene"] = out
+    return _cache["scene"]
+
+
+def finished_run(tmp_path_factory, name: str, steps: int, extra: Sequence[str] = ()) -> Path:
+    """config.yml of a finished `ns-train splat-metal` run on the demo scene (demo preset + extra)."""
+    if name not in _cache:
+        scene = demo_scene(tmp_path_factory)
+        root = tmp_path_factory.getbasetemp() / "demo_runs" / name
+        config = root / "outputs" / scene.name / "splat-metal" / "run" / "config.yml"
+        if not config.is_file():
+            run_tool(
+                [tool("ns-train"), "splat-metal", *demo_args(), "--data", scene, "--output-dir", root / "outputs",
+                 "--timestamp", "run", "--vis", "tensorboard", "--max-num-iterations", steps,
+                 "--steps-per-save", 100000, "--steps-per-eval-image", 100000, "--steps-per-eval-all-images", 100000,
+                 *extra],
+                root, "ns-train",
+            )  # fmt: skip
+        ckpts = sorted((config.parent / "nerfstudio_models").glob("step-*.ckpt"))
+        assert config.is_file() and ckpts, f"ns-train wrote no config/checkpoint under {config.parent}"
+        assert ckpts[-1].name == f"step-{steps - 1:09d}.ckpt", f"unexpected final checkpoint {ckpts[-1].name}"
+        _cache[name] = config
+    return _cache[name]
+
+
+def sh3_run(tmp_path_factory) -> Path:
+    """30 steps; SH bands 1 and 2 are trained (interval 10), the gaussians densify at steps 10 and 20."""
+    return finished_run(
+        tmp_path_factory, "sh3", 30,
+        ["--pipeline.model.sh-degree-interval", "10", "--pipeline.model.warmup-length", "10",
+         "--pipeline.model.refine-every", "10"],
+    )  # fmt: skip
+
+
+def sh0_run(tmp_path_factory) -> Path:
+    """10 steps with --pipeline.model.sh-degree 0 (colours as sigmoid logits, no SH rest)."""
+    return finished_run(tmp_path_factory, "sh0", 10, ["--pipeline.model.sh-degree", "0"])
+
+
+def load_pipeline(config: Path, test_mode: str = "test"):
+    """nerfstudio's own loader, as ns-export/ns-render/ns-eval/ns-viewer use it."""
+    from nerfstudio.utils.eval_utils import eval_setup
+
+    _, pipeline, ckpt, step = eval_setup(config, test_mode=test_mode)
+    pipeline.eval()
+    return pipeline, Path(ckpt), step
+
+
+def latest_checkpoint(config: Path) -> Optional[Path]:
+    ckpts = sorted((config.parent / "nerfstudio_models").glob("step-*.ckpt"))
+    return ckpts[-1] if ckpts else None

@@ -1,0 +1,245 @@
+"""Bad datasets: ``ns-train splat-metal --data BAD`` stops at once with one clear message that names
+the offending path, exit status non-zero, no traceback, no hang, and nothing written or overwritten.
+
+The CLI cases run the real ns-train in a subprocess. Each points --output-dir/--experiment-name/
+--timestamp at an existing run, so that nerfstudio, left alone, would overwrite its config.yml
+before it ever reads the data (train.py saves the config first); the run must stay byte-identical.
+The in-process cases drive SplatMetalDataParser directly (the path ns-eval and Python users take).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from cli_helpers import run_cli, snapshot
+from splat_metal_method import demo_scene
+from splat_metal_method.dataparser import DatasetError, SplatMetalDataParserConfig, check_dataset
+
+WIDTH, HEIGHT, VIEWS = 32, 24, 10  # smallest demo scene with a held-out view: fast to make and to copy
+CLI_TIMEOUT = 180  # s; a failing start takes ~10-20 s (imports), a hang or a training run takes far longer
+EXPERIMENT, TIMESTAMP = "existing", "2000-01-01_000000"
+
+
+@pytest.fixture(scope="module")
+def good_scene(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bad_input") / "good"
+    demo_scene.generate(out, width=WIDTH, height=HEIGHT, views=VIEWS)
+    return out
+
+
+@pytest.fixture
+def scene_copy(good_scene, tmp_path):
+    """A fresh copy of the good scene to break."""
+
+    def make(name: str = "scene") -> Path:
+        return Path(shutil.copytree(good_scene, tmp_path / name))
+
+    return make
+
+
+@pytest.fixture
+def existing_run(tmp_path) -> Path:
+    """An output dir holding a finished run, exactly where the bad command would write."""
+    output_dir = tmp_path / "outputs"
+    run = output_dir / EXPERIMENT / "splat-metal" / TIMESTAMP
+    (run / "nerfstudio_models").mkdir(parents=True)
+    (run / "config.yml").write_text("# the config of a run that must survive\n")
+    (run / "nerfstudio_models" / "step-000000099.ckpt").write_bytes(b"checkpoint bytes that must survive")
+    return output_dir
+
+
+def _edit_transforms(scene: Path, edit) -> Path:
+    path = scene / "transforms.json"
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta, indent=2))
+    return path
+
+
+# Each builder breaks a dataset under tmp and returns (--data, path the message must name, other expected words).
+def _missing_folder(scene_copy, tmp):
+    return tmp / "no_such_scene", tmp / "no_such_scene", ["does not exist", "transforms.json"]
+
+
+def _empty_folder(scene_copy, tmp):
+    (tmp / "empty").mkdir()
+    return tmp / "empty", tmp / "empty", ["is empty", "transforms.json"]
+
+
+def _no_transforms(scene_copy, tmp):
+    scene = scene_copy()
+    (scene / "transforms.json").unlink()
+    return scene, scene, ["has no transforms.json", "ns-process-data"]
+
+
+def _missing_image(scene_copy, tmp):
+    scene = scene_copy()
+    image = scene / demo_scene.frame_name(4)
+    image.unlink()
+    return scene, image, ["does not exist"]
+
+
+def _truncated_image(scene_copy, tmp):
+    scene = scene_copy()
+    image = scene / demo_scene.frame_name(3)
+    data = image.read_bytes()
+    image.write_bytes(data[: len(data) // 2])  # the header still parses: only a full decode notices
+    with Image.open(image) as im:
+        assert im.size == (WIDTH, HEIGHT)
+    return scene, image, ["truncated"]
+
+
+def _zero_focal(scene_copy, tmp):
+    scene = scene_copy()
+    path = _edit_transforms(scene, lambda m: m.update(fl_x=0.0))
+    return scene, path, ["fl_x", "> 0"]
+
+
+def _negative_focal_in_a_frame(scene_copy, tmp):
+    scene = scene_copy()
+    path = _edit_transforms(scene, lambda m: m["frames"][2].update(fl_y=-50.0))
+    return scene, path, ["frame 2", "fl_y", "-50.0", "> 0"]
+
+
+def _mixed_image_sizes(scene_copy, tmp):
+    scene = scene_copy()
+    image = scene / demo_scene.frame_name(5)
+    with Image.open(image) as im:
+        im.resize((WIDTH * 2, HEIGHT * 2)).save(image)
+    return scene, image, [f"{2 * WIDTH}x{2 * HEIGHT}", f"w={WIDTH}, h={HEIGHT}"]
+
+
+CLI_CASES = {
+    "missing-folder": _missing_folder,
+    "empty-folder": _empty_folder,
+    "no-transforms-json": _no_transforms,
+    "missing-image": _missing_image,
+    "truncated-image": _truncated_image,
+    "zero-focal": _zero_focal,
+    "mixed-image-sizes": _mixed_image_sizes,
+}
+PARSER_CASES = {**CLI_CASES, "negative-focal-in-a-frame": _negative_focal_in_a_frame}
+
+
+def _message_lines(stderr: str) -> list:
+    """The error message at the end of stderr: from the last line starting "splat-metal: " on."""
+    lines = stderr.rstrip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("splat-metal: ")]
+    return lines[starts[-1]:] if starts else []
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_ns_train_rejects_bad_data_cleanly(case, scene_copy, tmp_path, existing_run):
+    data, named, words = CLI_CASES[case](scene_copy, tmp_path)
+    before_data = snapshot(data) if data.exists() else None
+    before_run = snapshot(existing_run)
+    result = run_cli(
+        "ns-train", "splat-metal", "--data", data, "--output-dir", existing_run,
+        "--experiment-name", EXPERIMENT, "--timestamp", TIMESTAMP,
+        "--max-num-iterations", 5, "--vis", "tensorboard",
+        timeout=CLI_TIMEOUT, torch_home=tmp_path / "torch_home",
+    )  # fmt: skip
+    assert result.returncode != 0, result.tail()
+    assert "Traceback" not in result.output, result.tail()
+    message = _message_lines(result.stderr)
+    assert message, f"no 'splat-metal: ' message at the end of stderr\n{result.tail()}"
+    assert all(line.startswith("  ") for line in message[1:]), f"something was printed after the message\n{result.tail()}"
+    text = "\n".join(message)
+    assert str(named) in text, f"message does not name {named}:\n{text}"
+    for word in words:
+        assert word in text, f"{word!r} not in message:\n{text}"
+    # Nothing written: the existing run is byte-identical (same mtimes) and no new run appeared;
+    # the dataset itself is untouched.
+    assert snapshot(existing_run) == before_run
+    if before_data is not None:
+        assert snapshot(data) == before_data
+
+
+@pytest.mark.parametrize("case", list(PARSER_CASES))
+def test_dataparser_raises_dataset_error(case, scene_copy, tmp_path):
+    """The same checks inside the dataparser (ns-eval, --load-config, Python), before any loading."""
+    data, named, words = PARSER_CASES[case](scene_copy, tmp_path)
+    parser = SplatMetalDataParserConfig(data=data, load_3D_points=True).setup()
+    with pytest.raises(DatasetError) as info:
+        parser.get_dataparser_outputs(split="train")
+    message = str(info.value)
+    assert message.startswith("splat-metal: ") and message == info.value.code  # what Python prints on exit
+    assert isinstance(info.value, SystemExit) and not isinstance(info.value, Exception)
+    assert str(named) in message
+    for word in words:
+        assert word in message
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda s: (s / "transforms.json").write_text('{"frames": [{"file_path": '), ["not valid JSON", "line 1"]),
+        (lambda s: _edit_transforms(s, lambda m: m.update(frames=[])), ["lists no frames"]),
+        (lambda s: (s / demo_scene.PLY_NAME).unlink(), ["seed points", demo_scene.PLY_NAME, "do not exist"]),
+        (lambda s: _edit_transforms(s, lambda m: m["frames"][1]["transform_matrix"][0].__setitem__(3, "nan")),
+         ["frame 1", "transform_matrix"]),
+        (lambda s: _edit_transforms(s, lambda m: m.pop("fl_y")), ["no fl_y"]),
+        (lambda s: _edit_transforms(s, lambda m: m.update(w=32.5)), ["w = 32.5", "whole number"]),
+    ],
+    ids=["invalid-json", "no-frames", "missing-seed-points", "nan-pose", "no-focal", "fractional-width"],
+)
+def test_more_problems_are_named(scene_copy, edit, words):
+    scene = scene_copy()
+    edit(scene)
+    with pytest.raises(DatasetError) as info:
+        check_dataset(scene)
+    assert str(scene) in str(info.value)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+def test_many_problems_are_listed_together(scene_copy):
+    scene = scene_copy()
+    for i in range(VIEWS):
+        (scene / demo_scene.frame_name(i)).unlink()
+    with pytest.raises(DatasetError) as info:
+        check_dataset(scene)
+    message = str(info.value)
+    assert f"{VIEWS} problems" in message and "... and 2 more" in message
+    assert message.count("does not exist") == 8
+
+
+def test_good_datasets_pass(good_scene, scene_copy):
+    """No false alarms: the demo scene, its transforms.json given directly, and frames of different
+    sizes when each frame states its own w/h (nerfstudio supports that)."""
+    check_dataset(good_scene)
+    outputs = SplatMetalDataParserConfig(data=good_scene / "transforms.json", load_3D_points=True).setup()
+    assert len(outputs.get_dataparser_outputs("train").image_filenames) == VIEWS - len(demo_scene.eval_indices(VIEWS))
+
+    scene = scene_copy("per_frame_sizes")
+    image = scene / demo_scene.frame_name(5)
+    with Image.open(image) as im:
+        im.resize((WIDTH * 2, HEIGHT * 2)).save(image)
+
+    def per_frame(meta):
+        for frame in meta["frames"]:
+            frame.update(w=meta["w"], h=meta["h"])
+        meta["frames"][5].update(w=WIDTH * 2, h=HEIGHT * 2)
+        del meta["w"], meta["h"]
+
+    _edit_transforms(scene, per_frame)
+    parsed = SplatMetalDataParserConfig(data=scene, load_3D_points=True).setup().get_dataparser_outputs("train")
+    widths = {int(w) for w in parsed.cameras.width}
+    assert widths == {WIDTH, WIDTH * 2}
+
+
+def test_inference_setup_does_not_need_the_images(scene_copy):
+    """ns-export/ns-viewer set up nerfstudio in "inference" mode, which opens no image: exporting a
+    trained model must keep working after its training images are gone. Training must not."""
+    scene = scene_copy()
+    shutil.rmtree(scene / "images")
+    parser = SplatMetalDataParserConfig(data=scene, load_3D_points=True).setup()
+    parser.downscale_factor = 1  # what FullImageDatamanager does for test_mode="inference"
+    assert len(parser.get_dataparser_outputs("train").image_filenames) > 0
+    with pytest.raises(DatasetError, match="does not exist"):
+        SplatMetalDataParserConfig(data=scene, load_3D_points=True).setup().get_dataparser_outputs("train")
