@@ -4,7 +4,8 @@ by itself (mps > cuda > cpu) unless the user passes --machine.device-type. The d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Type
 
 import torch
 from nerfstudio.configs.base_config import MachineConfig, ViewerConfig
@@ -17,6 +18,7 @@ from nerfstudio.plugins.types import MethodSpecification
 
 from .dataparser import SplatMetalDataParserConfig, check_dataset
 from .model import SplatMetalModelConfig
+from .reliability import SplatMetalTrainer
 
 
 def default_device_type() -> str:
@@ -30,7 +32,10 @@ def default_device_type() -> str:
 
 @dataclass
 class SplatMetalTrainerConfig(TrainerConfig):
-    """TrainerConfig that checks the dataset before ns-train saves config.yml (its first write)."""
+    """TrainerConfig that checks the dataset before ns-train saves config.yml (its first write), and
+    trains with SplatMetalTrainer (reliability.py: atomic checkpoints, clean stop on Ctrl-C/SIGTERM/NaN)."""
+
+    _target: Type = field(default_factory=lambda: SplatMetalTrainer)
 
     def save_config(self) -> None:
         datamanager = self.pipeline.datamanager

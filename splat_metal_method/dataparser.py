@@ -55,10 +55,6 @@ class DatasetError(SystemExit):
     def __init__(self, message: str):
         super().__init__(f"splat-metal: {message}")
 
-    @property
-    def message(self) -> str:
-        return str(self.code)
-
 
 # (path, size in bytes, mtime in ns) -> (width, height) or the reason the image cannot be read.
 _decode_cache: Dict[Tuple[str, int, int], object] = {}
@@ -92,10 +88,12 @@ def _number(value) -> Optional[float]:
 def _read_transforms(data: Path) -> Tuple[Path, Path, dict]:
     """-> (transforms.json path, data_dir, parsed dict); raises DatasetError for problems that stop everything."""
     if not data.exists():
-        raise DatasetError(f"dataset folder {data} does not exist. {HINT_NO_DATASET}")
+        raise DatasetError(f"dataset path {data} does not exist. {HINT_NO_DATASET}")
     if data.is_file():
         if data.suffix != ".json":
-            raise DatasetError(f"{data} is a file; expected a dataset folder or its transforms .json. {HINT_NO_DATASET}")
+            raise DatasetError(
+                f"{data} is a file; expected a dataset folder or its transforms .json. {HINT_NO_DATASET}"
+            )
         transforms, data_dir = data, data.parent
     else:
         transforms, data_dir = data / "transforms.json", data
@@ -125,8 +123,9 @@ def check_dataset(data: Path, inference: bool = False, load_3D_points: bool = Tr
     problems: List[str] = []
     to_decode: List[Tuple[Path, Tuple[int, int], str]] = []  # (image, (w, h) its camera says, frame label)
 
-    if not inference and load_3D_points and "ply_file_path" in meta and not (data_dir / str(meta["ply_file_path"])).is_file():
-        problems.append(f"seed points {data_dir / str(meta['ply_file_path'])} (ply_file_path) do not exist")
+    seed_points = data_dir / str(meta.get("ply_file_path"))
+    if not inference and load_3D_points and "ply_file_path" in meta and not seed_points.is_file():
+        problems.append(f"seed points {seed_points} (ply_file_path) do not exist")
 
     def check_value(key: str, value, where: str) -> bool:
         x = _number(value)

@@ -21,7 +21,7 @@ import torch
 from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.models.splatfacto import RGB2SH, SplatfactoModel, SplatfactoModelConfig, get_viewmat
 
-from . import memory, render_device
+from . import memory, reliability, render_device
 from .ops import rasterization
 
 # torchvision's AlexNet weights, which torchmetrics' LPIPS loads at construction.
@@ -79,6 +79,10 @@ class SplatMetalModelConfig(SplatfactoModelConfig):
     """Also release cached device memory every this many steps (0: off)."""
     memory_log_every: int = 100
     """Write memory scalars (Memory/...) to tensorboard/wandb/comet every this many steps (0: off)."""
+    nonfinite: Literal["recover", "stop"] = "recover"
+    """When a gaussian parameter or gradient becomes NaN/Inf (checked after every step, reported with the
+    step and parameter): "recover" drops the affected gaussians and continues; "stop" ends training
+    before that step is saved, keeping the last good checkpoint (splat_metal_method/reliability.py)."""
 
 
 class SplatMetalModel(SplatfactoModel):
@@ -102,10 +106,17 @@ class SplatMetalModel(SplatfactoModel):
                     self.features_dc.copy_(torch.logit(rgb, eps=1e-10))
                 self.features_rest.zero_()
         self.memory = memory.setup_model_memory(self)  # caps self.strategy; hooks via get_training_callbacks
+        reliability.install_atomic_ply_export()  # in ns-export only: the .ply is written, then renamed
 
     def get_training_callbacks(self, training_callback_attributes):
-        return super().get_training_callbacks(training_callback_attributes) + self.memory.training_callbacks(
-            training_callback_attributes
+        # The NaN/Inf check goes last: after the strategy's densification and the memory hooks.
+        self.nonfinite_guard = reliability.NonFiniteGuard(
+            self, training_callback_attributes.optimizers.optimizers, self.config.nonfinite
+        )
+        return (
+            super().get_training_callbacks(training_callback_attributes)
+            + self.memory.training_callbacks(training_callback_attributes)
+            + self.nonfinite_guard.training_callbacks()
         )
 
     def get_outputs(self, camera: Cameras) -> Dict[str, Union[torch.Tensor, List]]:

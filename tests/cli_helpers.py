@@ -38,7 +38,8 @@ class CliResult:
         """The last ``n`` lines of stdout and stderr, for assertion messages."""
         out = "\n".join(self.stdout.splitlines()[-n:])
         err = "\n".join(self.stderr.splitlines()[-n:])
-        return f"$ {' '.join(self.args)}\n(exit {self.returncode}, {self.seconds:.1f} s)\n--- stdout\n{out}\n--- stderr\n{err}"
+        head = f"$ {' '.join(self.args)}\n(exit {self.returncode}, {self.seconds:.1f} s)"
+        return f"{head}\n--- stdout\n{out}\n--- stderr\n{err}"
 
 
 class CliTimeout(AssertionError):
@@ -64,7 +65,8 @@ def cli_env(torch_home: Optional[Path] = None, extra: Optional[Dict[str, str]] =
         PYTHONUNBUFFERED="1",
         COLUMNS="200",  # rich wraps at the terminal width; keep paths on one line
     )
-    env.pop("SPLAT_METAL_BACKEND", None)  # the tests choose the backend through the device, like users
+    for name in [n for n in env if n.startswith("SPLAT_METAL_")]:
+        del env[name]  # backend/render-device overrides: the tests get what a user gets by default
     if torch_home is not None:
         env["TORCH_HOME"] = str(torch_home)
     if extra:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 WIDTH, HEIGHT, VIEWS, SEED = 64, 48, 20, 0
@@ -129,3 +130,48 @@ def load_pipeline(config: Path, test_mode: str = "test"):
 def latest_checkpoint(config: Path) -> Optional[Path]:
     ckpts = sorted((config.parent / "nerfstudio_models").glob("step-*.ckpt"))
     return ckpts[-1] if ckpts else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny in-process models and cameras (no dataset, no training).
+
+
+def small_model(background: str):
+    """A SplatMetalModel with 200 gaussians in the unit cube, no dataset needed."""
+    from nerfstudio.data.scene_box import SceneBox
+
+    from splat_metal_method.model import SplatMetalModelConfig
+
+    gen = torch.Generator().manual_seed(1)
+    means = torch.rand(200, 3, generator=gen) - 0.5
+    colors = (torch.rand(200, 3, generator=gen) * 255).to(torch.uint8)
+    config = SplatMetalModelConfig(background_color=background, backend="reference")
+    model = config.setup(scene_box=SceneBox(aabb=torch.tensor([[-1.0, -1, -1], [1, 1, 1]])), num_train_data=1,
+                         metadata={}, seed_points=(means, colors))  # fmt: skip
+    model.config.num_downscales = 0  # full resolution in train mode too
+    with torch.no_grad():
+        model.gauss_params["opacities"].fill_(2.0)
+    return model
+
+
+def camera(c2w, width=40, height=30):
+    from nerfstudio.cameras.cameras import Cameras
+
+    return Cameras(camera_to_worlds=c2w[None], fx=30.0, fy=30.0, cx=width / 2, cy=height / 2,
+                   width=width, height=height)  # fmt: skip
+
+
+def facing_origin(distance=3.0):
+    """An OpenGL-convention camera on the +z axis looking at the origin (down its own -z)."""
+    c2w = torch.eye(4)[:3].clone()
+    c2w[2, 3] = distance
+    return c2w
+
+
+def look_away(c2w: torch.Tensor) -> torch.Tensor:
+    """The same camera moved 10x further out and turned around: every gaussian is behind it."""
+    away = c2w.clone()
+    away[:, 3] = c2w[:, 3] * 10
+    away[:, 0] = -c2w[:, 0]  # rotate 180 degrees about the camera's own y (up) axis
+    away[:, 2] = -c2w[:, 2]
+    return away

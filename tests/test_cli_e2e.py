@@ -28,9 +28,9 @@ from splat_metal_method import demo_scene
 from splat_metal_method.config import default_device_type, splat_metal_trainer_config
 
 WIDTH, HEIGHT, VIEWS = 64, 48, 32
-ITERS = 100  # steps of the main run: 0 .. ITERS-1
-REFINE = 25  # warmup and refine interval: densification at steps 50 and 75 (gsplat refines at step > warmup)
-RESUME_ITERS = 10  # steps the resumed run adds
+ITERS = 90  # steps of the main run: 0 .. ITERS-1
+REFINE = 30  # warmup and refine interval: gsplat densifies at steps > warmup that are multiples: 60 (and 90)
+RESUME_ITERS = 10  # steps the resumed run adds: ITERS .. ITERS+9, starting with a densification at step 90
 SEED_POINTS = demo_scene.N_SEED_POINTS
 LOGIT_MIN_OPACITY = -5.5373  # logit(1/255): ns-export drops gaussians below it (exporter.py)
 TRAIN_TIMEOUT = 600
@@ -105,7 +105,9 @@ def checkpoint(run) -> Path:
 @pytest.fixture(scope="module")
 def evaluation(run, tmp_path_factory) -> tuple:
     out = tmp_path_factory.mktemp("eval") / "eval.json"
-    result = run_cli("ns-eval", "--load-config", run.config, "--output-path", out, timeout=300, torch_home=run.torch_home)
+    result = run_cli(
+        "ns-eval", "--load-config", run.config, "--output-path", out, timeout=300, torch_home=run.torch_home
+    )
     assert result.returncode == 0, result.tail()
     return json.loads(out.read_text()), result
 
@@ -157,7 +159,7 @@ def test_heldout_psnr_beats_baselines(run, evaluation):
       structure scores), and
     - the initial render: nerfstudio logs the training PSNR of step 0, computed on the render of the
       untouched seed-point gaussians before the first optimiser step.
-    Measured here after 100 steps: constant ~12 dB, initial ~17 dB, held-out ~24-27 dB."""
+    Measured on 2 CPU cores after 90 steps: constant 10.6 dB, initial 17.5 dB, held-out 23.9 dB."""
     metrics, _ = evaluation
     results = metrics["results"]
     frames = demo_scene.eval_indices(VIEWS)
@@ -177,7 +179,8 @@ def test_heldout_psnr_beats_baselines(run, evaluation):
 def test_lpips_skipped_once_and_nothing_downloaded(run, evaluation):
     metrics, eval_result = evaluation
     for name, result in (("ns-train", run.result), ("ns-eval", eval_result)):
-        assert result.output.count("LPIPS skipped") == 1, f"{name}: expected one 'LPIPS skipped' warning\n{result.tail()}"
+        count = result.output.count("LPIPS skipped")
+        assert count == 1, f"{name}: {count} 'LPIPS skipped' warnings, expected one\n{result.tail()}"
     assert "psnr" in metrics["results"] and "ssim" in metrics["results"]
     assert not any("lpips" in key for key in metrics["results"]), metrics["results"]
     downloaded = [p for p in run.torch_home.rglob("*") if p.is_file()]
@@ -211,7 +214,8 @@ def test_export_gaussian_splat_ply(run, checkpoint, tmp_path):
     flat = torch.cat([v.reshape(n, -1) for v in p.values()], dim=1)
     keep = torch.isfinite(flat).all(dim=1) & (p["opacities"][:, 0] >= LOGIT_MIN_OPACITY)
     assert keep.sum() >= 0.9 * n, f"only {int(keep.sum())}/{n} gaussians are exportable"
-    assert vertex.count == int(keep.sum()), f"PLY has {vertex.count} vertices, model has {n} ({int(keep.sum())} exportable)"
+    exportable = int(keep.sum())
+    assert vertex.count == exportable, f"PLY has {vertex.count} vertices, model has {n} ({exportable} exportable)"
     if keep.all():
         assert vertex.count == n
 
@@ -245,7 +249,14 @@ def test_resume_continues_step_count(run, checkpoint):
     new_run = run.run_dir.parent / "resumed"
     new = checkpoints(new_run)
     assert [checkpoint_step(c) for c in new] == [old_step + RESUME_ITERS]  # resume adds max-num-iterations steps
-    assert torch.load(new[0], map_location="cpu")["step"] == old_step + RESUME_ITERS
+    resumed_state = torch.load(new[0], map_location="cpu")
+    assert resumed_state["step"] == old_step + RESUME_ITERS
+    # The optimizers hold the model's own parameters: their Adam moments have the parameters' shapes
+    # (after a densification they would not if the optimizers still pointed at pre-load tensors).
+    for name in ("means", "scales", "quats", "features_dc", "features_rest", "opacities"):
+        param = resumed_state["pipeline"][f"_model.gauss_params.{name}"]
+        moments = resumed_state["optimizers"][name]["state"][0]["exp_avg"]
+        assert moments.shape == param.shape, (name, moments.shape, param.shape)
     # The old run is untouched.
     assert checkpoints(run.run_dir) == [checkpoint]
     assert _sha256(checkpoint) == before_hash and checkpoint.stat().st_mtime_ns == before_mtime

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from nerfstudio.models.splatfacto import RGB2SH, SH2RGB
 
 import demo_runs
 
@@ -60,9 +61,15 @@ def read_splat_ply(path: Path, inria_rest_order: bool = True) -> Dict[str, np.nd
     }
 
 
-def model_from_ply(template, params: Dict[str, np.ndarray]):
-    """A copy of ``template`` whose gaussians are exactly ``params`` (splatfacto's load_state_dict
-    resizes the parameters, as when loading a checkpoint)."""
+def model_from_ply(template, params: Dict[str, np.ndarray], dc_as_stored: bool = False):
+    """A copy of ``template`` whose gaussians are ``params`` (splatfacto's load_state_dict resizes the
+    parameters, as when loading a checkpoint). The PLY's f_dc are DC SH coefficients (Inria convention)
+    also for SH degree 0, where the exporter writes RGB2SH(sigmoid(features_dc)); the model stores
+    sigmoid logits then, so they are converted back (``dc_as_stored=True`` skips that, for the tests'
+    negative control)."""
+    if template.config.sh_degree == 0 and not dc_as_stored:
+        dc = torch.from_numpy(params["features_dc"])
+        params = dict(params, features_dc=torch.logit(SH2RGB(dc)).numpy())
     model = copy.deepcopy(template)
     model.load_state_dict({f"gauss_params.{k}": torch.from_numpy(v) for k, v in params.items()}, strict=False)
     model.eval()
@@ -211,11 +218,18 @@ def test_sh0_round_trip_reproduces_render(sh0_export):
 
     params = read_splat_ply(ply)
     assert params["features_rest"].shape == (len(vertex), 0, 3)
+    opacities = original.opacities.detach().squeeze(-1)
+    keep = torch.isfinite(opacities) & (opacities >= LOW_OPACITY_LOGIT)
+    assert len(vertex) == int(keep.sum())
+    expected_dc = RGB2SH(torch.sigmoid(original.features_dc.detach()[keep])).numpy()
+    np.testing.assert_allclose(params["features_dc"], expected_dc, rtol=0, atol=1e-6)
     cameras = _cameras(pipeline)
     restored = model_from_ply(original, params)
     diff = _max_render_diff(original, restored, cameras)
     assert diff <= TOL, f"PLY round trip changes the SH-0 render by {diff:.3g} (> {TOL})"
 
-    # 1e-5 is tight enough to notice a lossy store: the same values through float16 render differently.
+    # The check has teeth: taking f_dc for the model's stored logits renders visibly differently, and
+    # 1e-5 notices even a lossy store (the same values through float16).
+    assert _max_render_diff(original, model_from_ply(original, params, dc_as_stored=True), cameras) > 1e-2
     lossy = {k: v.astype(np.float16).astype(np.float32) for k, v in params.items()}
     assert _max_render_diff(original, model_from_ply(original, lossy), cameras) > 10 * TOL

@@ -144,6 +144,10 @@ def rasterization(
     if name == "gsplat":
         from gsplat.rendering import rasterization as gsplat_rasterization
 
+        # gsplat normalises with rsqrt(|q|^2): a zero quaternion becomes NaN. The other backends (like
+        # F.normalize) give it the identity rotation and a zero gradient; so does this.
+        zero_quat = (quats.detach() * quats.detach()).sum(dim=-1, keepdim=True) == 0  # [N, 1]
+        quats = torch.where(zero_quat, quats.new_tensor([1.0, 0.0, 0.0, 0.0]), quats)
         return gsplat_rasterization(
             means, quats, scales, opacities, colors, viewmats, Ks, width, height,
             near_plane=near_plane, far_plane=far_plane, radius_clip=radius_clip, eps2d=eps2d,

@@ -21,7 +21,7 @@ from torch import Tensor
 from .isect import isect_offset_encode_fwd, isect_tiles_fwd
 from .project import project_fwd
 from .project_bwd import project_bwd
-from .rasterize import RASTER_CHUNK, rasterize_to_pixels_fwd
+from .rasterize import RASTER_CHUNK, count_passes, rasterize_to_pixels_fwd
 from .rasterize_bwd import rasterize_to_pixels_bwd
 from .sh import spherical_harmonics_fwd
 from .sh_bwd import spherical_harmonics_bwd
@@ -111,12 +111,15 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, means2d, conics, colors, opacities, backgrounds, width, height, tile_size,
                 isect_offsets, flatten_ids, absgrad_buf):  # fmt: skip
+        # One pass count for forward and backward: at most one host sync (when M > RASTER_CHUNK).
+        n_passes = count_passes(isect_offsets, flatten_ids.numel(), RASTER_CHUNK, colors.shape[1])
         render_colors, render_alphas, transmittance, last_ids = rasterize_to_pixels_fwd(
-            means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, backgrounds
-        )
+            means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, backgrounds,
+            chunk=RASTER_CHUNK, n_passes=n_passes,
+        )  # fmt: skip
         ctx.save_for_backward(means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids,
                               transmittance, last_ids)  # fmt: skip
-        ctx.args = (width, height, tile_size)
+        ctx.args = (width, height, tile_size, n_passes)
         ctx.absgrad_buf = absgrad_buf
         return render_colors, render_alphas
 
@@ -124,7 +127,7 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
     def backward(ctx, v_render_colors, v_render_alphas):
         (means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, transmittance,
          last_ids) = ctx.saved_tensors  # fmt: skip
-        width, height, tile_size = ctx.args
+        width, height, tile_size, n_passes = ctx.args
         need = ctx.needs_input_grad
         if not (any(need[:5]) or ctx.absgrad_buf is not None):
             return (None,) * 11
@@ -135,7 +138,7 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
         v_means2d, v_conics, v_colors, v_opacities, v_backgrounds = rasterize_to_pixels_bwd(
             means2d, conics, colors, opacities, backgrounds, width, height, tile_size, isect_offsets,
             flatten_ids, transmittance, last_ids, v_render_colors.contiguous(), v_render_alphas.contiguous(),
-            absgrad_out=ctx.absgrad_buf, chunk=RASTER_CHUNK,
+            absgrad_out=ctx.absgrad_buf, chunk=RASTER_CHUNK, n_passes=n_passes,
         )  # fmt: skip
         return (
             v_means2d if need[0] else None,

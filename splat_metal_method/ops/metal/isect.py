@@ -7,6 +7,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from ..workspace import workspace
 from .kernels import grid_1d, library
 from .sort import radix_sort_pairs
 
@@ -63,8 +64,11 @@ def isect_tiles_fwd(
     if M >= 2**31:
         raise ValueError(f"[{op}] {M} intersections exceed the 32-bit offsets")
 
-    tile_keys = torch.empty((M,), dtype=torch.int32, device=device)
-    flat_ids = torch.empty((M,), dtype=torch.int32, device=device)
+    # Scratch of a size that changes every step: reused from the workspace (ops/workspace.py) instead
+    # of fresh allocations; safe because radix_sort_pairs reads them and returns new tensors.
+    ws = workspace()
+    tile_keys = ws.get("isect.tile_keys", (M,), torch.int32, device)
+    flat_ids = ws.get("isect.flat_ids", (M,), torch.int32, device)
     lib.isect_emit(means2d, radii, tiles_per_gauss, order, cum, tile_keys, flat_ids,
                    total, N, int(tile_size), int(tile_width), int(tile_height), tile_bits,
                    **grid_1d(total))  # fmt: skip

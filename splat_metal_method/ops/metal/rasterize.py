@@ -29,12 +29,14 @@ def rasterize_to_pixels_fwd(
     flatten_ids: Tensor,  # [M] int32
     backgrounds: Optional[Tensor] = None,  # [C, D]
     chunk: Optional[int] = None,
+    n_passes: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Runs rasterize_fwd. Returns render_colors [C,H,W,D], render_alphas [C,H,W,1] and, for the
     backward pass, transmittance [C,H,W] (final T) and last_ids [C,H,W] int32 (index into
     flatten_ids of the last contributing gaussian, -1 if none).
 
-    Host sync: none when M <= chunk; otherwise one, to read the longest tile list and size the
+    Host sync: none when min(M, N) <= chunk or when the caller passes ``n_passes`` (see count_passes,
+    whose result the backward pass reuses); otherwise one, to read the longest tile list and size the
     number of passes."""
     op = "rasterize_to_pixels"
     if colors.dim() != 3:
@@ -73,11 +75,8 @@ def rasterize_to_pixels_fwd(
     if C * height * width == 0:
         return render_colors, render_alphas, transmittance, last_ids
 
-    n_passes = 1
-    if M > chunk:
-        starts = isect_offsets.view(-1).long()
-        ends = torch.cat([starts[1:], starts.new_full((1,), M)])
-        n_passes = max(1, math.ceil(int((ends - starts).max().item()) / chunk))
+    if n_passes is None:
+        n_passes = count_passes(isect_offsets, M, chunk, N)
     pixel_done = torch.empty((C, height, width) if n_passes > 1 else (1,), dtype=torch.int32, device=device)
     bg = backgrounds.contiguous() if backgrounds is not None else torch.zeros((1,), dtype=torch.float32, device=device)
     if M == 0:  # kernels bind every buffer; give flatten_ids one (never read) element
@@ -95,3 +94,16 @@ def rasterize_to_pixels_fwd(
     for p in range(n_passes):
         lib.rasterize_fwd(*args, p, chunk, **grid)
     return render_colors, render_alphas, transmittance, last_ids
+
+
+def count_passes(isect_offsets: Tensor, n_isects: int, chunk: Optional[int] = None,
+                 n_gaussians: Optional[int] = None) -> int:  # fmt: skip
+    """Dispatches ("passes") of at most `chunk` gaussians per tile that the longest tile list needs.
+    A tile lists a gaussian at most once, so its list is at most min(M, N) long: no host sync when
+    that bound is <= chunk, else one (to read the longest list)."""
+    chunk = int(chunk or RASTER_CHUNK)
+    if min(n_isects, n_isects if n_gaussians is None else n_gaussians) <= chunk:
+        return 1
+    starts = isect_offsets.view(-1).long()
+    ends = torch.cat([starts[1:], starts.new_full((1,), n_isects)])
+    return max(1, math.ceil(int((ends - starts).max().item()) / chunk))

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .kernels import library
-from .rasterize import MAX_CHANNELS, RASTER_CHUNK
+from .rasterize import MAX_CHANNELS, RASTER_CHUNK, count_passes
 
 # Threadgroup memory the backward's shared-memory batch may use (Metal allows 32 KiB per group).
 BWD_BATCH_BYTES = 28 * 1024
@@ -50,8 +50,8 @@ def rasterize_to_pixels_bwd(
     v_opacities [C,N] and v_backgrounds [C,D] (None without backgrounds). With ``absgrad_out``,
     sum over pixels of |per-pixel d loss / d means2d| is accumulated into it (gsplat's absgrad).
 
-    Host sync: none when M <= chunk or when the caller passes ``n_passes`` (the forward's pass
-    count, ceil(longest tile list / chunk)); otherwise one, to read the longest tile list."""
+    Host sync: none when the caller passes ``n_passes`` (the autograd Function passes the forward's
+    rasterize.count_passes) or when min(M, N) <= chunk; otherwise one."""
     op = "rasterize_to_pixels_bwd"
     C, N, D = colors.shape
     device = colors.device
@@ -85,11 +85,7 @@ def rasterize_to_pixels_bwd(
 
     chunk = int(chunk or RASTER_CHUNK)
     if n_passes is None:
-        n_passes = 1
-        if M > chunk:
-            starts = isect_offsets.view(-1).long()
-            ends = torch.cat([starts[1:], starts.new_full((1,), M)])
-            n_passes = max(1, math.ceil(int((ends - starts).max().item()) / chunk))
+        n_passes = count_passes(isect_offsets, M, chunk, N)
     multi = n_passes > 1
     pix_T = torch.empty((C, height, width) if multi else (1,), dtype=torch.float32, device=device)
     pix_buf = torch.empty((C, height, width, D) if multi else (1,), dtype=torch.float32, device=device)

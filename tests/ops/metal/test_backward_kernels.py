@@ -213,6 +213,24 @@ def test_rasterize_bwd_absgrad_is_accumulated_and_optional(device):
         check_grad(f"absgrad.off.{part}", a, c, rtol=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_rasterize_bwd_saturated_alpha(device):
+    """Opacities of 0.998-1 on broad gaussians: near their centres opacity * exp(-sigma) exceeds the 0.999 clamp, where
+    alpha is constant (no gradient to sigma or opacity), and pixels stop after one or two gaussians."""
+    means2d, conics, colors, opacities, offsets, flatten_ids, bg = reference_inputs(
+        1, 37, 23, 300, 9, 3, True, opacity_range=(0.998, 1.0), scale_range=(1.0, 2.0)
+    )
+    ys, xs = torch.meshgrid(torch.arange(23) + 0.5, torch.arange(37) + 0.5, indexing="ij")
+    d = means2d[0, :, None, None, :] - torch.stack([xs, ys], -1)
+    co = conics[0, :, None, None, :]
+    sigma = 0.5 * (co[..., 0] * d[..., 0] ** 2 + co[..., 2] * d[..., 1] ** 2) + co[..., 1] * d.prod(-1)
+    visible = (conics[0].abs().sum(-1) > 0)[:, None, None]
+    clamped = (opacities[0, :, None, None] * torch.exp(-sigma) > constants.ALPHA_MAX) & visible
+    assert clamped.sum() >= 20, f"only {clamped.sum().item()} clamped (gaussian, pixel) pairs"
+    check_rasterize_bwd("rast_bwd[saturated]", device, means2d, conics, colors, opacities, 37, 23, offsets,
+                        flatten_ids, bg)  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------------
 # projection backward
 # --------------------------------------------------------------------------------------------------
@@ -234,7 +252,7 @@ def check_project_bwd(name, device, scene, calc_comp, near_plane=0.01, seed=0):
                       *to(device, v_means2d, v_depths, v_conics, v_comp))  # fmt: skip
     for part, a, lf in zip(["means", "quats", "scales", "viewmats"], got, leaves):
         check_grad(f"{name}.v_{part}", a, lf.grad)
-    return radii, got
+    return radii, got, [lf.grad for lf in leaves]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -243,7 +261,7 @@ def check_project_bwd(name, device, scene, calc_comp, near_plane=0.01, seed=0):
 def test_project_bwd_matches_reference(device, case, antialiased):
     C, W, H, N = case
     scene = random_scene(n=N, C=C, width=W, height=H, seed=21)
-    radii, got = check_project_bwd(f"proj_bwd[{C},{W}x{H},{N},{antialiased}]", device, scene, antialiased)
+    radii, got, _ = check_project_bwd(f"proj_bwd[{C},{W}x{H},{N},{antialiased}]", device, scene, antialiased)
     if (radii > 0).any():
         assert got[3][:, :3].abs().sum() > 0, "visible gaussians must move the camera pose"
         assert (got[3][:, 3] == 0).all(), "row 3 of a viewmat is constant"
@@ -252,27 +270,34 @@ def test_project_bwd_matches_reference(device, case, antialiased):
 @pytest.mark.parametrize("device", DEVICES)
 def test_project_bwd_fov_clamp_near_plane_and_many_groups(device):
     """Narrow field of view with a wide scene: many visible gaussians have centres outside
-    1.3 x tan(fov), so the clamped branch of the J derivative is exercised (checked below); N = 1000
-    spans 4 threadgroups per camera, so the per-group viewmat partials are summed."""
-    scene = random_scene(n=1000, C=2, width=64, height=40, seed=4, fov_x_deg=25.0, extent=2.0, scale_range=(0.1, 0.6))
-    radii, _ = check_project_bwd("proj_bwd[clamp]", device, scene, True)
+    1.3 x tan(fov), so the clamped branch of the J derivative is exercised; one camera, so that the
+    rows of those gaussians can be checked on their own (they are a minority of the norm). N = 1000
+    spans 4 threadgroups, so the per-group viewmat partials are summed."""
+    scene = random_scene(n=1000, C=1, width=64, height=40, seed=4, fov_x_deg=25.0, extent=2.0, scale_range=(0.1, 0.6))
+    radii, got, expected = check_project_bwd("proj_bwd[clamp]", device, scene, True)
     R, t = scene.viewmats[:, :3, :3], scene.viewmats[:, :3, 3]
     mc = torch.einsum("cij,nj->cni", R, scene.means) + t[:, None]
-    fx, cx = scene.Ks[:, 0, 0, None], scene.Ks[:, 0, 2, None]
-    lim_pos = (scene.width - cx) / fx + 0.3 * 0.5 * scene.width / fx
-    lim_neg = cx / fx + 0.3 * 0.5 * scene.width / fx
-    u = mc[..., 0] / mc[..., 2]
-    clamped = (radii > 0) & ((u > lim_pos) | (u < -lim_neg))
-    assert clamped.sum() >= 5, f"only {clamped.sum().item()} visible gaussians in the clamped branch"
-    # a near plane that culls part of the scene
-    check_project_bwd("proj_bwd[near]", device, scene, False, near_plane=3.8)
+    clamped = torch.zeros_like(radii, dtype=torch.bool)
+    for axis, size in ((0, scene.width), (1, scene.height)):
+        f, c = scene.Ks[:, axis, axis, None], scene.Ks[:, axis, 2, None]
+        lim_pos, lim_neg = (size - c) / f + 0.3 * 0.5 * size / f, c / f + 0.3 * 0.5 * size / f
+        u = mc[..., axis] / mc[..., 2]
+        clamped |= (radii > 0) & ((u > lim_pos) | (u < -lim_neg))
+    rows = clamped[0]
+    assert rows.sum() >= 10, f"only {rows.sum().item()} visible gaussians in the clamped branch"
+    for part, a, b in zip(["means", "quats", "scales"], got, expected):
+        check_grad(f"proj_bwd[clamp].clamped_rows.v_{part}", a[rows], b[rows])
+    # a near plane that culls part of the scene, two cameras
+    scene2 = random_scene(n=1000, C=2, width=64, height=40, seed=4, fov_x_deg=25.0, extent=2.0, scale_range=(0.1, 0.6))
+    radii, _, _ = check_project_bwd("proj_bwd[near]", device, scene2, False, near_plane=3.8)
+    assert (radii == 0).any() and (radii > 0).any()
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_project_bwd_everything_behind_the_camera(device):
     scene = random_scene(n=200, C=2, width=37, height=23, seed=12)
     scene.viewmats = torch.diag(torch.tensor([-1.0, 1.0, -1.0, 1.0])) @ scene.viewmats
-    radii, got = check_project_bwd("proj_bwd[behind]", device, scene, True)
+    radii, got, _ = check_project_bwd("proj_bwd[behind]", device, scene, True)
     assert (radii == 0).all()
     for t in got:
         assert (t == 0).all()

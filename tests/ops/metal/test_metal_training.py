@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from splat_metal_method.ops.metal import runtime
+from splat_metal_method.ops.metal.rasterize import RASTER_CHUNK
 
 WIDTH, HEIGHT, VIEWS = 48, 32, 10
 REFINE_EVERY, WARMUP = 10, 10  # densification at steps 20, 30, 40 (9 training views: no pause)
@@ -66,7 +67,6 @@ def make_pipeline(data: Path, seed: int = 0):
     model.warmup_length = WARMUP
     model.refine_every = REFINE_EVERY
     model.sh_degree_interval = 10
-    model.densify_grad_thresh = 0.0002  # so that a 50-step run densifies
     model.backend = "auto"  # SPLAT_METAL_BACKEND decides
     seed_all(seed)
     pipeline = cfg.pipeline.setup(device="cpu", test_mode="val", world_size=1, local_rank=0)
@@ -185,6 +185,7 @@ def run_training(demo_dir, backend, monkeypatch, count=False):
     seed_all(1)
     losses, sizes, times, syncs, launches = [], [], [], [], []
     for step in range(STEPS):
+        sizes.append(pipeline.model.num_points)  # during the step (densification runs after it)
         runtime.reset_launch_counts()
         t0 = time.perf_counter()
         if count:
@@ -196,7 +197,7 @@ def run_training(demo_dir, backend, monkeypatch, count=False):
         times.append(time.perf_counter() - t0)
         launches.append(runtime.launch_counts())
         losses.append(loss.item())
-        sizes.append(pipeline.model.num_points)
+    sizes.append(pipeline.model.num_points)
     return losses, sizes, times, syncs, launches
 
 
@@ -227,7 +228,12 @@ def test_fifty_training_steps_metal_vs_reference(demo_dir, monkeypatch):
     for k, v in sorted(syncs[quiet].items()):
         print(f"  step {quiet}: {v} x {k}")
     print(f"kernel launches at step {quiet}: {sum(launches[quiet].values())} {launches[quiet]}")
-    assert max(ours) <= 1, f"the op layer synced more than once in a step: {syncs[int(np.argmax(ours))]}"
+    # The op layer's syncs: isect reads M (the size of the intersection buffers) once per render, and
+    # rasterization reads the longest tile list once (shared by forward and backward) only when a tile
+    # could exceed RASTER_CHUNK gaussians, i.e. when N > RASTER_CHUNK.
+    for s in range(STEPS):
+        allowed = 1 + (sizes[s] > RASTER_CHUNK)
+        assert ours[s] <= allowed, f"step {s}: the op layer synced {ours[s]} times (allowed {allowed}): {syncs[s]}"
     for name in ("project_bwd", "sh_bwd", "rasterize_bwd"):
         assert launches[quiet].get(name, 0) >= 1, f"{name} did not run: the backward is not the Metal one"
 
@@ -244,6 +250,6 @@ def test_fifty_training_steps_metal_vs_reference(demo_dir, monkeypatch):
     # Densification fired on both (gaussian count changed at a refine step).
     assert len(set(ref_sizes)) > 1, "the reference run never densified/pruned"
     assert len(set(sizes)) > 1, "the metal run never densified/pruned"
-    grew = [s for s in range(1, STEPS) if sizes[s] > sizes[s - 1]]
+    grew = [s for s in range(STEPS) if sizes[s + 1] > sizes[s]]
     assert grew, f"the metal run never grew: {sizes}"
     print(f"metal run grew at steps {grew}: {sizes[0]} -> {sizes[-1]} gaussians (reference {ref_sizes[0]} -> {ref_sizes[-1]})")

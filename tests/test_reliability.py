@@ -1,0 +1,307 @@
+"""In-process tests of splat_metal_method/reliability.py: the NaN/Inf guard on a small gaussian model
+with real Adam optimizers and gsplat's strategy state, atomic writes (checkpoints and nerfstudio's
+PLY writer) under failures mid-write, the resume command and the signal handler. The same
+mechanisms are driven through the real command lines in test_reliability_cli.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import types
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from splat_metal_method import reliability
+from splat_metal_method.reliability import NonFiniteError, NonFiniteGuard, atomic_path, resume_command
+
+N = 10
+SHAPES = {"means": (3,), "scales": (3,), "quats": (4,), "features_dc": (3,), "features_rest": (15, 3), "opacities": (1,)}
+
+
+class FakeModel(torch.nn.Module):
+    """What NonFiniteGuard reads of a SplatfactoModel: gauss_params, strategy_state, step."""
+
+    def __init__(self, n: int = N):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.gauss_params = torch.nn.ParameterDict(
+            {k: torch.nn.Parameter(torch.randn((n, *s), generator=g)) for k, s in SHAPES.items()}
+        )
+        self.camera_opt = torch.nn.Parameter(torch.zeros(4, 6))
+        self.strategy_state = {"grad2d": torch.rand(n, generator=g), "count": torch.ones(n), "radii": None}
+        self.step = 0
+        # Row i of every parameter starts with the value i, so tests can tell which rows survived.
+        with torch.no_grad():
+            for p in self.gauss_params.values():
+                p.flatten(1)[:, 0] = torch.arange(n, dtype=p.dtype)
+
+
+def make(mode: str = "recover", n: int = N):
+    model = FakeModel(n)
+    optimizers = {k: torch.optim.Adam([p], lr=1e-3, eps=1e-15) for k, p in model.gauss_params.items()}
+    optimizers["camera_opt"] = torch.optim.Adam([model.camera_opt], lr=1e-4)
+    return model, optimizers, NonFiniteGuard(model, optimizers, mode)
+
+
+def train_step(model, optimizers, poison=None):
+    """One step of a real loss through every parameter; ``poison(model)`` edits grads before Adam."""
+    for opt in optimizers.values():
+        opt.zero_grad()
+    loss = sum((p**2).sum() for p in model.gauss_params.values()) + (model.camera_opt**2).sum()
+    loss.backward()
+    if poison is not None:
+        poison(model)
+    for opt in optimizers.values():
+        opt.step()
+
+
+def ids(model) -> list:
+    """The original row ids still present (first value of each row of means)."""
+    return model.gauss_params["means"][:, 0].detach().round().long().tolist()
+
+
+def test_clean_step_changes_nothing():
+    model, optimizers, guard = make()
+    train_step(model, optimizers)
+    before = {k: p.detach().clone() for k, p in model.gauss_params.items()}
+    guard.check(5)
+    assert guard.reports == [] and guard.dropped == 0
+    for k, p in model.gauss_params.items():
+        assert torch.equal(p, before[k])
+
+
+def test_nan_gradient_drops_only_its_gaussians_and_fixes_optimizer_and_strategy_state(capsys):
+    model, optimizers, guard = make()
+    train_step(model, optimizers)  # Adam state exists for every row
+
+    def poison(m):
+        m.gauss_params["scales"].grad[[2, 5]] = float("nan")
+
+    model.step = 7
+    train_step(model, optimizers, poison)
+    guard.check(7)
+
+    assert ids(model) == [0, 1, 3, 4, 6, 7, 8, 9]
+    for name, p in model.gauss_params.items():
+        assert p.shape[0] == N - 2 and torch.isfinite(p).all()
+        state = optimizers[name].state[p]  # the new parameter carries the sliced Adam state
+        assert state["exp_avg"].shape == p.shape and torch.isfinite(state["exp_avg_sq"]).all()
+        assert optimizers[name].param_groups[0]["params"][0] is p
+    assert model.strategy_state["grad2d"].shape == (N - 2,) and model.strategy_state["radii"] is None
+    out = capsys.readouterr().out
+    assert "step 7" in out and "NaN in the gradient of scales (2 gaussians)" in out and "NaN in scales" in out
+    assert "Dropped those 2 of 10 gaussians" in out
+    # Training goes on with the survivors.
+    train_step(model, optimizers)
+    guard.check(8)
+    assert guard.dropped == 2 and len(guard.reports) == 1
+
+
+def test_inf_value_and_bad_densification_statistics_are_found():
+    model, optimizers, guard = make()
+    with torch.no_grad():
+        model.gauss_params["features_rest"][4, 7, 1] = float("inf")
+    model.strategy_state["grad2d"][8] = float("nan")
+    guard.check(3)
+    assert ids(model) == [0, 1, 2, 3, 5, 6, 7, 9]
+    (report,) = guard.reports
+    assert "Inf in features_rest (1 gaussian)" in report.describe()
+    assert "densification statistics (grad2d)" in report.describe()
+
+
+def test_stop_mode_raises_with_step_and_parameter_and_keeps_the_model():
+    model, optimizers, guard = make("stop")
+    model.step = 11
+    train_step(model, optimizers, lambda m: m.gauss_params["opacities"].grad[0].fill_(float("nan")))
+    with pytest.raises(NonFiniteError) as e:
+        guard.check(11)
+    assert isinstance(e.value, SystemExit)  # ns-train prints the message only, exit status 1
+    msg = e.value.message
+    assert msg.startswith("splat-metal: step 11:") and "gradient of opacities" in msg and "nonfinite recover" in msg
+    assert model.gauss_params["means"].shape[0] == N  # nothing dropped: the process stops
+
+
+def test_non_gaussian_parameters_and_all_gaussians_stop_even_in_recover_mode():
+    model, optimizers, guard = make("recover")
+    train_step(model, optimizers, lambda m: m.camera_opt.grad.fill_(float("inf")))
+    with pytest.raises(NonFiniteError, match="camera_opt.*cannot repair"):
+        guard.check(2)
+
+    model, optimizers, guard = make("recover")
+    train_step(model, optimizers, lambda m: m.gauss_params["means"].grad.fill_(float("nan")))
+    with pytest.raises(NonFiniteError, match="all 10 gaussians"):
+        guard.check(2)
+
+
+def test_overflowing_sum_is_not_a_false_alarm():
+    model, optimizers, guard = make()
+    with torch.no_grad():
+        model.gauss_params["opacities"][:] = 3e38  # finite, but the sum overflows to inf
+    guard.check(1)
+    assert guard.reports == [] and model.gauss_params["means"].shape[0] == N
+
+
+def test_empty_model_is_fine():
+    model, optimizers, guard = make(n=0)
+    train_step(model, optimizers)
+    guard.check(0)
+    assert guard.reports == []
+
+
+def test_injection_env_var_poisons_the_named_gradient_at_its_step(monkeypatch):
+    monkeypatch.setenv(reliability.INJECT_NAN_ENV, "4:quats:2")
+    model, optimizers, guard = make()
+    model.step = 3
+    train_step(model, optimizers)
+    guard.check(3)
+    assert guard.reports == []
+    model.step = 4
+    train_step(model, optimizers)
+    guard.check(4)
+    assert ids(model) == list(range(2, N))
+    assert "gradient of quats (2 gaussians)" in guard.reports[0].describe()
+    monkeypatch.setenv(reliability.INJECT_NAN_ENV, "x")
+    with pytest.raises(NonFiniteError, match="STEP"):
+        make()
+    monkeypatch.setenv(reliability.INJECT_NAN_ENV, "1:nope")
+    with pytest.raises(NonFiniteError, match="no optimizer group 'nope'"):
+        make()
+
+
+# --------------------------------------------------------------------------------------------------
+# Atomic writes
+# --------------------------------------------------------------------------------------------------
+def _listing(folder: Path) -> dict:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_atomic_path_keeps_the_old_file_when_writing_fails(tmp_path, error):
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"old")
+    with pytest.raises(error):
+        with atomic_path(target) as tmp:
+            tmp.write_bytes(b"half")
+            raise error()
+    assert _listing(tmp_path) == {"out.bin": b"old"}
+    with atomic_path(target) as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(".out.bin.partial-")
+        tmp.write_bytes(b"new")
+    assert _listing(tmp_path) == {"out.bin": b"new"}
+
+
+def _fake_trainer(tmp_path: Path):
+    from torch.cuda.amp import GradScaler
+
+    pipeline = torch.nn.Linear(3, 2)
+    return types.SimpleNamespace(
+        checkpoint_dir=tmp_path / "run" / "nerfstudio_models",
+        pipeline=pipeline,
+        optimizers=types.SimpleNamespace(optimizers={"a": torch.optim.Adam(pipeline.parameters())}, schedulers={}),
+        grad_scaler=GradScaler(enabled=False),
+        config=types.SimpleNamespace(save_only_latest_checkpoint=True),
+        _saved_steps=set(),
+    )
+
+
+def test_checkpoint_interrupted_mid_write_leaves_the_previous_one(tmp_path, monkeypatch):
+    trainer = _fake_trainer(tmp_path)
+    save = reliability.SplatMetalTrainer.save_checkpoint
+    save(trainer, 10)
+    first = trainer.checkpoint_dir / "step-000000010.ckpt"
+    good = first.read_bytes()
+    real_save = torch.save
+
+    def dying_save(obj, f, *args, **kwargs):  # writes half a checkpoint, then Ctrl-C arrives
+        real_save(obj, f, *args, **kwargs)
+        Path(f).write_bytes(Path(f).read_bytes()[:100])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        save(trainer, 20)
+    assert _listing(trainer.checkpoint_dir) == {first.name: good}
+    assert sorted(p.name for p in trainer.checkpoint_dir.parent.iterdir()) == ["nerfstudio_models"]  # no temp
+    monkeypatch.setattr(torch, "save", real_save)
+    save(trainer, 20)
+    assert [p.name for p in trainer.checkpoint_dir.iterdir()] == ["step-000000020.ckpt"]  # older one removed after
+    assert torch.load(trainer.checkpoint_dir / "step-000000020.ckpt")["step"] == 20  # weights_only default
+
+
+class _DyingColumn(np.ndarray):
+    """A float column whose element reads fail after ``limit`` of them (the writer reads one per value)."""
+
+    def __getitem__(self, i):
+        if isinstance(i, (int, np.integer)) and i >= self.limit:
+            raise self.error()
+        return super().__getitem__(i)
+
+
+def _ply_columns(n: int, dying_at=None, error=RuntimeError):
+    cols = OrderedDict((k, np.linspace(0, 1, n, dtype=np.float32) + j) for j, k in enumerate(["x", "y", "z", "opacity"]))
+    if dying_at is not None:
+        col = cols["z"].view(_DyingColumn)
+        col.limit, col.error = dying_at, error
+        cols["z"] = col
+    return cols
+
+
+def test_ply_writer_is_atomic_and_writes_the_same_bytes(tmp_path, monkeypatch):
+    exporter = pytest.importorskip("nerfstudio.scripts.exporter")
+    original = exporter.ExportGaussianSplat.__dict__["write_ply"].__func__
+    original = getattr(original, "__wrapped__", original)
+    write = reliability.atomic_ply_writer(original)
+    target = tmp_path / "splat.ply"
+
+    original(str(tmp_path / "direct.ply"), 50, _ply_columns(50))
+    write(str(target), 50, _ply_columns(50))
+    assert target.read_bytes() == (tmp_path / "direct.ply").read_bytes()
+
+    target.write_bytes(b"the user's previous export")
+    with pytest.raises(RuntimeError):
+        write(str(target), 50, _ply_columns(50, dying_at=20))
+    with pytest.raises(SystemExit, match="export interrupted; .*splat.ply was not written .*untouched"):
+        write(str(target), 50, _ply_columns(50, dying_at=20, error=KeyboardInterrupt))
+    assert _listing(tmp_path) == {"splat.ply": b"the user's previous export", "direct.ply": _listing(tmp_path)["direct.ply"]}
+    # Without the wrapper, nerfstudio's writer leaves a truncated file at the target: what this prevents.
+    with pytest.raises(RuntimeError):
+        original(str(target), 50, _ply_columns(50, dying_at=20))
+    assert target.read_bytes() != b"the user's previous export"
+
+
+def test_install_wraps_the_loaded_exporter_once(monkeypatch):
+    exporter = pytest.importorskip("nerfstudio.scripts.exporter")
+    cls = exporter.ExportGaussianSplat
+    monkeypatch.setattr(cls, "write_ply", cls.__dict__["write_ply"])  # restored after the test
+    assert reliability.install_atomic_ply_export()
+    wrapped = cls.__dict__["write_ply"]
+    assert isinstance(wrapped, staticmethod) and getattr(wrapped.__func__, "_splat_metal_atomic", False)
+    assert reliability.install_atomic_ply_export() and cls.__dict__["write_ply"] is wrapped  # idempotent
+    monkeypatch.delitem(__import__("sys").modules, "nerfstudio.scripts.exporter")
+    assert not reliability.install_atomic_ply_export()  # not in ns-export: nothing to do
+
+
+# --------------------------------------------------------------------------------------------------
+# Resume command and signals
+# --------------------------------------------------------------------------------------------------
+def test_resume_command_replaces_load_and_length_options():
+    argv = ["/venv/bin/ns-train", "splat-metal", "--data", "my scene", "--max-num-iterations", "3000",
+            "--load-dir=old", "--timestamp", "t1", "--vis", "viewer"]  # fmt: skip
+    cmd = resume_command(argv, Path("outputs/x/nerfstudio_models"), 1234)
+    assert cmd == (
+        "ns-train splat-metal --data 'my scene' --vis viewer "
+        "--load-dir outputs/x/nerfstudio_models --max-num-iterations 1234"
+    )
+
+
+def test_first_signal_asks_to_stop_second_stops_at_once():
+    trainer = types.SimpleNamespace(stop_training=False, _stop_signal=None)
+    handler = reliability.SplatMetalTrainer._on_signal.__get__(trainer)
+    handler(signal.SIGINT, None)
+    assert trainer.stop_training and trainer._stop_signal == signal.SIGINT
+    with pytest.raises(KeyboardInterrupt):
+        handler(signal.SIGINT, None)
