@@ -108,6 +108,21 @@ class SplatMetalModel(SplatfactoModel):
         self.memory = memory.setup_model_memory(self)  # caps self.strategy; hooks via get_training_callbacks
         reliability.install_atomic_ply_export()  # in ns-export only: the .ply is written, then renamed
 
+    def load_state_dict(self, dict, **kwargs):  # type: ignore[override]
+        """Resizes the gaussians to the checkpoint's count IN PLACE, then loads.
+
+        nerfstudio builds the optimizers before loading a checkpoint; splatfacto's load_state_dict
+        replaces each parameter by a new object, so after `--load-dir` the optimizers would keep
+        stepping the old tensors (and densification would crash: nerfstudio#3554)."""
+        self.step = 30000  # as splatfacto: a loaded model renders with every SH degree
+        if "means" in dict:  # old checkpoint names, as splatfacto accepts them
+            for name in ["means", "scales", "quats", "features_dc", "features_rest", "opacities"]:
+                dict[f"gauss_params.{name}"] = dict[name]
+        n = dict["gauss_params.means"].shape[0]
+        for param in self.gauss_params.values():
+            param.data = torch.zeros((n, *param.shape[1:]), device=param.device, dtype=param.dtype)
+        return torch.nn.Module.load_state_dict(self, dict, **kwargs)
+
     def get_training_callbacks(self, training_callback_attributes):
         # The NaN/Inf check goes last: after the strategy's densification and the memory hooks.
         self.nonfinite_guard = reliability.NonFiniteGuard(

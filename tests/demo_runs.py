@@ -38,7 +38,7 @@ def tool(name: str) -> str:
     candidate = Path(sys.executable).parent / name
     found = str(candidate) if candidate.exists() else shutil.which(name)
     if found is None:
-        pytest.fail(f"{name} not found next to {sys.executable} or on PATH: is nerfstudio installed (scripts/setup.sh)?")
+        pytest.fail(f"{name} not found next to {sys.executable} or on PATH: install nerfstudio (scripts/setup.sh)")
     return found
 
 

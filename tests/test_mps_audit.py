@@ -1,20 +1,26 @@
 """MPS audit without a Mac.
 
-Runs real training steps of splat-metal on CPU (the model forward with each backend, the losses, the
-backward, Adam and the schedulers, the camera optimizer, DefaultStrategy's refine -- duplicate,
-split, prune -- and opacity reset, the memory hooks) and one eval pass under a TorchDispatchMode
-that records every aten op, then checks against the installed torch's own op registry
-(torchgen's packaged native_functions.yaml) that each op has an MPS kernel, or is a composite
-whose decomposition only uses ops that do. It also checks that no float64 tensor is created or
-used on that path (MPS has no float64). Exceptions are listed explicitly in EXCEPTIONS with the
-reason and what the code does about them; a listed exception that no longer occurs fails the test
-too, so the list stays true.
+Runs real training steps of splat-metal on CPU -- three configurations: the reference backend, the
+Metal backend (its kernels under the MSL emulator, its Python glue and reference-recomputed
+backward as on a Mac) and the reference backend forced through depth-chunked rasterization -- and
+one eval pass, under a TorchDispatchMode that records every aten op: the model forward and loss
+(L1 + SSIM + scale regularisation), the backward, Adam and the schedulers, the camera optimizer
+(SO3xR3), DefaultStrategy's refine (duplicate, split, prune) and opacity reset, the memory hooks.
+Each op is checked against the installed torch's own registry (torchgen's packaged
+native_functions.yaml): it has an MPS kernel, or it is a composite that comes down to ops that do
+(torch's Python decomposition, run on copies of the real inputs and recorded too; a view; its own
+out=/in-place overload; or the kernels listed in COMPOSITE_CALLS). No float64 tensor may be created
+or used on that path (MPS has no float64).
+
+EXCEPTIONS lists ops allowed without an MPS kernel, each with the reason and what the code does
+about it; it is empty today. A listed exception that no longer occurs fails the test too, so the
+list stays true.
 
 CPU and MPS run the same Python code here: torch's Adam takes its single-tensor path on both
 (foreach kernels are only the default on cuda/xpu), and our code has no device branches on the
-training path other than the backend choice, which is audited for both CPU-capable backends.
-What this cannot see: ops that exist on MPS but fail for some dtype/shape there, and the Metal
-kernels themselves (they are not aten ops); the Metal doctor command covers those on a Mac.
+training path other than the backend choice. What this cannot see: ops that exist on MPS but fail
+for some dtype or size there (e.g. int64 sorts; the Metal backend sorts with its own radix sort),
+and the Metal kernels themselves (not aten ops; the doctor command checks those on a Mac).
 """
 
 from __future__ import annotations
