@@ -6,9 +6,10 @@ steps, the gaussian count next to process RSS and the allocator's numbers (memor
 C heap in use / held on cpu; torch.cuda allocated / reserved / peak on cuda; current / driver on
 mps). Densification stops at ``--refine-stop`` (and at ``--max-gaussians``), so the count
 plateaus; the verdict compares memory at the start and at the end of the plateau (mean of the
-first and last 10% of its samples) against a 5% limit.
+first and last 10% of its samples) against a 5% limit, and also reports the least-squares trend
+over the plateau. Training stops at ``--steps`` or after ``--max-minutes``, whichever comes first.
 
-    python benchmarks/bench_memory.py                          # cpu, about 10 minutes
+    python benchmarks/bench_memory.py                          # cpu, stops after 10 minutes
     python benchmarks/bench_memory.py --device cuda --hooks on  # on an NVIDIA GPU
     python benchmarks/bench_memory.py --device cuda --hooks off
 
@@ -46,8 +47,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps (default cpu)")
     p.add_argument("--backend", default="auto", help="op-layer backend (default: by device)")
-    p.add_argument("--steps", type=int, default=1200, help="training steps (default 1200)")
-    p.add_argument("--refine-stop", type=int, default=None, help="last densification step (default: 35%% of --steps)")
+    p.add_argument("--steps", type=int, default=3000, help="training steps at most (default 3000)")
+    p.add_argument("--max-minutes", type=float, default=10.0, help="stop training after this long (default 10)")
+    p.add_argument("--refine-stop", type=int, default=400, help="densification stops here (default 400)")
     p.add_argument("--max-gaussians", type=int, default=6000, help="cap (default 6000; 0: none, -1: from device)")
     p.add_argument("--hooks", choices=("on", "off"), default="on", help="empty-cache hooks (default on)")
     p.add_argument("--sample-every", type=int, default=10, help="steps between samples (default 10)")
@@ -90,6 +92,18 @@ def build_trainer(args, data: Path, workdir: Path):
     trainer = cfg.setup(local_rank=0, world_size=1)
     trainer.setup()
     return trainer
+
+
+def trend(rows, key: str, start: int):
+    """Least-squares slope of ``key`` over the plateau, as relative change over its length."""
+    pts = [(r["step"], r[key]) for r in rows if r["step"] >= start and r[key] is not None]
+    if len(pts) < 10:
+        return None
+    n = len(pts)
+    mx, my = sum(p[0] for p in pts) / n, sum(p[1] for p in pts) / n
+    sxx = sum((p[0] - mx) ** 2 for p in pts)
+    slope = sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx
+    return slope * (pts[-1][0] - pts[0][0]) / my
 
 
 def growth(rows, key: str, start: int):
@@ -137,8 +151,6 @@ def main(argv=None) -> int:
     from nerfstudio.engine.callbacks import TrainingCallback, TrainingCallbackLocation
 
     args = parse_args(argv)
-    if args.refine_stop is None:
-        args.refine_stop = int(0.35 * args.steps)
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     stem = args.out / f"memory_{args.device}_hooks-{args.hooks}_{stamp}"
@@ -170,29 +182,40 @@ def main(argv=None) -> int:
                 "peak_mb": mb(s.peak), "workspace_mb": workspace_stats()["bytes"] / memory.MiB,
                 "releases": len(model.memory.releases),
             })  # fmt: skip
+            writer.writerow(rows[-1])
+            csv_file.flush()
+            if time.perf_counter() - t0 > 60 * args.max_minutes:
+                trainer.stop_training = True  # the loop ends before the next step and saves
 
         trainer.callbacks.append(
-            TrainingCallback([TrainingCallbackLocation.AFTER_TRAIN_ITERATION], sample, update_every_num_iters=args.sample_every)
+            TrainingCallback(
+                [TrainingCallbackLocation.AFTER_TRAIN_ITERATION], sample, update_every_num_iters=args.sample_every
+            )
         )
-        trainer.train()
+        with open(stem.with_suffix(".csv"), "w", newline="") as csv_file:  # written as it goes
+            writer = csv.DictWriter(csv_file, fieldnames=FIELDS)
+            writer.writeheader()
+            trainer.train()
         seconds = time.perf_counter() - t0
-
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(rows)
+        steps_done = rows[-1]["step"] + 1 if rows else 0
     plateau = args.refine_stop + args.sample_every  # the strategy refines at most up to refine_stop
     title = (
-        f"splat-metal memory, demo {args.width}x{args.height}, {args.steps} steps on {args.device} "
+        f"splat-metal memory, demo {args.width}x{args.height}, {steps_done} steps on {args.device} "
         f"({args.backend}), hooks {args.hooks}, densify until {args.refine_stop}"
     )
     plotted = plot(rows, stem.with_suffix(".png"), plateau, title)
 
     print(f"machine: {platform.platform()}, {platform.processor() or platform.machine()}, torch {torch.__version__}")
-    print(f"device {args.device}, backend {args.backend}, hooks {args.hooks}, {args.steps} steps in {seconds:.0f} s "
-          f"({seconds / max(args.steps, 1):.3f} s/step), {len(model.memory.releases)} cache releases")  # fmt: skip
+    print(f"device {args.device}, backend {args.backend}, hooks {args.hooks}, {steps_done} steps in {seconds:.0f} s "
+          f"({seconds / max(steps_done, 1):.3f} s/step), {len(model.memory.releases)} cache releases")  # fmt: skip
     counts = [r["gaussians"] for r in rows if r["step"] >= plateau]
-    print(f"gaussians: max {max(r['gaussians'] for r in rows)}, on the plateau {min(counts)}..{max(counts)}")
+    if len(counts) < 10:
+        print(f"the run ended before the plateau had 10 samples (plateau from step {plateau}); no verdict")
+        return 2
+    print(
+        f"gaussians: max {max(r['gaussians'] for r in rows)}, on the plateau {min(counts)}..{max(counts)} "
+        f"({len(counts)} samples, steps {plateau}..{rows[-1]['step']})"
+    )
     verdict = True
     for key in ("rss_mb", "allocated_mb", "reserved_mb", "peak_mb"):
         g = growth(rows, key, plateau)
@@ -201,7 +224,8 @@ def main(argv=None) -> int:
         ok = g[2] <= GROWTH_LIMIT
         verdict &= ok if key in ("rss_mb", "allocated_mb") else True
         print(f"{key:>13}: plateau start {g[0]:8.1f} MiB, end {g[1]:8.1f} MiB, growth {100 * g[2]:+.2f}% "
-              f"({'ok' if ok else 'OVER'} the {100 * GROWTH_LIMIT:.0f}% limit)")  # fmt: skip
+              f"({'ok' if ok else 'OVER'} the {100 * GROWTH_LIMIT:.0f}% limit), "
+              f"trend {100 * trend(rows, key, plateau):+.2f}% over the plateau")  # fmt: skip
     print(f"wrote {stem.with_suffix('.csv')}" + (f" and {stem.with_suffix('.png')}" if plotted else ""))
     return 0 if verdict else 1
 

@@ -72,7 +72,18 @@ def empty_cache(device: DeviceLike) -> bool:
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
     ]
 
 
@@ -227,7 +238,9 @@ class BudgetedStrategy(DefaultStrategy):
     """
 
     max_gaussians: int = 0  # 0: no cap
-    events: Deque[Tuple[int, str]] = field(default_factory=lambda: collections.deque(maxlen=64), repr=False, compare=False)
+    events: Deque[Tuple[int, str]] = field(
+        default_factory=lambda: collections.deque(maxlen=64), repr=False, compare=False
+    )
     growth_skipped: int = field(default=0, repr=False, compare=False)  # growth candidates not grown (total)
     cap_hit_step: Optional[int] = field(default=None, repr=False, compare=False)  # first refine limited by the cap
     on_cap: Optional[Callable[[str], None]] = field(default=None, repr=False, compare=False)  # message sink
@@ -394,7 +407,8 @@ class MemoryManager:
             "max intersections per render "
             + (f"{self.max_intersections:,}" if self.max_intersections else "unlimited")
             + (f" ({self.max_intersections_source})" if self.max_intersections_source else ""),
-            "empty cache after " + (", ".join(hooks) if hooks else "nothing")
+            "empty cache after "
+            + (", ".join(hooks) if hooks else "nothing")
             + ("" if self.device.type in ("mps", "cuda") else " (no-op on cpu)"),
             f"stats every {self.log_every} steps" if self.log_every > 0 else "stats off",
         ]

@@ -387,6 +387,7 @@ class SplatMetalTrainer(Trainer):
             self._stop(f"{e.message}{self._last_good()}", NonFiniteError)
         except KeyboardInterrupt:
             if self.training_state == "completed":  # Ctrl-C in the viewer's wait after training: quit
+                self._shutdown()
                 return
             last = self._latest_checkpoint()
             self._stop(
@@ -395,8 +396,9 @@ class SplatMetalTrainer(Trainer):
                 + (self._resume_hint(int(last.stem.split("-")[1])) if last else ""),
                 None,
             )
-        if self._cut_short:
+        if self._cut_short:  # _after_train saved the checkpoint and shut the viewer down
             raise SystemExit(INTERRUPTED_EXIT_CODE)
+        self._shutdown()  # finished: no viewer render may still be running when the process exits
 
     def _last_good(self) -> str:
         last = self._latest_checkpoint()
@@ -404,9 +406,22 @@ class SplatMetalTrainer(Trainer):
             return "\nNo checkpoint had been written yet."
         return f"\nThe last good checkpoint is kept: {last}{self._resume_hint(int(last.stem.split('-')[1]))}"
 
+    def _shutdown(self, timeout: float = 60.0) -> None:
+        """Waits for the viewer's render threads to finish the render they are in, then nerfstudio's
+        shutdown (stops the viewer's server). The render threads are daemons: one still inside torch
+        when the interpreter exits is killed mid-C++ and aborts the process ("terminate called without
+        an active exception", exit status -6), as happened when Ctrl-C came during a viewer render."""
+        machines = list((getattr(self.viewer_state, "render_statemachines", None) or {}).values())
+        for m in machines:
+            m.running = False  # its loop ends after the current render
+        for m in machines:
+            if isinstance(m, threading.Thread) and m.is_alive() and m is not threading.current_thread():
+                m.join(timeout)
+        self.shutdown()
+
     def _stop(self, message: str, error: Optional[Type[SystemExit]]) -> None:
         writer.write_out_storage()
-        self.shutdown()
+        self._shutdown()
         if error is not None:
             raise error(message) from None
         CONSOLE.print(f"splat-metal: {message}", highlight=False, soft_wrap=True)
@@ -433,7 +448,7 @@ class SplatMetalTrainer(Trainer):
                 soft_wrap=True,
             )
         writer.write_out_storage()
-        self.shutdown()
+        self._shutdown()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,11 +6,17 @@ on the CPU, and would render with the slow CPU path although the Metal kernels a
 
 The fix keeps every tensor nerfstudio can see where nerfstudio put it, and moves only the render:
 ``SplatMetalModel.get_outputs_for_camera`` asks :func:`render_target` which device and backend to use.
-When that is not the model's own device, the render runs on a device copy of the gaussian parameters
-(:func:`mirrored_params`, refreshed when a parameter changes, is replaced, or densification changes
-their number) and the outputs come back on the model's device. So ns-viewer on a Mac renders with
-Metal, while its cameras, batches, metrics and the exporter keep the CPU copy they expect. Training
-(``get_outputs`` in train mode) is never redirected.
+When that is not the model's own device and backend, the render runs on a copy of the gaussian
+parameters on the target device (:func:`mirrored_params`: made once, refreshed only when a parameter
+is updated in place or replaced, e.g. by densification) and the outputs come back on the model's
+device. So ns-viewer on a Mac renders with Metal, while its cameras, batches, metrics and the
+exporter keep the CPU tensors they expect. Training (``get_outputs`` in train mode) is never
+redirected; under the viewer, renders run between training steps (nerfstudio's train_lock) and touch
+no training state (tests/test_viewer.py checks training stays bit-identical).
+
+Considered and not done: moving the model to mps after loading. nerfstudio's eval code keeps data on
+the datamanager's device and some of it compares devices; a hook inside load_state_dict would move
+the model under nerfstudio's feet. The copy costs one parameter-sized buffer on the GPU.
 
 Choice (environment variable ``SPLAT_METAL_RENDER_DEVICE``, read at every render):
   - unset / "auto": a model on the CPU renders on the best device this machine has (mps > cuda),
@@ -124,19 +130,28 @@ def render_target(model_device: torch.device, model_backend: str, setting: Optio
 class _Mirror:
     """A copy of one model's gaussian parameters on one device. ``stamp`` identifies the source
     state: each source tensor (held weakly, so a replaced parameter can never be mistaken for the
-    old one) and its in-place version counter, which optimizer steps and load_state_dict bump."""
+    old one), its storage and shape (``param.data = new`` keeps the object), and its in-place
+    version counter, which optimizer steps and load_state_dict bump. Writes through ``param.data``
+    in place bump nothing and are not seen; nothing in splatfacto or gsplat's strategies does that."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.stamp: List[Tuple[str, weakref.ref, int]] = []
+        self.stamp: List[Tuple[str, weakref.ref, int, int, tuple]] = []
         self.params: Dict[str, Tensor] = {}
         self.refreshes = 0
+
+    @staticmethod
+    def stamp_of(source: Dict[str, Tensor]) -> List[Tuple[str, weakref.ref, int, int, tuple]]:
+        return [(k, weakref.ref(v), v._version, v.data_ptr(), tuple(v.shape)) for k, v in source.items()]
 
     def current(self, source: Dict[str, Tensor]) -> bool:
         if len(self.stamp) != len(source):
             return False
-        return all(name in source and ref() is source[name] and source[name]._version == version
-                   for name, ref, version in self.stamp)  # fmt: skip
+        return all(
+            name in source and ref() is source[name] and source[name]._version == version
+            and source[name].data_ptr() == ptr and tuple(source[name].shape) == shape
+            for name, ref, version, ptr, shape in self.stamp
+        )  # fmt: skip
 
 
 _mirrors: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[str, _Mirror]]" = weakref.WeakKeyDictionary()
@@ -153,7 +168,7 @@ def mirrored_params(model: torch.nn.Module, device: torch.device) -> Dict[str, T
         if not mirror.current(source):
             with torch.no_grad():
                 mirror.params = {k: v.detach().to(device, copy=True) for k, v in source.items()}
-            mirror.stamp = [(k, weakref.ref(v), v._version) for k, v in source.items()]
+            mirror.stamp = _Mirror.stamp_of(source)
             mirror.refreshes += 1
         return dict(mirror.params)
 

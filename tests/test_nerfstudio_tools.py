@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -23,6 +25,16 @@ pytestmark = pytest.mark.timeout(900)
 
 # The colour splatfacto shows behind a "random"-background model outside training (viser's default).
 VISER_GREY = (0.1490, 0.1647, 0.2157)
+
+
+@pytest.fixture(scope="module")
+def ffmpeg():
+    """ns-render checks for the ffmpeg binary even when it writes images (install_checks)."""
+    if shutil.which("ffmpeg") is None:
+        reason = "ffmpeg not on PATH; ns-render refuses to run without it (apt-get install ffmpeg, scripts/setup.sh)"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +70,7 @@ def _fov_degrees(fy: float, height: int) -> float:
 # ns-render
 
 
-def test_ns_render_camera_path_images_rgb_depth_accumulation(run, pipeline, tmp_path):
+def test_ns_render_camera_path_images_rgb_depth_accumulation(run, pipeline, tmp_path, ffmpeg):
     """A camera path (the viewer's JSON format) with one held-out view and one view of nothing,
     rendered to PNGs with three outputs side by side; each frame equals our own render."""
     model = pipeline.model
@@ -110,7 +122,7 @@ def test_ns_render_camera_path_images_rgb_depth_accumulation(run, pipeline, tmp_
             assert (rgb == 1.0).all(), "background of a white-background run is not white in ns-render"
 
 
-def test_ns_render_interpolate_video(run, pipeline, tmp_path):
+def test_ns_render_interpolate_video(run, pipeline, tmp_path, ffmpeg):
     """`ns-render interpolate` to an mp4 (ffmpeg), rgb + depth + accumulation: the decoded frames
     match our renders of the same interpolated path (within video compression)."""
     import mediapy
@@ -165,7 +177,7 @@ def test_ns_eval_writes_psnr(run, pipeline, tmp_path):
         psnrs.append(-10 * math.log10(((rgb - gt) ** 2).mean().item()))
     assert len(psnrs) == demo_runs.N_EVAL
     assert metrics["psnr"] == pytest.approx(float(np.mean(psnrs)), abs=1e-3)
-    assert metrics["psnr"] > 12, "30 steps on the demo scene should beat a blank image"
+    assert metrics["psnr"] > 12, "the trained demo run should beat a blank image"
     images = sorted(renders.glob("*.png"))
     assert len(images) == demo_runs.N_EVAL, f"ns-eval --render-output-path wrote {[p.name for p in images]}"
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -200,6 +201,13 @@ def _browser():
     return webdriver.Chrome(service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"), options=options)
 
 
+def _quit(driver) -> None:
+    try:
+        driver.quit()
+    except Exception:  # the browser was killed on purpose
+        pass
+
+
 def _wait(predicate, timeout: float, what: str, proc=None):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -230,7 +238,8 @@ class Interrupted:
 
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory) -> Interrupted:
-    """ns-train with the viewer; three browser sessions come and go mid-training; then Ctrl-C."""
+    """ns-train with the viewer; browser sessions come and go mid-training (closed, reloaded, killed);
+    then Ctrl-C while a fourth is connected and the viewer renders for it."""
     pytest.importorskip("selenium")
     if not (shutil.which("chromium") or Path("/usr/bin/chromium").exists()):
         pytest.skip("chromium is not installed")
@@ -245,33 +254,31 @@ def interrupted(tmp_path_factory) -> Interrupted:
     log = open(out / "ns-train.log", "w+")
     proc = subprocess.Popen([executable("ns-train"), *map(str, args)], stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, env=env, start_new_session=True)  # fmt: skip
-    cycles = []
+    cycles, driver = [], None
     try:
         _wait(lambda: _latest_step(run_dir) >= 0, 300, "the first checkpoint", proc)
-        for how in ("close", "reload", "kill"):
+        for how in ("close", "reload", "kill", "stay"):
             cycle = {"how": how, "step_before": _latest_step(run_dir)}
             renders_before = len(render_log.read_text().splitlines()) if render_log.exists() else 0
             driver = _browser()
-            try:
-                driver.get(f"http://localhost:{port}")
-                connected = lambda: any("Connected!" in e["message"] for e in driver.get_log("browser"))  # noqa: E731
-                _wait(connected, 60, f"the browser to connect ({how})", proc)
-                if how == "reload":  # disconnect and reconnect the same page
-                    driver.refresh()
-                    _wait(connected, 60, "the browser to reconnect", proc)
-                _wait(lambda: render_log.exists() and len(render_log.read_text().splitlines()) > renders_before,
-                      120, f"a viewer render for the browser ({how})", proc)  # fmt: skip
-                cycle["renders"] = len(render_log.read_text().splitlines()) - renders_before
-                if how == "kill":  # the browser dies without closing its websocket
-                    chrome = [c for c in __import__("psutil").Process(driver.service.process.pid).children(True)
-                              if "chrom" in c.name() and "driver" not in c.name()]  # fmt: skip
-                    for c in chrome:
+            driver.get(f"http://localhost:{port}")
+            connected = lambda: any("Connected!" in e["message"] for e in driver.get_log("browser"))  # noqa: E731
+            _wait(connected, 60, f"the browser to connect ({how})", proc)
+            if how == "reload":  # disconnect and reconnect the same page
+                driver.refresh()
+                _wait(connected, 60, "the browser to reconnect", proc)
+            _wait(lambda: render_log.exists() and len(render_log.read_text().splitlines()) > renders_before,
+                  120, f"a viewer render for the browser ({how})", proc)  # fmt: skip
+            cycle["renders"] = len(render_log.read_text().splitlines()) - renders_before
+            if how == "stay":  # Ctrl-C with the viewer open and rendering
+                cycles.append(cycle)
+                break
+            if how == "kill":  # the browser dies without closing its websocket
+                for c in psutil.Process(driver.service.process.pid).children(recursive=True):
+                    if "chrom" in c.name() and "driver" not in c.name():
                         c.kill()
-            finally:
-                try:
-                    driver.quit()
-                except Exception:  # the browser was killed on purpose
-                    pass
+            _quit(driver)
+            driver = None
             # Training goes on after the client left: two more steps are saved.
             after = _latest_step(run_dir)
             _wait(lambda: _latest_step(run_dir) >= after + 2, 120, f"training to continue after '{how}'", proc)
@@ -285,6 +292,8 @@ def interrupted(tmp_path_factory) -> Interrupted:
             raise AssertionError("ns-train did not exit within 120 s of Ctrl-C (a hang?)") from None
         exit_seconds = time.monotonic() - sent
     finally:
+        if driver is not None:
+            _quit(driver)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -295,8 +304,8 @@ def interrupted(tmp_path_factory) -> Interrupted:
 
 
 def test_browser_sessions_do_not_disturb_training(interrupted):
-    assert [c["how"] for c in interrupted.cycles] == ["close", "reload", "kill"], interrupted.output[-3000:]
-    for c in interrupted.cycles:
+    assert [c["how"] for c in interrupted.cycles] == ["close", "reload", "kill", "stay"], interrupted.output[-3000:]
+    for c in interrupted.cycles[:3]:
         assert c["renders"] >= 1 and c["step_after"] >= c["step_before"] + 2, c
     assert "Viewer failed" not in interrupted.output
     assert not TRACEBACK.search(interrupted.output), interrupted.output[-5000:]
@@ -311,7 +320,7 @@ def test_ctrl_c_saves_a_loadable_checkpoint_and_exits(interrupted):
     (ckpt,) = checkpoints(interrupted.run_dir)  # only the latest is kept, and nothing else is in the folder
     assert checkpoint_step(ckpt) == step and [p.name for p in ckpt.parent.iterdir()] == [ckpt.name]
     state = torch.load(ckpt, map_location="cpu")  # weights_only, as ns-export and --load-dir load it
-    assert state["step"] == step and step >= interrupted.cycles[-1]["step_after"]
+    assert state["step"] == step and step >= interrupted.cycles[-2]["step_after"]
     assert all(torch.isfinite(v).all() for v in state["pipeline"].values() if v.is_floating_point())
     assert _no_partial_files(interrupted.output_dir) == []
     assert not TRACEBACK.search(interrupted.output), interrupted.output[-5000:]
@@ -383,7 +392,7 @@ def after_interrupt(interrupted, tmp_path_factory):
     exports = tmp_path_factory.mktemp("exports")
     resumed, killed, stopped = _parallel(
         lambda: _train(interrupted.scene, interrupted.output_dir, "resumed", "--load-dir", ckpt.parent,
-                       max_num_iterations=3, steps_per_save=100),  # fmt: skip
+                       max_num_iterations=3, steps_per_save=100, logging__steps_per_log=1),  # fmt: skip
         lambda: _interrupt_export(big, exports / "killed", signal.SIGKILL),
         lambda: _interrupt_export(big, exports / "ctrl_c", signal.SIGINT),
     )

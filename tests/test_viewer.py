@@ -139,12 +139,18 @@ def test_forced_render_device_takes_the_redirected_path(monkeypatch, tmp_path):
     moved = model.get_outputs_for_camera(cam)
     assert render_device.mirror_refreshes(model, "cpu") == 2
     assert (moved["rgb"] - out["rgb"]).abs().max() > 0.05, "render did not see the updated colours"
+    # ... after new storage under the same parameter object (param.data = ...) ...
+    dc = model.gauss_params["features_dc"]
+    dc.data = dc.data - 0.5
+    back = model.get_outputs_for_camera(cam)
+    assert render_device.mirror_refreshes(model, "cpu") == 3
+    torch.testing.assert_close(back["rgb"], out["rgb"], atol=1e-5, rtol=0)
     # ... and after densification replaces the parameters (here: keep half of the gaussians).
     keep = torch.arange(model.num_points) % 2 == 0
     for name, param in list(model.gauss_params.items()):
         model.gauss_params[name] = torch.nn.Parameter(param.detach()[keep])
     half = model.get_outputs_for_camera(cam)
-    assert render_device.mirror_refreshes(model, "cpu") == 3
+    assert render_device.mirror_refreshes(model, "cpu") == 4
     monkeypatch.setenv(RENDER_DEVICE_ENV, "model")
     torch.testing.assert_close(half["rgb"], model.get_outputs_for_camera(cam)["rgb"], atol=1e-4, rtol=1e-4)
 
@@ -156,7 +162,7 @@ def test_forced_render_device_takes_the_redirected_path(monkeypatch, tmp_path):
     assert model.info["backend"] == "reference"
 
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [(r["device"], r["backend"]) for r in records] == [("cpu", "reference")] + [("cpu", "metal")] * 4 + [
+    assert [(r["device"], r["backend"]) for r in records] == [("cpu", "reference")] + [("cpu", "metal")] * 5 + [
         ("cpu", "reference")
     ]
     assert records[0]["width"] == 40 and records[0]["height"] == 28 and len(records[0]["camera_to_world"]) == 3
@@ -309,19 +315,20 @@ def _trainer(scene: Path, out: Path, name: str, steps: int):
     config.steps_per_save = config.steps_per_eval_image = config.steps_per_eval_all_images = 10**6
     config.vis, config.machine.device_type = "tensorboard", "cpu"
     config.logging.local_writer.enable = False
-    config.pipeline.datamanager.camera_res_scale_factor = float(os.environ.get("SCALE", "0.5"))
+    config.pipeline.datamanager.camera_res_scale_factor = 0.5  # train on 32x24: this test is about state
     model = config.pipeline.model
     model.num_downscales, model.sh_degree_interval, model.background_color = 0, 4, "random"
     # Densify at step 20: refinement pauses for num_train_data (18) + refine_every steps after step 0.
     model.warmup_length, model.refine_every, model.densify_grad_thresh = 4, 2, 2e-5
+    from nerfstudio.scripts.train import _set_random_seed
+
+    _set_random_seed(config.machine.seed)  # as ns-train does, before the model draws its initial values
     trainer = config.setup(local_rank=0, world_size=1)
     trainer.setup()
     return trainer
 
 
 def _train(trainer, render_loop: Optional[Callable] = None):
-    from nerfstudio.scripts.train import _set_random_seed
-
     stop, errors = threading.Event(), []
 
     def guarded():
@@ -331,7 +338,6 @@ def _train(trainer, render_loop: Optional[Callable] = None):
             errors.append(e)
 
     thread = threading.Thread(target=guarded, daemon=True) if render_loop else None
-    _set_random_seed(trainer.config.machine.seed)
     if thread:
         thread.start()
     try:
@@ -385,7 +391,7 @@ def test_viewer_renders_during_training_change_nothing(tmp_path_factory, tmp_pat
     try:
         plain = _trainer(scene, tmp_path, "plain", STEPS)
         _train(plain)
-        viewed = _trainer(scene, tmp_path, "viewed", STEPS)
+        viewed = _trainer(scene, tmp_path, "viewed", STEPS)  # re-seeded: same start as plain
         _train(viewed, render_loop)
     finally:
         torch.set_num_threads(threads)

@@ -128,7 +128,7 @@ def rasterize_in_depth_chunks(
 ) -> Tuple[Tensor, Tensor]:
     """render_colors [C,H,W,D], render_alphas [C,H,W,1], as ``ops.rasterize_to_pixels`` would return
     for the whole list. With absgrad, sets ``means2d.absgrad`` [C,N,2] (filled by backward)."""
-    C, N, D = colors.shape
+    C, N, _ = colors.shape
     composite = getattr(ops, "rasterize_depth_chunk", None) or reference.rasterize_depth_chunk
     absgrad_out = None
     if absgrad:

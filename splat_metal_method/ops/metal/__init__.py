@@ -7,8 +7,8 @@ torch.autograd.Function whose forward runs the Metal kernels.
 Forward and backward are both Metal kernels (`<stage>.metal` / `<stage>_bwd.metal`, dispatched by
 `<stage>.py` / `<stage>_bwd.py`); there is no reference fallback. Gradients flow to means, quats,
 scales, viewmats (camera pose), SH coefficients / colours, opacities and backgrounds, and
-rasterize_to_pixels accumulates gsplat's absgrad into means2d.absgrad. Ks get no gradient (gsplat's
-kernels give none either).
+rasterize_to_pixels accumulates gsplat's absgrad into means2d.absgrad. Ks get the reference's
+gradient too (gsplat's kernels give none).
 """
 
 from __future__ import annotations
@@ -58,24 +58,24 @@ class _ProjectFn(torch.autograd.Function):
         means, quats, scales, viewmats, Ks, radii = ctx.saved_tensors
         width, height, eps2d, calc_compensations = ctx.args
         need = ctx.needs_input_grad
-        if not any(need[:4]):
+        if not any(need[:5]):
             return (None,) * 12
 
         def grad_or_zeros(g, *tail):  # outputs that fed nothing may arrive as None
             return g.contiguous() if g is not None else means.new_zeros(radii.shape + tail)
 
-        v_means, v_quats, v_scales, v_viewmats = project_bwd(
+        v_means, v_quats, v_scales, v_viewmats, v_Ks = project_bwd(
             means, quats, scales, viewmats, Ks, width, height, eps2d, radii,
             grad_or_zeros(v_means2d, 2), grad_or_zeros(v_depths), grad_or_zeros(v_conics, 3),
             grad_or_zeros(v_comp) if calc_compensations else None,
-            viewmats_grad=need[3],
+            viewmats_grad=need[3], Ks_grad=need[4],
         )  # fmt: skip
         return (
             v_means if need[0] else None,
             v_quats if need[1] else None,
             v_scales if need[2] else None,
             v_viewmats if need[3] else None,
-            None,  # Ks: no gradient (as gsplat)
+            v_Ks if need[4] else None,
             None, None, None, None, None, None, None,  # width, height, eps2d, near, far, radius_clip, calc_comp
         )
 

@@ -71,13 +71,30 @@ _STANDARD_VARIANTS = {
 }
 
 
+def _variants() -> dict:
+    """_STANDARD_VARIANTS plus the backward libraries, whose defines come from their dispatch modules
+    (imported here, not at module level: they import this module)."""
+    from .project_bwd import GROUP as PROJECT_BWD_GROUP
+    from .rasterize_bwd import bwd_batch
+
+    variants = dict(_STANDARD_VARIANTS)
+    variants["project_bwd"] = ("project_bwd.metal", (("SPLAT_PROJECT_BWD_GROUP", PROJECT_BWD_GROUP),))
+    variants["sh_bwd"] = ("sh_bwd.metal", ())
+    for name, channels in (("rgb", 3), ("rgbd", 4), ("d", 1)):
+        batch = bwd_batch(constants.TILE_SIZE, channels)
+        variants[f"rasterize_bwd_{name}"] = (
+            "rasterize_bwd.metal", (("SPLAT_CHANNELS", channels), ("SPLAT_BWD_BATCH", batch))
+        )
+    return variants
+
+
 def all_sources() -> dict:
     """name -> full assembled source of every standard library (for `xcrun metal` compile checks)."""
-    return {name: stage_source(f, constants.TILE_SIZE, extra) for name, (f, extra) in _STANDARD_VARIANTS.items()}
+    return {name: stage_source(f, constants.TILE_SIZE, extra) for name, (f, extra) in _variants().items()}
 
 
 def compile_all(device: torch.device):
     """Compiles every standard library for `device` (cached); yields their names as it goes."""
-    for name, (f, extra) in _STANDARD_VARIANTS.items():
+    for name, (f, extra) in _variants().items():
         library(torch.device(device), f, constants.TILE_SIZE, extra)
         yield name

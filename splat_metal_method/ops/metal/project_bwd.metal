@@ -1,5 +1,6 @@
 // project_bwd.metal: gradients of the EWA projection (project.metal) with respect to means, quats,
-// scales and viewmats (the camera pose), including the antialiased compensation term. The maths is
+// scales, viewmats (the camera pose) and the intrinsics fx, fy, cx, cy (gsplat gives none; the
+// reference oracle does), including the antialiased compensation term. The maths is
 // gsplat 1.4's fully_fused_projection_bwd (persp_proj_vjp with the clamped tx/ty,
 // covar_world_to_cam_vjp, quat_scale_to_covar_vjp), written as the exact derivative of
 // ops/reference.py::project, which is the oracle.
@@ -26,28 +27,35 @@ inline void mat3_mul_at(thread const float* a, thread const float* b, thread flo
 }
 
 // project_bwd: one thread per (gaussian n, camera c) on the grid (N_pad, C), N_pad = N rounded up to
-// the group size GROUP (256) so that every threadgroup is full and lies in one camera; threads with
+// the group size SPLAT_PROJECT_BWD_GROUP (256, injected) so that every threadgroup is full and lies in
+// one camera; threads with
 // n >= N or radius 0 (culled: the forward wrote constant zeros) contribute zeros.
 // Outputs:
 //   * v_means / v_quats / v_scales: one row per (camera, gaussian), [C, N, .]; the host sums over C
 //     (deterministic, no atomics; a view when C == 1);
-//   * v_viewmats: only if calc_viewmat != 0 (uniform, so barriers stay uniform): the 12 entries
-//     d/d viewmat[c, 0:3, 0:4] of the group's 256 gaussians, reduced with simd_sum and then across
-//     simdgroups in threadgroup memory, one partial row per group: v_viewmat_part [C, n_groups, 12];
-//     the host sums over groups.
+//   * camera gradients: only if calc_camera != 0 (uniform, so barriers stay uniform): 16 values per
+//     (camera, gaussian), d/d viewmat[c, 0:3, 0:4] (12) then d/d (fx, fy, cx, cy) (4), are reduced
+//     over the group's 256 gaussians with simd_sum (float4s) and then across simdgroups in
+//     threadgroup memory: one partial row per group, v_camera_part [C, n_groups, 16]; the host sums
+//     over groups (deterministic: no float atomics).
 // Every derivative mirrors the reference's forward term by term:
 //   conics = inverse(cov2d + eps2d I)        -> G = -P V P, V = [[v0, v1/2], [v1/2, v2]]
 //   compensation = sqrt(det_orig / det_blur)  -> dG from d ratio / d (a, b, c), zero where ratio <= 0
 //   cov2d = J covc J^T                        -> v_covc = J^T G J, v_J = G J covc^T + G^T J covc
 //   J = [[fx/z, 0, -fx tx_c/z^2], [0, fy/z, -fy ty_c/z^2]], tx_c = z clamp(x/z, -lim_neg, lim_pos):
-//       d J02/dx = -fx/z^2 unclamped, 0 clamped; d J02/dz = 2 fx tx_c/z^3 (- fx tx_c/z^3 if clamped)
+//       d J02/dx = -fx/z^2 unclamped, 0 clamped; d J02/dz = 2 fx tx_c/z^3 (- fx tx_c/z^3 if clamped);
+//       the limits are (W - cx)/fx + 0.15 W/fx and (cx + 0.15 W)/fx, so a clamped J02 is
+//       -(1.15 W - cx)/z or (cx + 0.15 W)/z: d J02/d fx = -tx_c/z^2 unclamped, 0 clamped;
+//       d J02/d cx = 0 unclamped, 1/z clamped
 //   means2d = (fx x/z + cx, fy y/z + cy); depth = z
 //   mean_c = R m + t, covc = R cov R^T       -> v_m = R^T v_mc, v_R = v_mc m^T + v_covc R cov^T + v_covc^T R cov
 //   cov = M M^T, M = Rq(q/|q|) diag(s)       -> v_M = (v_cov + v_cov^T) M, then rotation-matrix and
 //                                               normalisation vjps.
-// Threadgroup memory: 8 * 12 * 4 = 384 bytes.
-#define PROJECT_BWD_GROUP 256
-#define PROJECT_BWD_SIMDGROUPS (PROJECT_BWD_GROUP / 32)
+// Threadgroup memory: (GROUP / 32) * 16 * 4 = 512 bytes for 256 threads.
+#ifndef SPLAT_PROJECT_BWD_GROUP
+#error "SPLAT_PROJECT_BWD_GROUP (threads per group, a multiple of 32) must be injected by project_bwd.py"
+#endif
+#define PROJECT_BWD_SIMDGROUPS (SPLAT_PROJECT_BWD_GROUP / 32)
 kernel void project_bwd(
     const device float* means [[buffer(0)]],       // [N, 3]
     const device float* quats [[buffer(1)]],       // [N, 4] wxyz
@@ -62,20 +70,20 @@ kernel void project_bwd(
     device float* v_means [[buffer(10)]],          // [C, N, 3]
     device float* v_quats [[buffer(11)]],          // [C, N, 4]
     device float* v_scales [[buffer(12)]],         // [C, N, 3]
-    device float* v_viewmat_part [[buffer(13)]],   // [C, n_groups, 12] or [1] placeholder
+    device float* v_camera_part [[buffer(13)]],    // [C, n_groups, 16] or [1] placeholder
     constant long& N [[buffer(14)]],
     constant long& width [[buffer(15)]],
     constant long& height [[buffer(16)]],
     constant float& eps2d [[buffer(17)]],
     constant long& calc_comp [[buffer(18)]],
-    constant long& calc_viewmat [[buffer(19)]],
+    constant long& calc_camera [[buffer(19)]],
     constant long& n_groups [[buffer(20)]],
     uint2 gpos [[thread_position_in_grid]],
     uint2 tgp [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float s_part[PROJECT_BWD_SIMDGROUPS * 12];
+  threadgroup float s_part[PROJECT_BWD_SIMDGROUPS * 16];
 
   const long g = (long)gpos.x;
   const long cam = (long)gpos.y;
@@ -84,6 +92,7 @@ kernel void project_bwd(
 
   float vR[9] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // d/d viewmat[0:3, 0:3]
   float vt[3] = {0.0f, 0.0f, 0.0f};                                        // d/d viewmat[0:3, 3]
+  float vK[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                  // d/d (fx, fy, cx, cy)
   if (active) {
     // ---- forward recomputation (same operations as project.metal) ----
     const device float* V = viewmats + cam * 16;
@@ -216,7 +225,11 @@ kernel void project_bwd(
     float v_cov[9];  // Rv^T v_covc Rv
     mat3_mul_at(Rv, v_covc, tmp);
     mat3_mul(tmp, Rv, v_cov);
-    if (calc_viewmat != 0) {
+    if (calc_camera != 0) {
+      vK[0] = tx / tz * vu + vJ[0] / tz + (x_clamped ? 0.0f : -tx_c / tz2 * vJ[2]);
+      vK[1] = ty / tz * vv + vJ[4] / tz + (y_clamped ? 0.0f : -ty_c / tz2 * vJ[5]);
+      vK[2] = vu + (x_clamped ? vJ[2] / tz : 0.0f);
+      vK[3] = vv + (y_clamped ? vJ[5] / tz : 0.0f);
       float A[9], B[9], Bt[9];
       mat3_mul(v_covc, Rv, A);   // v_covc Rv
       mat3_mul_bt(A, cov, B);    // v_covc Rv cov^T
@@ -271,30 +284,33 @@ kernel void project_bwd(
     }
   }
 
-  if (calc_viewmat != 0) {  // uniform over the dispatch: every thread reaches the barriers
-    float vals[12];
-    for (int k = 0; k < 3; ++k) {
+  if (calc_camera != 0) {  // uniform over the dispatch: every thread reaches the barrier
+    float vals[16];
+    for (int k = 0; k < 3; ++k) {  // rows of viewmat[0:3, 0:4]
       vals[4 * k + 0] = vR[3 * k + 0];
       vals[4 * k + 1] = vR[3 * k + 1];
       vals[4 * k + 2] = vR[3 * k + 2];
       vals[4 * k + 3] = vt[k];
     }
-    for (int k = 0; k < 3; ++k) {  // row k of viewmat[0:3, 0:4] as one float4 reduction
+    for (int k = 0; k < 4; ++k) {
+      vals[12 + k] = vK[k];
+    }
+    for (int k = 0; k < 4; ++k) {  // four float4 reductions over the simdgroup
       const float4 r = simd_sum(float4(vals[4 * k + 0], vals[4 * k + 1], vals[4 * k + 2], vals[4 * k + 3]));
       if (lane == 0) {
-        s_part[sgid * 12 + 4 * k + 0] = r.x;
-        s_part[sgid * 12 + 4 * k + 1] = r.y;
-        s_part[sgid * 12 + 4 * k + 2] = r.z;
-        s_part[sgid * 12 + 4 * k + 3] = r.w;
+        s_part[sgid * 16 + 4 * k + 0] = r.x;
+        s_part[sgid * 16 + 4 * k + 1] = r.y;
+        s_part[sgid * 16 + 4 * k + 2] = r.z;
+        s_part[sgid * 16 + 4 * k + 3] = r.w;
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (tid < 12) {
+    if (tid < 16) {
       float total = 0.0f;
       for (int sg = 0; sg < PROJECT_BWD_SIMDGROUPS; ++sg) {
-        total += s_part[sg * 12 + tid];
+        total += s_part[sg * 16 + tid];
       }
-      v_viewmat_part[(cam * n_groups + (long)tgp.x) * 12 + tid] = total;
+      v_camera_part[(cam * n_groups + (long)tgp.x) * 16 + tid] = total;
     }
   }
 }

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .kernels import library
 
-GROUP = 256  # PROJECT_BWD_GROUP in project_bwd.metal: threads per group, one camera per group
+GROUP = 256  # threads per group (injected as SPLAT_PROJECT_BWD_GROUP); a group lies in one camera
 
 
 def project_bwd(
@@ -27,9 +27,11 @@ def project_bwd(
     v_conics: Tensor,  # [C, N, 3]
     v_compensations: Optional[Tensor] = None,  # [C, N]; None when the forward had no compensations
     viewmats_grad: bool = True,
-) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """Runs project_bwd. Returns v_means [N,3], v_quats [N,4], v_scales [N,3] (summed over cameras)
-    and v_viewmats [C,4,4] (row 3 is zero; None unless ``viewmats_grad``). No host sync."""
+    Ks_grad: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Runs project_bwd. Returns v_means [N,3], v_quats [N,4], v_scales [N,3] (summed over cameras),
+    v_viewmats [C,4,4] (row 3 is zero; None unless ``viewmats_grad``) and v_Ks [C,3,3] (fx, fy, cx,
+    cy entries; None unless ``Ks_grad``). No host sync."""
     op = "project_bwd"
     device = means.device
     N, C = means.shape[0], viewmats.shape[0]
@@ -48,21 +50,26 @@ def project_bwd(
     v_scales = torch.empty((C, N, 3), dtype=torch.float32, device=device)
     n_groups = (N + GROUP - 1) // GROUP
     placeholder = torch.zeros((1,), dtype=torch.float32, device=device)
-    part = torch.empty((C, n_groups, 12), dtype=torch.float32, device=device) if viewmats_grad else placeholder
+    camera_grad = bool(viewmats_grad or Ks_grad)
+    part = torch.empty((C, n_groups, 16), dtype=torch.float32, device=device) if camera_grad else placeholder
     if C * N > 0:
-        library(device, "project_bwd.metal").project_bwd(
+        library(device, "project_bwd.metal", extra=(("SPLAT_PROJECT_BWD_GROUP", GROUP),)).project_bwd(
             means.contiguous(), quats.contiguous(), scales.contiguous(), viewmats.contiguous(), Ks.contiguous(),
             radii.contiguous(), v_means2d.contiguous(), v_depths.contiguous(), v_conics.contiguous(),
             v_compensations.contiguous() if v_compensations is not None else placeholder,
             v_means, v_quats, v_scales, part,
-            N, int(width), int(height), float(eps2d), int(v_compensations is not None), int(viewmats_grad), n_groups,
+            N, int(width), int(height), float(eps2d), int(v_compensations is not None), int(camera_grad), n_groups,
             threads=(n_groups * GROUP, C), group_size=(GROUP, 1),
         )  # fmt: skip
-    v_viewmats = None
-    if viewmats_grad:
-        v_viewmats = torch.zeros((C, 4, 4), dtype=torch.float32, device=device)
-        if C * N > 0:
-            v_viewmats[:, :3, :] = part.sum(dim=1).view(C, 3, 4)
+    v_viewmats = v_Ks = None
+    if camera_grad:
+        total = part.sum(dim=1) if C * N > 0 else torch.zeros((C, 16), dtype=torch.float32, device=device)
+        if viewmats_grad:
+            v_viewmats = torch.cat([total[:, :12].view(C, 3, 4), total.new_zeros(C, 1, 4)], dim=1)
+        if Ks_grad:
+            zero = total.new_zeros(C)
+            fx, fy, cx, cy = total[:, 12:].unbind(-1)
+            v_Ks = torch.stack([fx, zero, cx, zero, fy, cy, zero, zero, zero], dim=-1).view(C, 3, 3)
     if C == 1:
-        return v_means[0], v_quats[0], v_scales[0], v_viewmats
-    return v_means.sum(0), v_quats.sum(0), v_scales.sum(0), v_viewmats
+        return v_means[0], v_quats[0], v_scales[0], v_viewmats, v_Ks
+    return v_means.sum(0), v_quats.sum(0), v_scales.sum(0), v_viewmats, v_Ks

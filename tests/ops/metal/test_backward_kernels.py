@@ -234,14 +234,18 @@ def test_rasterize_bwd_saturated_alpha(device):
 # --------------------------------------------------------------------------------------------------
 # projection backward
 # --------------------------------------------------------------------------------------------------
-def check_project_bwd(name, device, scene, calc_comp, near_plane=0.01, seed=0):
+def check_project_bwd(name, device, scene, calc_comp, near_plane=0.01, seed=0, only_conics=False):
+    """Random upstream gradients on every output (only on conics with ``only_conics``: then the
+    cov2d / J path, small next to the means2d path for broad gaussians, is all that is checked)."""
     C, N = scene.C, scene.N
-    leaves = [leaf(t) for t in (scene.means, scene.quats, scene.scales, scene.viewmats)]
-    radii, means2d, depths, conics, comp = ref.project(*leaves, scene.Ks, scene.width, scene.height,
+    leaves = [leaf(t) for t in (scene.means, scene.quats, scene.scales, scene.viewmats, scene.Ks)]
+    radii, means2d, depths, conics, comp = ref.project(*leaves, scene.width, scene.height,
                                                        near_plane=near_plane, calc_compensations=calc_comp)  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     v_means2d, v_depths, v_conics = (torch.randn(t.shape, generator=g) for t in (means2d, depths, conics))
     v_comp = torch.randn(C, N, generator=g) if calc_comp else None
+    if only_conics:
+        v_means2d, v_depths, v_comp = v_means2d * 0, v_depths * 0, (v_comp * 0 if calc_comp else None)
     loss = (means2d * v_means2d).sum() + (depths * v_depths).sum() + (conics * v_conics).sum()
     if calc_comp:
         loss = loss + (comp * v_comp).sum()
@@ -249,8 +253,8 @@ def check_project_bwd(name, device, scene, calc_comp, near_plane=0.01, seed=0):
         loss.backward()
     args = to(device, scene.means, scene.quats, scene.scales, scene.viewmats, scene.Ks)
     got = project_bwd(*args, scene.width, scene.height, constants.EPS2D, radii.to(device),
-                      *to(device, v_means2d, v_depths, v_conics, v_comp))  # fmt: skip
-    for part, a, lf in zip(["means", "quats", "scales", "viewmats"], got, leaves):
+                      *to(device, v_means2d, v_depths, v_conics, v_comp), Ks_grad=True)  # fmt: skip
+    for part, a, lf in zip(["means", "quats", "scales", "viewmats", "Ks"], got, leaves):
         check_grad(f"{name}.v_{part}", a, lf.grad)
     return radii, got, [lf.grad for lf in leaves]
 
@@ -285,8 +289,9 @@ def test_project_bwd_fov_clamp_near_plane_and_many_groups(device):
         clamped |= (radii > 0) & ((u > lim_pos) | (u < -lim_neg))
     rows = clamped[0]
     assert rows.sum() >= 10, f"only {rows.sum().item()} visible gaussians in the clamped branch"
+    _, got, expected = check_project_bwd("proj_bwd[clamp,conics]", device, scene, True, only_conics=True)
     for part, a, b in zip(["means", "quats", "scales"], got, expected):
-        check_grad(f"proj_bwd[clamp].clamped_rows.v_{part}", a[rows], b[rows])
+        check_grad(f"proj_bwd[clamp,conics].clamped_rows.v_{part}", a[rows], b[rows])
     # a near plane that culls part of the scene, two cameras
     scene2 = random_scene(n=1000, C=2, width=64, height=40, seed=4, fov_x_deg=25.0, extent=2.0, scale_range=(0.1, 0.6))
     radii, _, _ = check_project_bwd("proj_bwd[near]", device, scene2, False, near_plane=3.8)
@@ -335,12 +340,10 @@ def test_sh_bwd_matches_reference(device, degree, C, N):
 # --------------------------------------------------------------------------------------------------
 def public_grads(backend, device, kw, seed=0, absgrad=True):
     """Leaf gradients of a random linear loss on colours and alphas, plus means2d.grad / absgrad."""
-    leaves = {k: leaf(v).to(device) if backend == "metal" else leaf(v)
-              for k, v in kw.items() if torch.is_tensor(v) and k != "Ks"}  # fmt: skip
+    leaves = {k: leaf(v).to(device) if backend == "metal" else leaf(v) for k, v in kw.items() if torch.is_tensor(v)}
     for v in leaves.values():
         v.retain_grad()
     call = dict(kw, **leaves)
-    call["Ks"] = kw["Ks"].to(device) if backend == "metal" else kw["Ks"]
     colors, alphas, meta = rasterization(**call, absgrad=absgrad, backend=backend)
     meta["means2d"].retain_grad()
     g = torch.Generator().manual_seed(seed)
@@ -383,7 +386,7 @@ def test_public_api_gradients_match_reference(device, case):
     kw = scene.kwargs(rasterize_mode=mode, render_mode=render_mode, near_plane=0.2)
     m, _ = check_public(f"api[{C},{W}x{H},{N},sh{sh_degree},{mode},{render_mode}]", device, kw)
     if N > 1:
-        for k in ("means", "quats", "scales", "opacities", "colors", "viewmats"):
+        for k in ("means", "quats", "scales", "opacities", "colors", "viewmats", "Ks"):
             assert m[k].abs().sum() > 0, f"no gradient reached {k}"
 
 
@@ -392,7 +395,7 @@ def test_public_api_everything_behind_the_camera(device):
     scene = random_scene(n=200, C=2, width=37, height=23, seed=12, sh_degree=2, backgrounds=True)
     scene.viewmats = torch.diag(torch.tensor([-1.0, 1.0, -1.0, 1.0])) @ scene.viewmats
     m, _ = check_public("api[behind]", device, scene.kwargs(rasterize_mode="antialiased"))
-    for k in ("means", "quats", "scales", "opacities", "colors", "means2d", "absgrad"):
+    for k in ("means", "quats", "scales", "opacities", "colors", "Ks", "means2d", "absgrad"):
         assert (m[k] == 0).all(), k
     assert m["backgrounds"].abs().sum() > 0, "the background alone is seen: it gets the whole gradient"
 
@@ -510,7 +513,7 @@ def test_finite_differences_of_the_metal_forward(device):
         colors, alphas, _ = rasterization(**dict(kw, **over), backend="metal")
         return (colors.double() * w).sum() + 0.5 * alphas.double().sum()
 
-    names = ["means", "quats", "scales", "opacities", "colors", "viewmats", "backgrounds"]
+    names = ["means", "quats", "scales", "opacities", "colors", "viewmats", "Ks", "backgrounds"]
     leaves = {k: leaf(kw[k]) for k in names}
     loss(**leaves).backward()
     g = torch.Generator().manual_seed(3)
@@ -528,6 +531,20 @@ def test_finite_differences_of_the_metal_forward(device):
         MAX_ERRORS[f"fd.{k}"] = (err, 0.0)
         print(f"fd.{k}: analytic {an:.6g}, finite difference {fd:.6g}, rel {err:.2e}")
         assert err <= 1e-2, f"{k}: analytic {an} vs finite difference {fd}"
+
+
+def test_standard_variants_include_the_backward_libraries():
+    """kernels.compile_all (the doctor; all_sources feeds the macOS CI's `xcrun metal` check) builds
+    exactly the backward libraries a training step uses: after it, a step compiles nothing new."""
+    from splat_metal_method.ops.metal import kernels
+
+    names = list(kernels.compile_all(torch.device("cpu")))
+    assert {"project_bwd", "sh_bwd", "rasterize_bwd_rgb", "rasterize_bwd_rgbd", "rasterize_bwd_d"} <= set(names)
+    before = set(runtime._libraries)
+    scene = random_scene(n=50, C=1, width=37, height=23, seed=2, sh_degree=1, backgrounds=True)
+    for mode in ("RGB", "RGB+ED", "D"):
+        public_grads("metal", "cpu", scene.kwargs(render_mode=mode, rasterize_mode="antialiased"))
+    assert set(runtime._libraries) == before, "a training step compiled a library compile_all does not know"
 
 
 def test_print_max_errors():

@@ -30,7 +30,7 @@ from splat_metal_method.ops.metal import runtime
 from splat_metal_method.ops.metal.rasterize import RASTER_CHUNK
 
 WIDTH, HEIGHT, VIEWS = 48, 32, 10
-REFINE_EVERY, WARMUP = 10, 10  # densification at steps 20, 30, 40 (9 training views: no pause)
+REFINE_EVERY, WARMUP = 20, 10  # densification at steps 20 and 40 (9 training views: no pause)
 STEPS = 50
 
 
