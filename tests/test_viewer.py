@@ -464,12 +464,18 @@ class Browser:
         return None if best is None else best[1][..., :3].astype(np.float32) / 255
 
     def click(self, text: str) -> bool:
+        """Clicks the visible button labelled ``text``; False if there is none (yet), or if the GUI
+        re-rendered it under our hands (the caller retries)."""
+        from selenium.common.exceptions import StaleElementReferenceException
         from selenium.webdriver.common.by import By
 
-        for button in self.driver.find_elements(By.TAG_NAME, "button"):
-            if button.text.strip() == text and button.is_displayed():
-                button.click()
-                return True
+        try:
+            for button in self.driver.find_elements(By.TAG_NAME, "button"):
+                if button.text.strip() == text and button.is_displayed():
+                    button.click()
+                    return True
+        except StaleElementReferenceException:
+            pass
         return False
 
     def quit(self):
@@ -631,8 +637,8 @@ def test_browser_shows_training_in_the_viewer(tmp_path_factory, tmp_path, browse
         shot = browser.viewport()
         assert shot is not None and shot.std() > 0.02, "canvas shows nothing while training"
 
-        assert browser.click("Hide Train Cams"), "no 'Hide Train Cams' button"
-        assert browser.click("Pause Training"), "no 'Pause Training' button"
+        _wait_for("a 'Hide Train Cams' button", lambda: browser.click("Hide Train Cams"), 30, proc, log)
+        _wait_for("a 'Pause Training' button", lambda: browser.click("Pause Training"), 30, proc, log)
 
         def paused_checkpoint():
             ckpt = demo_runs.latest_checkpoint(config)
@@ -679,6 +685,8 @@ def test_browser_ns_viewer_on_a_finished_run_forced_metal(run, tmp_path, browser
         _wait_for("ns-viewer's web server", lambda: _http_up(port), 240, proc, log)
         opened = time.time()
         browser.driver.get(f"http://localhost:{port}")
+        # Not before the first frame: nerfstudio's button fails until the scene is set up (AttributeError).
+        _wait_for("a first frame from the viewer", lambda: _records(trace) or None, 120, proc, log)
         _wait_for("the viewer's GUI", lambda: browser.click("Hide Train Cams"), 60, proc, log)
         record, shot = _settled_frame(browser, trace, proc, log, after=opened)
         records = _records(trace)
