@@ -5,7 +5,6 @@ mechanisms are driven through the real command lines in test_reliability_cli.py.
 
 from __future__ import annotations
 
-import os
 import signal
 import types
 from collections import OrderedDict
@@ -19,7 +18,14 @@ from splat_metal_method import reliability
 from splat_metal_method.reliability import NonFiniteError, NonFiniteGuard, atomic_path, resume_command
 
 N = 10
-SHAPES = {"means": (3,), "scales": (3,), "quats": (4,), "features_dc": (3,), "features_rest": (15, 3), "opacities": (1,)}
+SHAPES = {
+    "means": (3,),
+    "scales": (3,),
+    "quats": (4,),
+    "features_dc": (3,),
+    "features_rest": (15, 3),
+    "opacities": (1,),
+}
 
 
 class FakeModel(torch.nn.Module):
@@ -242,7 +248,9 @@ class _DyingColumn(np.ndarray):
 
 
 def _ply_columns(n: int, dying_at=None, error=RuntimeError):
-    cols = OrderedDict((k, np.linspace(0, 1, n, dtype=np.float32) + j) for j, k in enumerate(["x", "y", "z", "opacity"]))
+    cols = OrderedDict(
+        (k, np.linspace(0, 1, n, dtype=np.float32) + j) for j, k in enumerate(["x", "y", "z", "opacity"])
+    )
     if dying_at is not None:
         col = cols["z"].view(_DyingColumn)
         col.limit, col.error = dying_at, error
@@ -266,7 +274,10 @@ def test_ply_writer_is_atomic_and_writes_the_same_bytes(tmp_path, monkeypatch):
         write(str(target), 50, _ply_columns(50, dying_at=20))
     with pytest.raises(SystemExit, match="export interrupted; .*splat.ply was not written .*untouched"):
         write(str(target), 50, _ply_columns(50, dying_at=20, error=KeyboardInterrupt))
-    assert _listing(tmp_path) == {"splat.ply": b"the user's previous export", "direct.ply": _listing(tmp_path)["direct.ply"]}
+    assert _listing(tmp_path) == {
+        "splat.ply": b"the user's previous export",
+        "direct.ply": _listing(tmp_path)["direct.ply"],
+    }
     # Without the wrapper, nerfstudio's writer leaves a truncated file at the target: what this prevents.
     with pytest.raises(RuntimeError):
         original(str(target), 50, _ply_columns(50, dying_at=20))

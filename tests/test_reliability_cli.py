@@ -22,7 +22,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -118,7 +117,7 @@ def batch(tmp_path_factory):
         lambda: _train(tiny, out, "b", "--machine.seed", "7", **det),
         lambda: _train(tiny, out, "c", "--machine.seed", "8", **{**det, "max_num_iterations": 5}),
     )
-    return dict(scene=scene, tiny=tiny, out=out, **dict(zip(["recover", "stop", "a", "b", "c"], runs)))
+    return dict(scene=scene, tiny=tiny, out=out, **dict(zip(["recover", "stop", "a", "b", "c"], runs, strict=True)))
 
 
 @pytest.fixture(scope="module")
@@ -262,12 +261,12 @@ def interrupted(tmp_path_factory) -> Interrupted:
             renders_before = len(render_log.read_text().splitlines()) if render_log.exists() else 0
             driver = _browser()
             driver.get(f"http://localhost:{port}")
-            connected = lambda: any("Connected!" in e["message"] for e in driver.get_log("browser"))  # noqa: E731
+            connected = lambda d=driver: any("Connected!" in e["message"] for e in d.get_log("browser"))  # noqa: E731
             _wait(connected, 60, f"the browser to connect ({how})", proc)
             if how == "reload":  # disconnect and reconnect the same page
                 driver.refresh()
                 _wait(connected, 60, "the browser to reconnect", proc)
-            _wait(lambda: render_log.exists() and len(render_log.read_text().splitlines()) > renders_before,
+            _wait(lambda n=renders_before: render_log.exists() and len(render_log.read_text().splitlines()) > n,
                   120, f"a viewer render for the browser ({how})", proc)  # fmt: skip
             cycle["renders"] = len(render_log.read_text().splitlines()) - renders_before
             if how == "stay":  # Ctrl-C with the viewer open and rendering
@@ -281,7 +280,7 @@ def interrupted(tmp_path_factory) -> Interrupted:
             driver = None
             # Training goes on after the client left: two more steps are saved.
             after = _latest_step(run_dir)
-            _wait(lambda: _latest_step(run_dir) >= after + 2, 120, f"training to continue after '{how}'", proc)
+            _wait(lambda a=after: _latest_step(run_dir) >= a + 2, 120, f"training to continue after '{how}'", proc)
             cycle["step_after"] = _latest_step(run_dir)
             cycles.append(cycle)
         sent = time.monotonic()
@@ -326,8 +325,6 @@ def test_ctrl_c_saves_a_loadable_checkpoint_and_exits(interrupted):
     assert not TRACEBACK.search(interrupted.output), interrupted.output[-5000:]
 
 
-
-
 # ----------------------------------------------------------------------------- after the interrupt
 BIG = 40_000  # gaussians: nerfstudio's per-value writer needs seconds for them, time to interrupt it
 
@@ -366,9 +363,9 @@ def _interrupt_export(config: Path, out_dir: Path, sig: int):
     )  # fmt: skip
     try:
         # Writing has begun when the target changed or another file in the folder has grown past a header.
-        writing = lambda: target.read_bytes() != old or any(  # noqa: E731
-            p.stat().st_size > 4096 for p in out_dir.iterdir() if p != target
-        )
+        def writing() -> bool:
+            return target.read_bytes() != old or any(p.stat().st_size > 4096 for p in out_dir.iterdir() if p != target)
+
         _wait(writing, 300, "ns-export to start writing", proc)
         os.killpg(proc.pid, sig)
         proc.wait(timeout=60)
@@ -391,8 +388,16 @@ def after_interrupt(interrupted, tmp_path_factory):
     big = _big_run(interrupted)
     exports = tmp_path_factory.mktemp("exports")
     resumed, killed, stopped = _parallel(
-        lambda: _train(interrupted.scene, interrupted.output_dir, "resumed", "--load-dir", ckpt.parent,
-                       max_num_iterations=3, steps_per_save=100, logging__steps_per_log=1),  # fmt: skip
+        lambda: _train(
+            interrupted.scene,
+            interrupted.output_dir,
+            "resumed",
+            "--load-dir",
+            ckpt.parent,
+            max_num_iterations=3,
+            steps_per_save=100,
+            logging__steps_per_log=1,
+        ),  # fmt: skip
         lambda: _interrupt_export(big, exports / "killed", signal.SIGKILL),
         lambda: _interrupt_export(big, exports / "ctrl_c", signal.SIGINT),
     )

@@ -17,7 +17,9 @@ from splat_metal_method.ops import rasterization
 
 
 def _grads(scene, backend):
-    inputs = {k: getattr(scene, k).clone().requires_grad_(True) for k in ("means", "quats", "scales", "opacities", "colors")}
+    inputs = {
+        k: getattr(scene, k).clone().requires_grad_(True) for k in ("means", "quats", "scales", "opacities", "colors")
+    }
     colors, alphas, meta = rasterization(**scene.kwargs(**inputs, backend=backend), absgrad=True)
     meta["means2d"].retain_grad()
     weights = torch.rand(colors.shape, generator=torch.Generator().manual_seed(0))
@@ -49,4 +51,4 @@ def test_metal_atomics_order_changes_only_the_last_bits(scene, monkeypatch):
     for k in ("means", "quats", "scales", "opacities", "colors", "means2d", "absgrad"):
         scale = a[k].abs().max()
         # Reordered float32 sums: differences of a few ulps of the largest terms, never more.
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=float(scale) * 1e-5, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=float(scale) * 1e-5, msg=lambda m, k=k: f"{k}: {m}")
