@@ -380,6 +380,18 @@ def test_chunked_equals_unchunked_reference_forward_and_backward(budget):
     _assert_same_render(got, want)
 
 
+def test_chunked_equals_unchunked_with_the_reference_own_checkpointing(monkeypatch):
+    """Large renders: the reference also cuts its tiles into blocks recomputed in backward; that
+    checkpointing then nests inside the depth chunks' own."""
+    scene = _dense_scene(C=1, seed=3)
+    want = _render(scene, "reference", None)
+    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 4096)
+    monkeypatch.setattr(reference, "CHECKPOINT_ELEMENTS", 1024)
+    got = _render(scene, "reference", 200)
+    assert got["meta"]["depth_chunks"] > 1
+    _assert_same_render(got, want)
+
+
 @pytest.mark.parametrize("size", [(16, 16), (23, 41)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_chunked_equals_unchunked_without_grad(size):
     scene = _dense_scene(*size, C=1, seed=2)
