@@ -80,7 +80,7 @@ def test_metal_isect_takes_its_scratch_from_the_workspace():
         args = (means2d[:, :n].contiguous(), radii[:, :n].contiguous(), depths[:, :n].contiguous(), 16, 4, 3)
         got = isect_tiles_fwd(*args)
         want = reference.isect_tiles(*args)
-        for g, w in zip(got, want):
+        for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w)
         if allocations is None:
             allocations = ws.allocations
