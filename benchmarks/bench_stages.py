@@ -1,23 +1,28 @@
 """Per-stage and full-step timings of every backend, side by side in one process.
 
-    python benchmarks/bench_stages.py                       # all CPU-capable backends, default sweep
+    python benchmarks/bench_stages.py                       # cpu, emulated metal, reference; 10k..1M
     python benchmarks/bench_stages.py --device mps --backends metal reference
     python benchmarks/bench_stages.py --quick               # a short sweep (smoke run)
 
-For each scene (garden cameras at several gaussian counts and resolutions, plus a synthetic
-scene) it times, per backend: project, SH, intersect + sort, rasterize forward, rasterize
-backward, and one full training-like step (forward + backward through the public op). Backends
-alternate within each repetition so machine noise hits them alike; the median is reported.
-Writes benchmarks/results/stages.csv and stages.png (time vs N, per stage and backend), and
-prints ratios against the reference.
+For each scene (the real garden points and cameras at several gaussian counts and resolutions) it
+times, per backend: project, SH, intersect + sort, rasterize forward, rasterize backward, one full
+training-like step (forward + backward through the public op) and that step's peak memory (CPU:
+resident set growth sampled every millisecond; CUDA: max_memory_allocated; MPS: driver memory).
+Backends alternate within each repetition so machine noise hits them alike; the median is
+reported. Backends listed in --slow (default: reference, metal, whose step at 1M gaussians takes
+minutes on a laptop CPU) only run up to --slow-max gaussians. Writes benchmarks/results/stages.csv
+and stages.png (time vs N per stage and backend, plus peak memory), and prints ratios against the
+reference.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import os
 import platform
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +62,47 @@ def garden_scene(n: int, scale_px: float, device, downscale: int = 1, seed: int 
         Ks=Ks,
     )
     return {k: v.to(device) for k, v in scene.items()}, W, H
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # macOS: no /proc; ru_maxrss is a lifetime peak, so growth shows only once
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if platform.system() == "Darwin" else 1024)
+
+
+def peak_memory(fn, device):
+    """Runs fn(); returns (result, peak bytes above the memory in use when it started)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        r = fn()
+        torch.cuda.synchronize()
+        return r, torch.cuda.max_memory_allocated() - base
+    if device.type == "mps":
+        base = torch.mps.driver_allocated_memory()
+        r = fn()
+        torch.mps.synchronize()
+        return r, torch.mps.driver_allocated_memory() - base
+    base, peak, done = _rss_bytes(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        r = fn()
+    finally:
+        done.set()
+        sampler.join()
+    return r, max(peak[0], _rss_bytes()) - base
 
 
 def time_backend(backend: str, scene, W, H, device):
@@ -99,14 +145,22 @@ def time_backend(backend: str, scene, W, H, device):
         (c.mean() + a.mean()).backward()
 
     _, out["train step"] = clock(step)
+    _, peak = peak_memory(step, device)
+    out["peak MB"] = peak / 2**20
     return out
+
+
+def backends_for(args, n: int):
+    return [b for b in args.backends if b not in args.slow or n <= args.slow_max]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backends", nargs="+", default=None)
-    parser.add_argument("--counts", nargs="+", type=int, default=[10_000, 30_000, 100_000])
+    parser.add_argument("--counts", nargs="+", type=int, default=[10_000, 30_000, 100_000, 300_000, 1_000_000])
+    parser.add_argument("--slow", nargs="+", default=["reference", "metal"], help="backends capped at --slow-max")
+    parser.add_argument("--slow-max", type=int, default=100_000)
     parser.add_argument("--downscales", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one small scene, one repeat")
@@ -115,29 +169,34 @@ def main():
     if args.quick:
         args.counts, args.downscales, args.repeats = [5_000], [4], 1
     if args.backends is None:
-        args.backends = {"cpu": ["metal", "reference"], "mps": ["metal", "reference"], "cuda": ["gsplat", "reference"]}[
-            device.type
-        ]
+        args.backends = {"cpu": ["cpu", "metal", "reference"], "mps": ["metal", "reference"],
+                         "cuda": ["gsplat", "reference"]}[device.type]  # fmt: skip
 
-    from rich.progress import track
+    from rich.progress import Progress, TextColumn
 
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
           f"torch {torch.__version__}, device {device}")  # fmt: skip
     rows = []
     jobs = [(n, d) for n in args.counts for d in args.downscales]
-    for n, d in track(jobs, description="benchmarking"):
-        scene, W, H = garden_scene(n, 0.02, device, downscale=d)
-        samples = {b: [] for b in args.backends}
-        for b in args.backends:  # warm-up: compile kernels, allocate
-            time_backend(b, scene, W, H, device)
-        for _ in range(args.repeats):
-            for b in args.backends:
-                samples[b].append(time_backend(b, scene, W, H, device))
-        for b, runs in samples.items():
-            row = {"backend": b, "gaussians": n, "width": W, "height": H}
-            for key in runs[0]:
-                row[key] = statistics.median(r[key] for r in runs)
-            rows.append(row)
+    total = sum(len(backends_for(args, n)) * (args.repeats + 1) for n, _ in jobs)
+    with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[what]}")) as progress:
+        task = progress.add_task("benchmarking", total=total, what="")
+        for n, d in jobs:
+            scene, W, H = garden_scene(n, 0.02, device, downscale=d)
+            backends = backends_for(args, n)
+            samples = {b: [] for b in backends}
+            for rep in range(args.repeats + 1):  # repetition 0 is the warm-up: builds kernels, allocates
+                for b in backends:
+                    progress.update(task, what=f"{b} {n:,} @ {W}x{H}")
+                    r = time_backend(b, scene, W, H, device)
+                    if rep:
+                        samples[b].append(r)
+                    progress.advance(task)
+            for b, runs in samples.items():
+                row = {"backend": b, "gaussians": n, "width": W, "height": H}
+                for key in runs[0]:
+                    row[key] = statistics.median(r[key] for r in runs)
+                rows.append(row)
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
@@ -148,8 +207,8 @@ def main():
 
     print(f"{'scene':>22} {'backend':>10} " + " ".join(f"{k:>12}" for k in keys[4:]) + "  step vs reference")
     for r in rows:
-        ref = next(x for x in rows if x["backend"] == "reference" and x["gaussians"] == r["gaussians"]
-                   and x["width"] == r["width"]) if "reference" in args.backends else None  # fmt: skip
+        ref = next((x for x in rows if x["backend"] == "reference" and x["gaussians"] == r["gaussians"]
+                    and x["width"] == r["width"]), None)  # fmt: skip
         ratio = f"{ref['train step'] / r['train step']:.1f}x faster" if ref else ""
         cells = " ".join(f"{r.get(k, float('nan')):>12.4f}" if k != "intersections" else f"{int(r.get(k, 0)):>12d}"
                          for k in keys[4:])  # fmt: skip
@@ -160,7 +219,8 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    stages = [k for k in ("project", "sh", "isect+sort", "raster fwd", "raster bwd", "train step") if k in keys]
+    all_stages = ("project", "sh", "isect+sort", "raster fwd", "raster bwd", "train step", "peak MB")
+    stages = [k for k in all_stages if k in keys]
     fig, axes = plt.subplots(1, len(stages), figsize=(4 * len(stages), 3.5))
     for ax, stage in zip(np.atleast_1d(axes), stages):
         for b in args.backends:
@@ -172,7 +232,7 @@ def main():
         ax.set_yscale("log")
         ax.set_title(stage)
         ax.set_xlabel("gaussians")
-    np.atleast_1d(axes)[0].set_ylabel("seconds")
+    np.atleast_1d(axes)[0].set_ylabel("seconds (peak MB: megabytes)")
     np.atleast_1d(axes)[-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(RESULTS / "stages.png", dpi=100)

@@ -184,6 +184,14 @@ def full_op_checks(device: torch.device, backend: str, width: int, height: int) 
     return checks
 
 
+def _native_cpu_fact() -> str:
+    from .ops.cpu import build
+
+    if build.load() is None:
+        return f"unavailable ({build.unavailable_reason().splitlines()[0]}); CPU tensors use the reference"
+    return f"built with {build.find_compiler()} (cache {build.cache_dir()})"
+
+
 def facts(device: torch.device) -> Dict[str, str]:
     from .ops import resolve_backend
 
@@ -197,6 +205,7 @@ def facts(device: torch.device) -> Dict[str, str]:
         "cuda available": str(torch.cuda.is_available()),
         "checking on": str(device),
         "auto backend here": resolve_backend("auto", device),
+        "native cpu backend": _native_cpu_fact(),
     }
     if device.type == "mps" and hasattr(torch.mps, "recommended_max_memory"):
         info["mps recommended max memory"] = f"{torch.mps.recommended_max_memory() / 2**30:.1f} GiB"
@@ -262,6 +271,11 @@ def main(argv=None) -> int:
             checks = [Check(f"compile {compiled} kernels", "-", 0.0, 0.0, ms, compiled > 0)]
             progress.update(task, description="running stages forward and backward")
             checks += stage_checks(device, metal, reference, width, height)
+        from .ops.cpu import available
+
+        if available():  # the native CPU backend (what "auto" uses for CPU tensors)
+            progress.update(task, description="checking the native cpu backend")
+            checks += full_op_checks(torch.device("cpu"), "cpu", width, height)
     _print_table(checks)
     bad = [c for c in checks if not c.ok]
     print(f"{len(checks) - len(bad)}/{len(checks)} checks passed" + (": MISMATCH, please report" if bad else ""))

@@ -61,8 +61,9 @@ class SplatMetalModelConfig(SplatfactoModelConfig):
     NVIDIA, PyTorch on CPU)."""
 
     _target: Type = field(default_factory=lambda: SplatMetalModel)
-    backend: Literal["auto", "reference", "gsplat", "metal"] = "auto"
-    """Op-layer backend. "auto" picks by device (mps -> metal, cuda -> gsplat, cpu -> reference);
+    backend: Literal["auto", "reference", "gsplat", "metal", "cpu"] = "auto"
+    """Op-layer backend. "auto" picks by device (mps -> metal, cuda -> gsplat, cpu -> cpu, i.e. native
+    rasterization, or reference where no C++ compiler can build it);
     the SPLAT_METAL_BACKEND environment variable overrides "auto"."""
     # Memory management (splat_metal_method/memory.py); what is in effect is printed when training starts.
     max_gaussians: int = -1

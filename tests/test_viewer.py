@@ -35,7 +35,10 @@ from PIL import Image
 
 import demo_runs
 from splat_metal_method import render_device
+from splat_metal_method.ops import resolve_backend
 from splat_metal_method.render_device import RENDER_DEVICE_ENV, RENDER_LOG_ENV, render_target
+
+CPU_AUTO = resolve_backend("auto", torch.device("cpu"))  # what a model on cpu renders with by default
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -295,7 +298,7 @@ def test_viewer_outputs_background_picker_depth_and_crop(run, tmp_path, monkeypa
         viewer.viser_server.stop()
 
     records = [json.loads(line) for line in (tmp_path / "renders.jsonl").read_text().splitlines()]
-    assert records and {r["backend"] for r in records} == {"metal" if setting == "cpu:metal" else "reference"}
+    assert records and {r["backend"] for r in records} == {"metal" if setting == "cpu:metal" else CPU_AUTO}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -625,7 +628,7 @@ def test_browser_shows_training_in_the_viewer(tmp_path_factory, tmp_path, browse
         _wait_for("the viewer's web server", lambda: _http_up(port), 240, proc, log)
         browser.driver.get(f"http://localhost:{port}")
         first = _wait_for("a first frame from the viewer", lambda: _records(trace) or None, 120, proc, log)
-        assert first[0]["device"] == "cpu" and first[0]["backend"] == "reference"
+        assert first[0]["device"] == "cpu" and first[0]["backend"] == CPU_AUTO
 
         # Rendering while training runs: renders at several training steps, training still advancing.
         def renders_across_steps():
@@ -695,7 +698,7 @@ def test_browser_ns_viewer_on_a_finished_run_forced_metal(run, tmp_path, browser
         assert pipeline.model.config.backend == "auto" and pipeline.model.device.type == "cpu"
         monkeypatch.setenv(RENDER_DEVICE_ENV, "model")  # compare with the model's own cpu path
         _assert_frame_is_the_models_render(pipeline.model, record, shot, tmp_path)
-        assert pipeline.model.info["backend"] == "reference"
+        assert pipeline.model.info["backend"] == CPU_AUTO
         assert proc.poll() is None
     finally:
         ended = _stop(proc)

@@ -3,8 +3,11 @@
 Backends:
   - "gsplat":    gsplat's CUDA kernels (the whole call is passed through unchanged).
   - "metal":     our Metal kernels (MPS tensors; CPU tensors run them under the MSL emulator).
+  - "cpu":       native multi-threaded rasterization on CPU tensors (ops/cpu; needs a C++ compiler,
+                 built on first use and cached), the reference's PyTorch for the other stages.
   - "reference": pure PyTorch on any device; the oracle for the others.
-  - "auto":      by tensor device: cuda -> gsplat, mps -> metal, cpu -> the best CPU backend.
+  - "auto":      by tensor device: cuda -> gsplat, mps -> metal, cpu -> "cpu" (or "reference", with
+                 one warning, where no C++ compiler can build it).
 The environment variable SPLAT_METAL_BACKEND overrides "auto" for the whole process.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from types import ModuleType
 from typing import Dict, Optional, Tuple
 
@@ -20,7 +24,7 @@ from torch import Tensor
 
 from .constants import EPS2D, TILE_SIZE
 
-BACKENDS = ("auto", "reference", "gsplat", "metal")
+BACKENDS = ("auto", "reference", "gsplat", "metal", "cpu")
 RENDER_MODES = ("RGB", "D", "ED", "RGB+D", "RGB+ED")
 
 
@@ -43,6 +47,37 @@ def _check_metal(device: torch.device) -> None:
         )
 
 
+_warned_no_native = False
+
+
+def _cpu_backend_available(explicit: bool) -> bool:
+    """Whether the native CPU backend can run; warns once (auto) or raises (explicit) if not."""
+    global _warned_no_native
+    from .cpu import build
+
+    if build.load() is not None:
+        return True
+    reason = build.unavailable_reason()
+    hint = ("install a C++17 compiler (Debian/Ubuntu: apt-get install g++; macOS: xcode-select --install) "
+            "or point $CXX at one")  # fmt: skip
+    if explicit:
+        raise BackendUnavailable(f"backend 'cpu' needs its native library, which cannot be built: {reason}; {hint}")
+    if not _warned_no_native:
+        _warned_no_native = True
+        warnings.warn(
+            f"splat-metal: the fast CPU backend cannot be built ({reason}); using the 'reference' backend, "
+            f"which is 10-20x slower per step. To fix: {hint}.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return False
+
+
+def _check_cpu(device: torch.device) -> None:
+    if device.type != "cpu":
+        raise BackendUnavailable(f"backend 'cpu' runs on CPU tensors, got tensors on {device}")
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Turns "auto" (or SPLAT_METAL_BACKEND) into a concrete backend for tensors on ``device``."""
     if backend == "auto":
@@ -51,11 +86,16 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             raise BackendUnavailable(f"SPLAT_METAL_BACKEND={backend!r} is not one of {BACKENDS}")
     if backend == "auto":
         backend = {"cuda": "gsplat", "mps": "metal"}.get(device.type, "reference")
+        if device.type == "cpu" and _cpu_backend_available(explicit=False):
+            backend = "cpu"
+    elif backend == "cpu":
+        _check_cpu(device)
+        _cpu_backend_available(explicit=True)
     if backend == "gsplat":
         _check_gsplat(device)
     elif backend == "metal":
         _check_metal(device)
-    elif backend != "reference":
+    elif backend not in ("reference", "cpu"):
         raise BackendUnavailable(f"[rasterization] backend must be one of {BACKENDS}, got {backend!r}")
     return backend
 
@@ -70,6 +110,10 @@ def backend_module(name: str) -> ModuleType:
         from . import metal
 
         return metal
+    if name == "cpu":
+        from . import cpu
+
+        return cpu
     raise BackendUnavailable(f"no stage module for backend {name!r}")
 
 

@@ -1,6 +1,7 @@
 """Run-to-run determinism of one forward + backward of ``rasterization`` on CPU tensors.
 
-The reference backend has no atomics: bit-identical. The Metal rasterize backward accumulates
+The reference and cpu backends have no atomics: bit-identical (the cpu backend's native
+rasterizer sums gradients per gaussian in a fixed order after its threads join). The Metal rasterize backward accumulates
 gradients with device float atomics; under the emulator threadgroups run on several OS threads
 (SPLAT_METAL_EMU_THREADS, default min(cores, 8)), so the order of those additions, and thus the
 last bits of the gradients of gaussians that span several tiles, changes from run to run, as on a
@@ -35,7 +36,7 @@ def scene():
     return random_scene(n=600, width=61, height=37, seed=5, scale_range=(0.05, 0.5))
 
 
-@pytest.mark.parametrize("backend,threads", [("reference", None), ("metal", "1")])
+@pytest.mark.parametrize("backend,threads", [("reference", None), ("cpu", None), ("metal", "1")])
 def test_backward_is_bit_identical_without_concurrent_atomics(scene, backend, threads, monkeypatch):
     if threads is not None:
         monkeypatch.setenv("SPLAT_METAL_EMU_THREADS", threads)

@@ -1,6 +1,6 @@
-"""Reference backend: time per training-like step (forward + backward) on CPU.
+"""Time per training-like step (forward + backward through the public op), per backend, side by side.
 
-One step = what splatfacto does per iteration: render ONE camera with SH colors (degree 3),
+One step = what splatfacto asks of the op layer per iteration: render ONE camera with SH colors (degree 3),
 render_mode="RGB+ED", absgrad=True and a background, loss = mean of the RGB image, backward to
 every input (means, quats, scales, opacities, SH coefficients, viewmats, background).
 
@@ -9,8 +9,9 @@ Scenes:
   garden10k  the real garden points, 10k subsampled, kNN scales, the 3 real cameras at 648x420
   garden100k the same with 100k points
 
-Usage:  python benchmarks/bench_reference.py [--scenes demo garden10k garden100k] [--steps 3]
-Prints a table with machine info and writes a CSV to benchmarks/results/ (git-ignored).
+Usage:  python benchmarks/bench_step.py [--backends reference cpu] [--scenes demo garden10k garden100k] [--steps 3]
+Backends alternate step by step so machine noise hits them alike; the table shows each backend's
+median and its speed-up over the first backend. Writes a CSV to benchmarks/results/ (git-ignored).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def make_scenes(names):
     return out
 
 
-def step(scene: Scene, cam: int) -> dict:
+def step(scene: Scene, cam: int, backend: str) -> dict:
     """One training-like step on camera ``cam``; returns timings (s) and sizes."""
     leaves = {
         k: v.detach().clone().requires_grad_()
@@ -100,7 +101,7 @@ def step(scene: Scene, cam: int) -> dict:
     colors, alphas, meta = rasterization(
         **leaves, viewmats=viewmats, Ks=scene.Ks[cam : cam + 1], width=scene.width, height=scene.height,
         sh_degree=scene.sh_degree, backgrounds=backgrounds, render_mode="RGB+ED", absgrad=True,
-        backend="reference",
+        backend=backend,
     )  # fmt: skip
     meta["means2d"].retain_grad()
     loss = colors[..., :3].mean()
@@ -119,6 +120,7 @@ def step(scene: Scene, cam: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", nargs="+", default=["reference", "cpu"])
     parser.add_argument("--scenes", nargs="+", default=["demo", "garden10k", "garden100k"])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per scene (after one warm-up)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -128,40 +130,46 @@ def main():
         torch.set_num_threads(args.threads)
 
     info = machine_info()
-    print("splat-metal reference backend benchmark")
+    print("splat-metal training-step benchmark: " + " vs ".join(args.backends))
     for k, v in info.items():
         print(f"  {k:14s} {v}")
     print("  step           1 camera, SH degree 3, RGB+ED, absgrad, background; loss = RGB mean; backward\n")
 
     rows = []
-    header = f"{'scene':11s} {'gaussians':>9s} {'size':>8s} {'visible':>8s} {'isects':>9s} " \
-             f"{'forward s':>10s} {'backward s':>10s} {'step s':>8s} {'steps/s':>8s}"  # fmt: skip
+    header = f"{'scene':11s} {'gaussians':>9s} {'size':>8s} {'isects':>9s} {'backend':>10s} " \
+             f"{'forward s':>10s} {'backward s':>10s} {'step s':>8s}  vs {args.backends[0]}"  # fmt: skip
     print(header)
     print("-" * len(header))
     for name, scene in make_scenes(args.scenes).items():
-        step(scene, 0)  # warm-up
-        runs = [step(scene, i % scene.C) for i in range(args.steps)]  # cycles through the cameras
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        row = {
-            "scene": name, "gaussians": scene.N, "width": scene.width, "height": scene.height,
-            "visible": int(med["visible"]), "intersections": int(med["intersections"]),
-            "forward_s": round(med["forward_s"], 4), "backward_s": round(med["backward_s"], 4),
-            "step_s": round(med["step_s"], 4), "steps": args.steps,
-            "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-            **info,
-        }  # fmt: skip
-        rows.append(row)
-        print(
-            f"{name:11s} {scene.N:9d} {f'{scene.width}x{scene.height}':>8s} {row['visible']:8d} "
-            f"{row['intersections']:9d} {row['forward_s']:10.3f} {row['backward_s']:10.3f} "
-            f"{row['step_s']:8.3f} {1 / row['step_s']:8.2f}",
-            flush=True,
-        )
+        samples = {b: [] for b in args.backends}
+        for b in args.backends:
+            step(scene, 0, b)  # warm-up (builds the native library, caches)
+        for i in range(args.steps):
+            for b in args.backends:  # alternate: noise hits every backend alike
+                samples[b].append(step(scene, i % scene.C, b))  # cycles through the cameras
+        base = None
+        for b, runs in samples.items():
+            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            base = base or med["step_s"]
+            row = {
+                "scene": name, "backend": b, "gaussians": scene.N, "width": scene.width, "height": scene.height,
+                "visible": int(med["visible"]), "intersections": int(med["intersections"]),
+                "forward_s": round(med["forward_s"], 4), "backward_s": round(med["backward_s"], 4),
+                "step_s": round(med["step_s"], 4), "speedup": round(base / med["step_s"], 2), "steps": args.steps,
+                "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                **info,
+            }  # fmt: skip
+            rows.append(row)
+            print(
+                f"{name:11s} {scene.N:9d} {f'{scene.width}x{scene.height}':>8s} {row['intersections']:9d} {b:>10s} "
+                f"{row['forward_s']:10.3f} {row['backward_s']:10.3f} {row['step_s']:8.3f}  {row['speedup']:.1f}x",
+                flush=True,
+            )
     print(f"\n(median of {args.steps} steps after a warm-up; max RSS {rows[-1]['max_rss_mb'] if rows else 0} MB)")
 
     if rows:
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"bench_reference_{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.csv"
+        path = args.out / f"bench_step_{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.csv"
         with open(path, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()

@@ -1,0 +1,64 @@
+"""In-process nerfstudio training (what Trainer.setup/train_iteration do, without the viewer),
+shared by tests and benchmarks: build splat-metal's pipeline on a dataset and run steps."""
+
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def make_pipeline(data: Path, seed: int = 0, warmup: int = 10, refine_every: int = 20, sh_degree_interval: int = 10,
+                  backend: str = "auto"):  # fmt: skip
+    """VanillaPipeline + Optimizers + training callbacks, as Trainer.setup builds them (no viewer), on
+    CPU, with the SO3xR3 camera optimizer (viewmats get gradients) and a white background."""
+    from nerfstudio.cameras.camera_optimizers import CameraOptimizerConfig
+    from nerfstudio.engine.callbacks import TrainingCallbackAttributes
+    from nerfstudio.engine.optimizers import Optimizers
+
+    from splat_metal_method.config import splat_metal_trainer_config
+
+    cfg = splat_metal_trainer_config()
+    cfg.machine.device_type = "cpu"
+    cfg.pipeline.datamanager.data = data
+    model = cfg.pipeline.model
+    model.camera_optimizer = CameraOptimizerConfig(mode="SO3xR3")
+    model.background_color = "white"  # splatfacto's default "random" would differ between two renders
+    model.num_downscales = 0
+    model.warmup_length = warmup
+    model.refine_every = refine_every
+    model.sh_degree_interval = sh_degree_interval
+    model.backend = backend  # "auto": SPLAT_METAL_BACKEND decides
+    seed_all(seed)
+    pipeline = cfg.pipeline.setup(device="cpu", test_mode="val", world_size=1, local_rank=0)
+    optimizers = Optimizers(cfg.optimizers, pipeline.get_param_groups())
+    callbacks = pipeline.get_training_callbacks(
+        TrainingCallbackAttributes(optimizers=optimizers, grad_scaler=None, pipeline=pipeline, trainer=None)
+    )
+    return pipeline, optimizers, callbacks
+
+
+def train_step(pipeline, optimizers, callbacks, step: int) -> torch.Tensor:
+    """Trainer.train_iteration without the grad scaler (mixed precision is off): returns the loss."""
+    from nerfstudio.engine.callbacks import TrainingCallbackLocation
+
+    for cb in callbacks:
+        cb.run_callback_at_location(step, location=TrainingCallbackLocation.BEFORE_TRAIN_ITERATION)
+    optimizers.zero_grad_all()
+    _, loss_dict, _ = pipeline.get_train_loss_dict(step=step)
+    loss = functools.reduce(torch.add, loss_dict.values())
+    loss.backward()
+    optimizers.optimizer_step_all()
+    optimizers.scheduler_step_all(step)
+    for cb in callbacks:
+        cb.run_callback_at_location(step, location=TrainingCallbackLocation.AFTER_TRAIN_ITERATION)
+    return loss.detach()

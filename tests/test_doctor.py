@@ -1,0 +1,18 @@
+"""`splat-metal-doctor` as users run it: every kernel compiled and checked against the reference (on
+CPU: the Metal kernels under the emulator, plus the native cpu backend), exit status 0."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+
+def test_doctor_passes_on_cpu():
+    exe = shutil.which("splat-metal-doctor")
+    assert exe, "the splat-metal-doctor console script is not installed (pip install -e .)"
+    res = subprocess.run([exe, "--device", "cpu", "--size", "45x29"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "auto backend here: cpu" in res.stdout
+    assert "rasterization (cpu)" in res.stdout and "MISMATCH" not in res.stdout
+    passed, total = res.stdout.rsplit(" checks passed", 1)[0].rsplit("\n", 1)[-1].split("/")
+    assert passed == total and int(total) >= 18, res.stdout
