@@ -5,10 +5,12 @@
 // alpha < alpha_min, alpha is clamped to alpha_max, and a pixel stops before the gaussian that would
 // take its transmittance to <= t_min.
 //
-// Speed comes from doing only the work that matters: each gaussian touches only the pixels of its
-// tile inside the bounding box of its alpha >= alpha_min ellipse (plus a one-pixel margin, so every
-// pixel it can reach is still tested with the exact rule), a tile stops once all its pixels have
-// stopped, and tiles run on `n_threads` threads.
+// Speed comes from doing only the work that matters and doing it in vector registers: each gaussian
+// visits only the pixels of its tile inside its alpha >= alpha_min ellipse (row by row, plus a
+// one-pixel margin, so every pixel it can reach is still tested with the exact rule), a tile stops
+// once all its pixels have stopped, the per-pixel loops are branch-free over structure-of-arrays
+// state (the compiler vectorises them; exp is inlined arithmetic), and tiles run on `n_threads`
+// threads.
 //
 // Determinism: a tile's pixels and its per-intersection gradients are computed by one thread in a
 // fixed order, and gradients are summed per gaussian in intersection order after all threads
@@ -26,6 +28,15 @@
 #include <cstring>
 #include <thread>
 #include <vector>
+
+// Tells the compiler a loop's iterations are independent (it cannot prove it through pointers).
+#if defined(__clang__)
+#define VECTORIZE _Pragma("clang loop vectorize(assume_safety)")
+#elif defined(__GNUC__)
+#define VECTORIZE _Pragma("GCC ivdep")
+#else
+#define VECTORIZE
+#endif
 
 namespace {
 
@@ -68,26 +79,149 @@ TileRect tile_rect(const Params& p, int64_t tile) {
     return r;
 }
 
-// The pixels of `r` a gaussian can reach (alpha >= alpha_min), as a rectangle in tile-local pixel
-// coordinates. Falls back to the whole tile when the conic is not positive definite.
-void reach_rect(const Params& p, const TileRect& r, float mx, float my, float a, float b, float c, float opacity,
-                int& lx0, int& lx1, int& ly0, int& ly1) {
+// exp(x) for float x, to about 1 ulp, as plain arithmetic so pixel loops vectorise (a libm call
+// would stop that). Cephes' expf: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial.
+inline float fast_exp(float x) {
+    x = std::min(std::max(x, -87.0f), 88.0f);
+    // n = round(x / ln2): t + 128.5 > 0 here, so truncation is floor (branch-free, vectorises).
+    int32_t n = (int32_t)(x * 1.44269504088896341f + 128.5f) - 128;
+    float fn = (float)n;
+    float r = x - fn * 0.693359375f;
+    r = r - fn * -2.12194440e-4f;
+    float q = 1.9875691500e-4f;
+    q = q * r + 1.3981999507e-3f;
+    q = q * r + 8.3334519073e-3f;
+    q = q * r + 4.1665795894e-2f;
+    q = q * r + 1.6666665459e-1f;
+    q = q * r + 5.0000001201e-1f;
+    q = q * r * r + r + 1.0f;
+    int32_t bits = (n + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return q * scale;
+}
+
+// One gaussian as a tile sees it, and which of the tile's pixels it can reach: alpha >= alpha_min
+// needs sigma <= level = log(opacity / alpha_min), an ellipse. Rows and per-row columns are that
+// ellipse's (with slack on the level and a one-pixel margin), so every pixel the exact rule could
+// accept is still tested with it.
+struct Splat {
+    float mx, my, a, b, c, opacity;
+    const float* color;
+    bool whole_tile;  // conic not positive definite or not finite: test every pixel of the tile
+    bool whole_rows;  // the ellipse is wider than the tile: per-row spans would not save work
+    float two_a_level, det, b_over_a, inv_a;  // for the per-row spans
+    int ly0, ly1;  // tile-local rows it can reach
+};
+
+bool make_splat(const Params& p, const TileRect& r, const float* means2d, const float* conics, const float* colors,
+                const float* opacities, int64_t g, Splat& s) {
+    s.opacity = opacities[g];
+    if (!(s.opacity >= p.alpha_min)) return false;  // alpha = opacity * exp(-sigma) <= opacity
+    s.mx = means2d[2 * g], s.my = means2d[2 * g + 1];
+    s.a = conics[3 * g], s.b = conics[3 * g + 1], s.c = conics[3 * g + 2];
+    s.color = colors + g * p.D;
     int w = r.x1 - r.x0, h = r.y1 - r.y0;
-    lx0 = 0, lx1 = w, ly0 = 0, ly1 = h;
-    float det = a * c - b * b;
-    float level = std::log(opacity / p.alpha_min);  // sigma beyond this gives alpha < alpha_min
-    if (!(det > 0.0f) || !(a > 0.0f) || !std::isfinite(level) || !std::isfinite(mx) || !std::isfinite(my)) return;
-    // {d : 0.5 d^T A d <= level} has half-extents sqrt(2 level (A^-1)_xx), sqrt(2 level (A^-1)_yy).
-    double ex = std::sqrt(2.0 * level * (double)c / (double)det) + 1.0;
-    double ey = std::sqrt(2.0 * level * (double)a / (double)det) + 1.0;
-    if (!std::isfinite(ex) || !std::isfinite(ey)) return;
-    // Pixel x (centre x + 0.5) is reachable only if |mx - (x + 0.5)| <= ex.
-    double fx0 = std::floor(mx - ex - 0.5) - r.x0, fx1 = std::ceil(mx + ex - 0.5) - r.x0 + 1;
-    double fy0 = std::floor(my - ey - 0.5) - r.y0, fy1 = std::ceil(my + ey - 0.5) - r.y0 + 1;
-    lx0 = (int)std::max(0.0, std::min((double)w, fx0));
-    lx1 = (int)std::max(0.0, std::min((double)w, fx1));
-    ly0 = (int)std::max(0.0, std::min((double)h, fy0));
-    ly1 = (int)std::max(0.0, std::min((double)h, fy1));
+    s.ly0 = 0, s.ly1 = h;
+    double det = (double)s.a * s.c - (double)s.b * s.b;
+    double level = std::log((double)s.opacity / p.alpha_min) * (1.0 + 1e-3) + 1e-3;
+    // The ellipse {d : 0.5 d^T A d <= level} spans sqrt(2 level (A^-1)_yy) rows around my and
+    // sqrt(2 level (A^-1)_xx) columns around mx.
+    double ey = std::sqrt(2.0 * level * s.a / det) + 1.0, ex = std::sqrt(2.0 * level * s.c / det) + 1.0;
+    s.whole_tile = !(det > 0.0) || !(s.a > 0.0f) || !std::isfinite(s.mx) || !std::isfinite(s.my) ||
+                   !std::isfinite(ex) || !std::isfinite(ey);
+    if (s.whole_tile) return true;
+    s.whole_rows = 2.0 * ex >= w;
+    s.two_a_level = (float)(2.0 * s.a * level);
+    s.det = (float)det;
+    s.b_over_a = s.b / s.a;
+    s.inv_a = 1.0f / s.a;
+    // Row y (centre y + 0.5) is reachable only if |my - (y + 0.5)| <= ey.
+    s.ly0 = (int)std::max(0.0, std::min((double)h, std::floor(s.my - ey - 0.5) - r.y0));
+    s.ly1 = (int)std::max(0.0, std::min((double)h, std::ceil(s.my + ey - 0.5) - r.y0 + 1));
+    return s.ly0 < s.ly1;
+}
+
+// Tile-local columns [xa, xb) of row ly the splat can reach.
+inline void row_span(const Splat& s, const TileRect& r, int ly, int& xa, int& xb) {
+    int w = r.x1 - r.x0;
+    xa = 0, xb = w;
+    if (s.whole_tile || s.whole_rows) return;
+    // sigma(dx) = 0.5 a dx^2 + b dy dx + 0.5 c dy^2 <= level  <=>  dx between the roots of it, i.e.
+    // pixel centres mx - dx within half_width of mx + (b / a) dy.
+    float dy = s.my - ((float)(r.y0 + ly) + 0.5f);
+    float disc = s.two_a_level - s.det * dy * dy;
+    if (disc < 0.0f) {
+        xa = xb = 0;
+        return;
+    }
+    float half_width = std::sqrt(disc) * s.inv_a + 1.0f;  // one pixel of margin each side
+    float centre = s.mx + s.b_over_a * dy - 0.5f - (float)r.x0;  // column (not centre) coordinates
+    xa = (int)std::max(0.0f, std::min((float)w, std::floor(centre - half_width)));
+    xb = (int)std::max(0.0f, std::min((float)w, std::ceil(centre + half_width) + 1.0f));
+}
+
+// Backward, one row of one gaussian, first pass: undo this gaussian in T (back to front) and record
+// what the colour pass and the gradient pass need (zero where the pixel did not use it).
+void backward_row_alphas(int xa, int xb, float x0, float dy, const Splat& s, float alpha_max, float alpha_min,
+                         int32_t i, float* __restrict T_row, const float* __restrict T_final_row,
+                         const float* __restrict v_alpha_out_row, const int32_t* __restrict last_row,
+                         float* __restrict dxs, float* __restrict vis, float* __restrict alpha_raw,
+                         float* __restrict T_before, float* __restrict ra, float* __restrict fac,
+                         float* __restrict v_alpha, float* __restrict grad_ok) {
+    const float a = s.a, b = s.b, c = s.c, mx = s.mx, opacity = s.opacity;
+    for (int x = xa; x < xb; ++x) {
+        float dx = mx - ((x0 + (float)x) + 0.5f);
+        float sigma = 0.5f * (a * dx * dx + c * dy * dy) + b * dx * dy;
+        float e = fast_exp(-sigma);
+        float raw = opacity * e;
+        float alpha = std::min(alpha_max, raw);
+        // 1 where the pixel composited this gaussian, else 0: multiplying by it (exact, everything
+        // is finite) instead of selecting keeps the loop vectorisable.
+        float used = (float)((last_row[x] >= i) & (sigma >= 0.0f) & (alpha >= alpha_min));
+        float r_alpha = 1.0f / (1.0f - alpha);
+        float T_b = used != 0.0f ? T_row[x] * r_alpha : T_row[x];  // transmittance before this gaussian
+        T_row[x] = T_b;
+        dxs[x] = dx;
+        vis[x] = e;
+        alpha_raw[x] = raw;
+        T_before[x] = used * T_b;
+        ra[x] = used * r_alpha;
+        fac[x] = used * (alpha * T_b);
+        // render_alpha = 1 - T_final and T_final has the factor (1 - alpha).
+        v_alpha[x] = used * (T_final_row[x] * r_alpha * v_alpha_out_row[x]);
+        grad_ok[x] = used * (float)(raw <= alpha_max);  // the alpha clamp passes no gradient
+    }
+}
+
+// Backward, one row of one gaussian, last pass: per-column partial sums of its gradients
+// (partial [K, w]: means2d x/y, conic a/b/c, opacity, D colours (filled by the colour pass), |x|, |y|).
+void backward_row_partials(int xa, int xb, int w, int D, float dy, const Splat& s, const float* __restrict dxs,
+                           const float* __restrict vis, const float* __restrict alpha_raw,
+                           const float* __restrict v_alpha, const float* __restrict grad_ok, float* partial) {
+    const float a = s.a, b = s.b, c = s.c;
+    float* p_x = partial;
+    float* p_y = partial + w;
+    float* p_a = partial + 2 * w;
+    float* p_b = partial + 3 * w;
+    float* p_c = partial + 4 * w;
+    float* p_opacity = partial + 5 * w;
+    float* p_abs_x = partial + (size_t)(6 + D) * w;
+    float* p_abs_y = partial + (size_t)(7 + D) * w;
+    VECTORIZE  // the p_* rows of `partial` never overlap
+    for (int x = xa; x < xb; ++x) {
+        float v_sigma = grad_ok[x] * (-alpha_raw[x] * v_alpha[x]);
+        float dx = dxs[x];
+        float gx = v_sigma * (a * dx + b * dy), gy = v_sigma * (b * dx + c * dy);
+        p_x[x] += gx;
+        p_y[x] += gy;
+        p_a[x] += 0.5f * v_sigma * dx * dx;
+        p_b[x] += v_sigma * dx * dy;
+        p_c[x] += 0.5f * v_sigma * dy * dy;
+        p_opacity[x] += grad_ok[x] * vis[x] * v_alpha[x];
+        p_abs_x[x] += std::fabs(gx);
+        p_abs_y[x] += std::fabs(gy);
+    }
 }
 
 int64_t tile_end(const Params& p, const int32_t* offsets, int64_t tile) {
@@ -111,53 +245,59 @@ int splat_rasterize_fwd(int C, int D, int width, int height, int tile_size, int 
     int64_t n_tiles = (int64_t)C * tile_w * tile_h;
     for_each_tile(n_tiles, n_threads, [&](int64_t tile) {
         TileRect r = tile_rect(p, tile);
-        int w = r.x1 - r.x0, h = r.y1 - r.y0, P = w * h;
-        std::vector<float> T(P, 1.0f), acc((size_t)P * D, 0.0f);
+        const int w = r.x1 - r.x0, h = r.y1 - r.y0, P = w * h;
+        // Per-pixel state, structure of arrays (row-major in the tile) so the loops vectorise.
+        std::vector<float> T(P, 1.0f), stopped(P, 0.0f), acc((size_t)D * P, 0.0f), weight(w);
         std::vector<int32_t> last(P, -1);
-        std::vector<uint8_t> done(P, 0);
-        int n_done = 0;
+        int n_running = P;
+        std::vector<int> row_running(h, w);  // pixels of each row still compositing
         int64_t start = isect_offsets[tile], end = tile_end(p, isect_offsets, tile);
-        for (int64_t i = start; i < end && n_done < P; ++i) {
-            int64_t g = flatten_ids[i];
-            float mx = means2d[2 * g], my = means2d[2 * g + 1];
-            float a = conics[3 * g], b = conics[3 * g + 1], c = conics[3 * g + 2];
-            float opacity = opacities[g];
-            if (!(opacity >= alpha_min)) continue;  // alpha = opacity * exp(-sigma) <= opacity
-            int lx0, lx1, ly0, ly1;
-            reach_rect(p, r, mx, my, a, b, c, opacity, lx0, lx1, ly0, ly1);
-            const float* col = colors + g * D;
-            for (int ly = ly0; ly < ly1; ++ly) {
-                float dy = my - ((float)(r.y0 + ly) + 0.5f);
-                for (int lx = lx0; lx < lx1; ++lx) {
-                    int q = ly * w + lx;
-                    if (done[q]) continue;
-                    float dx = mx - ((float)(r.x0 + lx) + 0.5f);
+        for (int64_t i = start; i < end && n_running > 0; ++i) {
+            Splat s;
+            if (!make_splat(p, r, means2d, conics, colors, opacities, flatten_ids[i], s)) continue;
+            const float a = s.a, b = s.b, c = s.c, mx = s.mx, opacity = s.opacity;
+            const int32_t i32 = (int32_t)i;
+            for (int ly = s.ly0; ly < s.ly1; ++ly) {
+                if (row_running[ly] == 0) continue;
+                int xa, xb;
+                row_span(s, r, ly, xa, xb);
+                if (xa >= xb) continue;
+                const float dy = s.my - ((float)(r.y0 + ly) + 0.5f);
+                float* T_row = &T[ly * w];
+                float* stopped_row = &stopped[ly * w];
+                int32_t* last_row = &last[ly * w];
+                int n_stopping = 0;
+                for (int x = xa; x < xb; ++x) {
+                    float dx = mx - ((float)(r.x0 + x) + 0.5f);
                     float sigma = 0.5f * (a * dx * dx + c * dy * dy) + b * dx * dy;
-                    if (sigma < 0.0f) continue;
-                    float alpha = std::min(alpha_max, opacity * std::exp(-sigma));
-                    if (alpha < alpha_min) continue;
-                    float next_T = T[q] * (1.0f - alpha);
-                    if (next_T <= t_min) {
-                        done[q] = 1;
-                        ++n_done;
-                        continue;
-                    }
-                    float weight = alpha * T[q];
-                    float* out = &acc[(size_t)q * D];
-                    for (int d = 0; d < D; ++d) out[d] += weight * col[d];
-                    T[q] = next_T;
-                    last[q] = (int32_t)i;
+                    float alpha = std::min(alpha_max, opacity * fast_exp(-sigma));
+                    float next_T = T_row[x] * (1.0f - alpha);
+                    bool hit = (sigma >= 0.0f) & (alpha >= alpha_min) & (stopped_row[x] == 0.0f);
+                    bool use = hit & (next_T > t_min);
+                    bool stop = hit & (next_T <= t_min);  // the pixel stops before this gaussian
+                    weight[x] = use ? alpha * T_row[x] : 0.0f;
+                    T_row[x] = use ? next_T : T_row[x];
+                    stopped_row[x] = stop ? 1.0f : stopped_row[x];
+                    last_row[x] += (int32_t)use * (i32 - last_row[x]);  // arithmetic select: vectorises
+                    n_stopping += stop;
                 }
+                for (int d = 0; d < D; ++d) {
+                    const float cd = s.color[d];
+                    float* acc_row = &acc[(size_t)d * P + ly * w];
+                    for (int x = xa; x < xb; ++x) acc_row[x] += weight[x] * cd;
+                }
+                n_running -= n_stopping;
+                row_running[ly] -= n_stopping;
             }
         }
         for (int ly = 0; ly < h; ++ly) {
             for (int lx = 0; lx < w; ++lx) {
                 int q = ly * w + lx;
                 int64_t pix = ((int64_t)r.cam * height + r.y0 + ly) * width + r.x0 + lx;
-                std::memcpy(out_colors + pix * D, &acc[(size_t)q * D], sizeof(float) * D);
+                for (int d = 0; d < D; ++d) out_colors[pix * D + d] = acc[(size_t)d * P + q];
                 out_trans[pix] = T[q];
                 out_last[pix] = last[q];
-                out_stopped[pix] = done[q];
+                out_stopped[pix] = stopped[q] != 0.0f;
             }
         }
     });
@@ -182,14 +322,16 @@ int splat_rasterize_bwd(int C, int D, int width, int height, int tile_size, int 
     std::memset(isect_grads, 0, sizeof(float) * (size_t)M * K);
     for_each_tile(n_tiles, n_threads, [&](int64_t tile) {
         TileRect r = tile_rect(p, tile);
-        int w = r.x1 - r.x0, h = r.y1 - r.y0, P = w * h;
+        const int w = r.x1 - r.x0, h = r.y1 - r.y0, P = w * h;
         int64_t start = isect_offsets[tile], end = tile_end(p, isect_offsets, tile);
         if (end <= start) return;
-        // Per-pixel state, walking back to front: T (transmittance before the current gaussian once
-        // divided out), the colour composited behind it, the pixel's last index and output grads.
-        std::vector<float> T(P), T_final(P), behind((size_t)P * D, 0.0f), v_out((size_t)P * D), v_alpha_out(P);
+        // Per-pixel state walking back to front (structure of arrays): T, the transmittance before
+        // the current gaussian once it is divided out; the colour composited behind it; the
+        // pixel's final T, last index and output gradients.
+        std::vector<float> T(P), T_final(P), behind((size_t)D * P, 0.0f), v_out((size_t)D * P), v_alpha_out(P);
         std::vector<int32_t> last(P);
         int32_t max_last = -1;
+        std::vector<int32_t> row_max_last(h, -1);  // no gaussian after this one touches the row
         for (int ly = 0; ly < h; ++ly) {
             for (int lx = 0; lx < w; ++lx) {
                 int q = ly * w + lx;
@@ -197,58 +339,56 @@ int splat_rasterize_bwd(int C, int D, int width, int height, int tile_size, int 
                 T[q] = T_final[q] = final_trans[pix];
                 last[q] = final_last[pix];
                 max_last = std::max(max_last, last[q]);
-                std::memcpy(&v_out[(size_t)q * D], v_render_colors + pix * D, sizeof(float) * D);
+                row_max_last[ly] = std::max(row_max_last[ly], last[q]);
+                for (int d = 0; d < D; ++d) v_out[(size_t)d * P + q] = v_render_colors[pix * D + d];
                 v_alpha_out[q] = v_render_alphas[pix];
             }
         }
+        // Per-row scratch, and per-column partial sums of this gaussian's gradients (summed over
+        // the columns once per gaussian: a fixed order, and the loops stay vectorisable).
+        std::vector<float> dxs(w), vis(w), alpha_raw(w), T_before(w), ra(w), fac(w), v_alpha(w), grad_ok(w);
+        std::vector<float> partial((size_t)K * w);
         for (int64_t i = std::min<int64_t>(end - 1, max_last); i >= start; --i) {
-            int64_t g = flatten_ids[i];
-            float mx = means2d[2 * g], my = means2d[2 * g + 1];
-            float a = conics[3 * g], b = conics[3 * g + 1], c = conics[3 * g + 2];
-            float opacity = opacities[g];
-            if (!(opacity >= alpha_min)) continue;
-            int lx0, lx1, ly0, ly1;
-            reach_rect(p, r, mx, my, a, b, c, opacity, lx0, lx1, ly0, ly1);
-            const float* col = colors + g * D;
-            float* grad = isect_grads + (size_t)i * K;
-            for (int ly = ly0; ly < ly1; ++ly) {
-                float dy = my - ((float)(r.y0 + ly) + 0.5f);
-                for (int lx = lx0; lx < lx1; ++lx) {
-                    int q = ly * w + lx;
-                    if (i > last[q]) continue;  // behind where this pixel stopped
-                    float dx = mx - ((float)(r.x0 + lx) + 0.5f);
-                    float sigma = 0.5f * (a * dx * dx + c * dy * dy) + b * dx * dy;
-                    if (sigma < 0.0f) continue;
-                    float vis = std::exp(-sigma);
-                    float alpha_raw = opacity * vis;
-                    float alpha = std::min(alpha_max, alpha_raw);
-                    if (alpha < alpha_min) continue;
-                    float ra = 1.0f / (1.0f - alpha);
-                    T[q] *= ra;  // transmittance before this gaussian
-                    float fac = alpha * T[q];
-                    float v_alpha = 0.0f;
-                    float* bh = &behind[(size_t)q * D];
-                    const float* vo = &v_out[(size_t)q * D];
-                    for (int d = 0; d < D; ++d) {
-                        grad[6 + d] += fac * vo[d];
-                        v_alpha += (col[d] * T[q] - bh[d] * ra) * vo[d];
-                        bh[d] += col[d] * fac;
-                    }
-                    // render_alpha = 1 - T_final and T_final contains the factor (1 - alpha).
-                    v_alpha += T_final[q] * ra * v_alpha_out[q];
-                    if (alpha_raw <= alpha_max) {  // the clamp passes no gradient
-                        float v_sigma = -alpha_raw * v_alpha;
-                        float gx = v_sigma * (a * dx + b * dy), gy = v_sigma * (b * dx + c * dy);
-                        grad[0] += gx;
-                        grad[1] += gy;
-                        grad[2] += 0.5f * v_sigma * dx * dx;
-                        grad[3] += v_sigma * dx * dy;
-                        grad[4] += 0.5f * v_sigma * dy * dy;
-                        grad[5] += vis * v_alpha;
-                        grad[6 + D] += std::fabs(gx);
-                        grad[7 + D] += std::fabs(gy);
+            Splat s;
+            if (!make_splat(p, r, means2d, conics, colors, opacities, flatten_ids[i], s)) continue;
+            const float a = s.a, b = s.b, c = s.c, mx = s.mx, opacity = s.opacity;
+            const int32_t i32 = (int32_t)i;
+            std::fill(partial.begin(), partial.end(), 0.0f);
+            bool touched = false;
+            for (int ly = s.ly0; ly < s.ly1; ++ly) {
+                if (row_max_last[ly] < i) continue;
+                int xa, xb;
+                row_span(s, r, ly, xa, xb);
+                if (xa >= xb) continue;
+                touched = true;
+                const float dy = s.my - ((float)(r.y0 + ly) + 0.5f);
+                float* T_row = &T[ly * w];
+                const float* T_final_row = &T_final[ly * w];
+                const float* v_alpha_out_row = &v_alpha_out[ly * w];
+                const int32_t* last_row = &last[ly * w];
+                backward_row_alphas(xa, xb, (float)r.x0, dy, s, alpha_max, alpha_min, i32, T_row, T_final_row,
+                                    v_alpha_out_row, last_row, dxs.data(), vis.data(), alpha_raw.data(),
+                                    T_before.data(), ra.data(), fac.data(), v_alpha.data(), grad_ok.data());
+                for (int d = 0; d < D; ++d) {
+                    const float cd = s.color[d];
+                    const float* v_row = &v_out[(size_t)d * P + ly * w];
+                    float* behind_row = &behind[(size_t)d * P + ly * w];
+                    float* partial_color = &partial[(size_t)(6 + d) * w];
+                    for (int x = xa; x < xb; ++x) {
+                        v_alpha[x] += (cd * T_before[x] - behind_row[x] * ra[x]) * v_row[x];
+                        partial_color[x] += fac[x] * v_row[x];
+                        behind_row[x] += cd * fac[x];
                     }
                 }
+                backward_row_partials(xa, xb, w, D, dy, s, dxs.data(), vis.data(), alpha_raw.data(), v_alpha.data(),
+                                      grad_ok.data(), partial.data());
+            }
+            if (!touched) continue;
+            float* grad = isect_grads + (size_t)i * K;
+            for (int k = 0; k < K; ++k) {
+                float sum = 0.0f;
+                for (int x = 0; x < w; ++x) sum += partial[(size_t)k * w + x];
+                grad[k] = sum;
             }
         }
     });
