@@ -1,35 +1,35 @@
-"""Fast CPU backend: native, multi-threaded tile intersection and rasterization (isect.cpp,
-rasterize.cpp; built on first use by build.py and cached) plus the reference's vectorised PyTorch
-projection and spherical harmonics.
+"""Fast CPU backend: every stage in native, multi-threaded C++ (project.cpp, sh.cpp, isect.cpp,
+rasterize.cpp; built on first use by build.py and cached), forward and backward.
 
-Why this split (measured on garden cameras at 648x420, 100k gaussians, one thread): the reference
-spends about 11.7 s per forward+backward, of which projection (15 ms), spherical harmonics and tile
-intersection + sort (46 ms) are a small part; the rest is rasterization, which PyTorch can only do by
-evaluating every (tile pixel, listed gaussian) pair. The native rasterizer visits only the pixels a
-gaussian can reach, stops a tile when its pixels are saturated, runs tiles on torch's intra-op
-thread count, and is deterministic for any thread count (see rasterize.cpp).
+Why native: the reference spends ~97% of a large step rasterizing every (tile pixel, listed
+gaussian) pair in PyTorch; the native rasterizer visits only the pixels a gaussian can reach, in
+vector registers, and stops saturated tiles. On small scenes the reference's many small PyTorch ops
+(projection and SH autograd, the global sort) dominate instead, so those are native too. The
+projection and SH arithmetic is the Metal kernels' (itself the reference's order); tile lists are
+bit-identical to the reference's. Every stage is deterministic for any thread count (no atomics;
+fixed-order sums), and runs on up to torch.get_num_threads() threads (see _threads).
 
 The stages keep the backend contract (same names and signatures as ops/reference.py). Tensors that
-are not float32 are rasterized by the reference (the native code is float32 only).
+are not float32 CPU tensors go to the reference (the native code is float32 only).
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .. import reference
+from ..autograd_stages import ProjectFn, SphericalHarmonicsFn
 from ..constants import ALPHA_MAX, ALPHA_MIN, TRANSMITTANCE_MIN
 from . import build
 
 __all__ = ["project", "spherical_harmonics", "isect_tiles", "isect_offset_encode", "rasterize_to_pixels", "available"]
 
-# The reference's stages are already cheap next to rasterization (see the module docstring).
-project = reference.project
-spherical_harmonics = reference.spherical_harmonics
-isect_offset_encode = reference.isect_offset_encode
+isect_offset_encode = reference.isect_offset_encode  # one bincount + cumsum: nothing to gain
+CAMERA_GRAD_BLOCK = 1024  # gaussians per partial sum of the camera gradients (fixed: deterministic)
 
 
 def available() -> bool:
@@ -39,6 +39,137 @@ def available() -> bool:
 
 def _ptr(t: Optional[Tensor]) -> int:
     return t.data_ptr() if t is not None else 0
+
+
+# Below about a millisecond of work a call stays on the calling thread: waking threads costs more,
+# and right after a PyTorch op its OpenMP workers keep spinning for a while, so extra threads would
+# compete with them for the cores (measured: the demo's 96x64 step took 16 ms with 2 threads per
+# native call and 11 ms with 1).
+PARALLEL_MIN_NS = 1_000_000
+# Rough single-thread cost of one work item, in nanoseconds (a pixel slot: one of the tile_size^2
+# pixels of an intersection's tile, most of which a gaussian does not reach).
+NS_PER_PIXEL_SLOT = 0.5
+NS_PER_PROJECTION, NS_PER_SH_ROW, NS_PER_INTERSECTION = 150, 60, 30
+
+
+def _threads(work_ns: float) -> int:
+    return torch.get_num_threads() if work_ns >= PARALLEL_MIN_NS else 1
+
+
+def _native(*tensors: Tensor) -> bool:
+    """Whether the native code can take these tensors (float32 on CPU) and is built."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and build.load() is not None
+
+
+def _project_fwd(means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane, radius_clip,
+                 calc_compensations):  # fmt: skip
+    """project.cpp forward: radii [C,N] int32, means2d [C,N,2], depths [C,N], conics [C,N,3], comp [C,N]|None."""
+    N, C = means.shape[0], viewmats.shape[0]
+    inputs = [t.detach().contiguous() for t in (means, quats, scales, viewmats, Ks)]  # alive for the call
+    radii = torch.empty(C, N, dtype=torch.int32)  # [C, N]
+    means2d, depths, conics = means.new_empty(C, N, 2), means.new_empty(C, N), means.new_empty(C, N, 3)
+    comp = means.new_empty(C, N) if calc_compensations else None  # [C, N]
+    build.load().splat_project_fwd(
+        C, N, width, height, eps2d, near_plane, far_plane, radius_clip, int(calc_compensations),
+        *map(_ptr, inputs + [radii, means2d, depths, conics, comp]), _threads(C * N * NS_PER_PROJECTION),
+    )  # fmt: skip
+    return radii, means2d, depths, conics, comp
+
+
+def _project_bwd(means, quats, scales, viewmats, Ks, width, height, eps2d, radii, v_means2d, v_depths, v_conics,
+                 v_compensations=None, viewmats_grad=True, Ks_grad=False):  # fmt: skip
+    """project.cpp backward: v_means [N,3], v_quats [N,4], v_scales [N,3], v_viewmats [C,4,4] | None,
+    v_Ks [C,3,3] | None (as ops/metal/project_bwd.py)."""
+    N, C = means.shape[0], viewmats.shape[0]
+    v_means, v_quats, v_scales = means.new_empty(C, N, 3), means.new_empty(C, N, 4), means.new_empty(C, N, 3)
+    camera_grad = bool(viewmats_grad or Ks_grad)
+    n_blocks = -(-N // CAMERA_GRAD_BLOCK)
+    part = means.new_zeros(C, n_blocks, 16) if camera_grad else None  # [C, n_blocks, 16]
+    # Keep every buffer referenced until the call returns (a temporary's pointer would dangle).
+    buffers = [t.detach().contiguous() for t in (means, quats, scales, viewmats, Ks)] + [radii.int().contiguous()]
+    buffers += [t.contiguous() for t in (v_means2d, v_depths, v_conics)]
+    buffers += [None if v_compensations is None else v_compensations.contiguous(), v_means, v_quats, v_scales, part]
+    build.load().splat_project_bwd(
+        C, N, width, height, eps2d, int(v_compensations is not None), int(camera_grad), CAMERA_GRAD_BLOCK,
+        *map(_ptr, buffers), _threads(2 * C * N * NS_PER_PROJECTION),
+    )  # fmt: skip
+    v_viewmats = v_Ks = None
+    if camera_grad:
+        total = part.sum(dim=1)  # [C, 16]
+        if viewmats_grad:
+            v_viewmats = torch.cat([total[:, :12].view(C, 3, 4), total.new_zeros(C, 1, 4)], dim=1)
+        if Ks_grad:
+            zero = total.new_zeros(C)
+            fx, fy, cx, cy = total[:, 12:].unbind(-1)
+            v_Ks = torch.stack([fx, zero, cx, zero, fy, cy, zero, zero, zero], dim=-1).view(C, 3, 3)
+    return v_means.sum(0), v_quats.sum(0), v_scales.sum(0), v_viewmats, v_Ks
+
+
+def _masks_u8(masks: Optional[Tensor]) -> Optional[Tensor]:
+    return None if masks is None else masks.to(torch.uint8).contiguous()
+
+
+def _sh_fwd(degree, dirs, coeffs, masks=None):
+    """sh.cpp forward: colours [..., 3] (no +0.5 offset)."""
+    colors = dirs.new_empty(dirs.shape)  # [..., 3]
+    total, K = dirs.numel() // 3, coeffs.shape[-2]
+    buffers = [dirs.detach().contiguous(), coeffs.detach().contiguous(), _masks_u8(masks), colors]  # alive for the call
+    build.load().splat_sh_fwd(total, K, degree, *map(_ptr, buffers), _threads(total * NS_PER_SH_ROW))
+    return colors
+
+
+def _sh_bwd(degree, dirs, coeffs, masks, v_colors, dirs_grad=True):
+    """sh.cpp backward: v_dirs [..., 3] (None unless ``dirs_grad``), v_coeffs [..., K, 3]."""
+    v_coeffs = coeffs.new_empty(coeffs.shape)  # [..., K, 3]
+    v_dirs = dirs.new_empty(dirs.shape) if dirs_grad else None  # [..., 3]
+    total, K = dirs.numel() // 3, coeffs.shape[-2]
+    buffers = [dirs.detach().contiguous(), coeffs.detach().contiguous(), _masks_u8(masks), v_colors.contiguous(),
+               v_coeffs, v_dirs]  # alive for the call  # fmt: skip
+    build.load().splat_sh_bwd(total, K, degree, *map(_ptr, buffers), _threads(2 * total * NS_PER_SH_ROW))
+    return v_dirs, v_coeffs
+
+
+# What ProjectFn and SphericalHarmonicsFn run for this backend.
+KERNELS = SimpleNamespace(project_fwd=_project_fwd, project_bwd=_project_bwd, spherical_harmonics_fwd=_sh_fwd,
+                          spherical_harmonics_bwd=_sh_bwd)  # fmt: skip
+
+
+def project(
+    means: Tensor,  # [N, 3]
+    quats: Tensor,  # [N, 4] wxyz (normalised inside)
+    scales: Tensor,  # [N, 3]
+    viewmats: Tensor,  # [C, 4, 4]
+    Ks: Tensor,  # [C, 3, 3]
+    width: int,
+    height: int,
+    eps2d: float = 0.3,
+    near_plane: float = 0.01,
+    far_plane: float = 1e10,
+    radius_clip: float = 0.0,
+    calc_compensations: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """radii [C,N] int32, means2d [C,N,2], depths [C,N], conics [C,N,3], compensations [C,N] or None."""
+    args = (width, height, eps2d, near_plane, far_plane, radius_clip, calc_compensations)
+    if not _native(means, quats, scales, viewmats, Ks):
+        return reference.project(means, quats, scales, viewmats, Ks, *args)
+    radii, means2d, depths, conics, comp = ProjectFn.apply(
+        KERNELS, means, quats, scales, viewmats, Ks, int(width), int(height), float(eps2d), float(near_plane),
+        float(far_plane), float(radius_clip), bool(calc_compensations),
+    )  # fmt: skip
+    return radii, means2d, depths, conics, (comp if calc_compensations else None)
+
+
+def spherical_harmonics(
+    degree: int,
+    dirs: Tensor,  # [C, N, 3] unnormalised view directions
+    coeffs: Tensor,  # [C, N, K, 3], K >= (degree+1)^2
+    masks: Optional[Tensor] = None,  # [C, N] bool
+) -> Tensor:  # [C, N, 3] (no +0.5 offset)
+    if not 0 <= int(degree) <= 3:
+        raise ValueError(f"[spherical_harmonics] degree must be 0..3, got {degree}")
+    if not _native(dirs, coeffs):
+        return reference.spherical_harmonics(degree, dirs, coeffs, masks)
+    return SphericalHarmonicsFn.apply(KERNELS, int(degree), dirs, coeffs, masks)
 
 
 @torch.no_grad()
@@ -52,14 +183,14 @@ def isect_tiles(
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """tiles_per_gauss [C,N] int32, isect_ids [M] int64, flatten_ids [M] int32: the reference's
     lists in the reference's order (isect.cpp: counting sort by tile, stable depth sort per tile)."""
-    lib = build.load()
-    if lib is None or means2d.dtype != torch.float32 or means2d.device.type != "cpu":
+    if not _native(means2d, depths):
         return reference.isect_tiles(means2d, radii, depths, tile_size, tile_width, tile_height)
+    lib = build.load()
     C, N = radii.shape
     means2d, radii = means2d.detach().contiguous(), radii.int().contiguous()
     depths = depths.detach().float().contiguous()
     tiles_per_gauss = torch.empty(C, N, dtype=torch.int32)  # [C, N]
-    threads = torch.get_num_threads()
+    threads = _threads(C * N * NS_PER_INTERSECTION)
     M = lib.splat_isect_count(C * N, tile_size, tile_width, tile_height, _ptr(means2d), _ptr(radii),
                               _ptr(tiles_per_gauss), threads)  # fmt: skip
     isect_ids = torch.empty(M, dtype=torch.int64)  # [M]
@@ -89,7 +220,7 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
             C, D, width, height, tile_size, tile_w, tile_h, flatten_ids.numel(), ALPHA_MAX, ALPHA_MIN,
             TRANSMITTANCE_MIN, *map(_ptr, (means2d, conics, colors, opacities, isect_offsets, flatten_ids,
                                            out_colors, out_trans, out_last, out_stopped)),
-            torch.get_num_threads(),
+            _threads(flatten_ids.numel() * tile_size**2 * NS_PER_PIXEL_SLOT),
         )  # fmt: skip
         ctx.save_for_backward(means2d, conics, colors, opacities, isect_offsets, flatten_ids, out_trans, out_last)
         ctx.args = (width, height, tile_size)
@@ -114,7 +245,7 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
             C, D, width, height, tile_size, tile_w, tile_h, M, ALPHA_MAX, ALPHA_MIN, TRANSMITTANCE_MIN,
             *map(_ptr, (means2d, conics, colors, opacities, isect_offsets, flatten_ids, trans, last, v_colors,
                         v_alphas, isect_grads, v_means2d, v_conics, v_opacities, v_colors_in, absgrad)),
-            torch.get_num_threads(),
+            _threads(2 * M * tile_size**2 * NS_PER_PIXEL_SLOT),
         )  # fmt: skip
         if ctx.absgrad_buf is not None:
             ctx.absgrad_buf.add_(absgrad)
@@ -136,8 +267,7 @@ def rasterize_to_pixels(
 ) -> Tuple[Tensor, Tensor]:
     """render_colors [C,H,W,D], render_alphas [C,H,W,1]. With absgrad, sets means2d.absgrad [C,N,2]
     (zeros now, filled by the backward pass), as the reference does."""
-    tensors = (means2d, conics, colors, opacities)
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors) or build.load() is None:
+    if not _native(means2d, conics, colors, opacities):
         return reference.rasterize_to_pixels(
             means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, backgrounds,
             absgrad,

@@ -1,4 +1,4 @@
-"""Builds the native sources (rasterize.cpp, isect.cpp) into one cached shared library; loads it with ctypes.
+"""Builds the native sources (ops/cpu/*.cpp) into one cached shared library and loads it with ctypes.
 
 No Python headers, torch headers or ninja are needed: only a C++17 compiler ($CXX, else c++, g++
 or clang++). The library is keyed by a hash of the source, the compiler's version and the flags, so
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 SOURCES = sorted(Path(__file__).resolve().parent.glob("*.cpp"))
+HEADERS = sorted(Path(__file__).resolve().parent.glob("*.h"))
 # -fno-trapping-math lets the compiler turn the pixel loops' selects into vector blends; it does not
 # change any result (no fast-math: no reassociation, no contraction into fma).
 FLAGS = ["-std=c++17", "-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-trapping-math"]
@@ -72,7 +73,7 @@ def _build() -> ctypes.CDLL:
         wanted = os.environ.get("CXX") or "c++, g++ or clang++"
         raise RuntimeError(f"no C++ compiler found ({wanted} not on PATH)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    sources = [f.read_text() for f in SOURCES]
+    sources = [f.read_text() for f in SOURCES + HEADERS]
     key = hashlib.sha256("\0".join([*sources, cxx, version, _cpu_id(), *FLAGS]).encode()).hexdigest()[:24]
     d = cache_dir()
     d.mkdir(parents=True, exist_ok=True)
@@ -94,6 +95,12 @@ def _build() -> ctypes.CDLL:
     lib.splat_isect_count.restype = i64
     lib.splat_isect_fill.argtypes = [i64, i64, i32, i32, i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, i32]
     lib.splat_isect_fill.restype = i32
+    lib.splat_project_fwd.argtypes = [i64, i64, i64, i64, f32, f32, f32, f32, i32] + [ptr] * 10 + [i32]
+    lib.splat_project_bwd.argtypes = [i64, i64, i64, i64, f32, i32, i32, i64] + [ptr] * 14 + [i32]
+    lib.splat_sh_fwd.argtypes = [i64, i64, i64] + [ptr] * 4 + [i32]
+    lib.splat_sh_bwd.argtypes = [i64, i64, i64] + [ptr] * 6 + [i32]
+    for name in ("splat_project_fwd", "splat_project_bwd", "splat_sh_fwd", "splat_sh_bwd"):
+        getattr(lib, name).restype = i32
     return lib
 
 

@@ -9,12 +9,12 @@
 // tiles_per_gauss [G] int32; isect_ids [M] int64; flatten_ids [M] int32.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <vector>
+
+#include "parallel.h"
 
 namespace {
 
@@ -35,21 +35,6 @@ Bounds tile_bounds(const float* means2d, const int32_t* radii, int64_t g, int ti
     return b;
 }
 
-template <typename Fn>
-void parallel_for(int64_t n, int n_threads, Fn fn) {
-    std::atomic<int64_t> next(0);
-    const int64_t block = 1024;
-    auto worker = [&]() {
-        for (int64_t s = next.fetch_add(block); s < n; s = next.fetch_add(block))
-            for (int64_t i = s; i < std::min(n, s + block); ++i) fn(i);
-    };
-    int n_workers = (int)std::max<int64_t>(1, std::min<int64_t>(n_threads, (n + block - 1) / block));
-    std::vector<std::thread> pool;
-    for (int i = 1; i < n_workers; ++i) pool.emplace_back(worker);
-    worker();
-    for (auto& t : pool) t.join();
-}
-
 int bit_length(int64_t v) {
     int n = 0;
     while (v > 0) ++n, v >>= 1;
@@ -63,7 +48,7 @@ extern "C" {
 // Writes tiles_per_gauss [G] and returns M, the number of intersections.
 int64_t splat_isect_count(int64_t G, int tile_size, int tile_w, int tile_h, const float* means2d, const int32_t* radii,
                           int32_t* tiles_per_gauss, int n_threads) {
-    parallel_for(G, n_threads, [&](int64_t g) {
+    splat::parallel_for(G, n_threads, [&](int64_t g) {
         Bounds b = tile_bounds(means2d, radii, g, tile_size, tile_w, tile_h);
         tiles_per_gauss[g] = (int32_t)(b.w * b.h);
     });
@@ -105,7 +90,7 @@ int splat_isect_fill(int64_t C, int64_t N, int tile_size, int tile_w, int tile_h
         }
     }
     // Stable sort by depth key inside each tile, then the 64-bit ids.
-    parallel_for(C * n_tiles, n_threads, [&](int64_t t) {
+    splat::parallel_for(C * n_tiles, n_threads, [&](int64_t t) {
         int64_t s = start[t], e = start[t + 1];
         if (e - s > 1) {
             std::vector<std::pair<uint32_t, int32_t>> items(e - s);
@@ -117,7 +102,7 @@ int splat_isect_fill(int64_t C, int64_t N, int tile_size, int tile_w, int tile_h
         int64_t cam = t / n_tiles, tile = t % n_tiles;
         for (int64_t i = s; i < e; ++i)
             isect_ids[i] = (cam << (32 + tile_bits)) | (tile << 32) | (int64_t)depth_key[i];
-    });
+    }, 1);
     return 0;
 }
 

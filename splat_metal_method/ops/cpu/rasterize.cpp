@@ -22,12 +22,12 @@
 //   (index into G), images [C, H, W, D], per-pixel maps [C, H, W].
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <vector>
+
+#include "parallel.h"
 
 // Tells the compiler a loop's iterations are independent (it cannot prove it through pointers).
 #if defined(__clang__)
@@ -45,20 +45,6 @@ struct Params {
     int64_t M;
     float alpha_max, alpha_min, t_min;
 };
-
-// Runs fn(tile) for every tile index in [0, n_tiles) on n_threads threads (dynamic schedule).
-template <typename Fn>
-void for_each_tile(int64_t n_tiles, int n_threads, Fn fn) {
-    std::atomic<int64_t> next(0);
-    auto worker = [&]() {
-        for (int64_t t = next++; t < n_tiles; t = next++) fn(t);
-    };
-    int n = std::max(1, std::min<int>(n_threads, (int)std::min<int64_t>(n_tiles, 256)));
-    std::vector<std::thread> pool;
-    for (int i = 1; i < n; ++i) pool.emplace_back(worker);
-    worker();
-    for (auto& th : pool) th.join();
-}
 
 // Pixel rectangle [x0, x1) x [y0, y1) of tile `tile` (camera-major index) clipped to the image.
 struct TileRect {
@@ -243,7 +229,7 @@ int splat_rasterize_fwd(int C, int D, int width, int height, int tile_size, int 
                         uint8_t* out_stopped, int n_threads) {
     Params p{C, D, width, height, tile_size, tile_w, tile_h, M, alpha_max, alpha_min, t_min};
     int64_t n_tiles = (int64_t)C * tile_w * tile_h;
-    for_each_tile(n_tiles, n_threads, [&](int64_t tile) {
+    splat::parallel_for(n_tiles, n_threads, [&](int64_t tile) {
         TileRect r = tile_rect(p, tile);
         const int w = r.x1 - r.x0, h = r.y1 - r.y0, P = w * h;
         // Per-pixel state, structure of arrays (row-major in the tile) so the loops vectorise.
@@ -300,7 +286,7 @@ int splat_rasterize_fwd(int C, int D, int width, int height, int tile_size, int 
                 out_stopped[pix] = stopped[q] != 0.0f;
             }
         }
-    });
+    }, 1);
     return 0;
 }
 
@@ -320,7 +306,7 @@ int splat_rasterize_bwd(int C, int D, int width, int height, int tile_size, int 
     const int K = 2 + 3 + 1 + D + 2;
     int64_t n_tiles = (int64_t)C * tile_w * tile_h;
     std::memset(isect_grads, 0, sizeof(float) * (size_t)M * K);
-    for_each_tile(n_tiles, n_threads, [&](int64_t tile) {
+    splat::parallel_for(n_tiles, n_threads, [&](int64_t tile) {
         TileRect r = tile_rect(p, tile);
         const int w = r.x1 - r.x0, h = r.y1 - r.y0, P = w * h;
         int64_t start = isect_offsets[tile], end = tile_end(p, isect_offsets, tile);
@@ -391,7 +377,7 @@ int splat_rasterize_bwd(int C, int D, int width, int height, int tile_size, int 
                 grad[k] = sum;
             }
         }
-    });
+    }, 1);
     // Deterministic reduction: one pass over the intersections in their sorted order.
     for (int64_t i = 0; i < M; ++i) {
         int64_t g = flatten_ids[i];

@@ -13,11 +13,13 @@ gradient too (gsplat's kernels give none).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from ..autograd_stages import ProjectFn, SphericalHarmonicsFn
 from .isect import isect_offset_encode_fwd, isect_tiles_fwd
 from .project import project_fwd
 from .project_bwd import project_bwd
@@ -34,72 +36,6 @@ __all__ = [
     "rasterize_to_pixels",
     "rasterize_to_pixels_fwd",
 ]
-
-
-class _ProjectFn(torch.autograd.Function):
-    """project: project.metal forward, project_bwd.metal backward."""
-
-    @staticmethod
-    def forward(ctx, means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane,
-                radius_clip, calc_compensations):  # fmt: skip
-        radii, means2d, depths, conics, comp = project_fwd(
-            means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane, radius_clip,
-            calc_compensations,
-        )  # fmt: skip
-        ctx.save_for_backward(means, quats, scales, viewmats, Ks, radii)
-        ctx.args = (width, height, eps2d, calc_compensations)
-        ctx.mark_non_differentiable(radii)
-        if comp is None:
-            comp = torch.zeros((0,), dtype=means.dtype, device=means.device)  # placeholder, no gradient
-        return radii, means2d, depths, conics, comp
-
-    @staticmethod
-    def backward(ctx, _v_radii, v_means2d, v_depths, v_conics, v_comp):
-        means, quats, scales, viewmats, Ks, radii = ctx.saved_tensors
-        width, height, eps2d, calc_compensations = ctx.args
-        need = ctx.needs_input_grad
-        if not any(need[:5]):
-            return (None,) * 12
-
-        def grad_or_zeros(g, *tail):  # outputs that fed nothing may arrive as None
-            return g.contiguous() if g is not None else means.new_zeros(radii.shape + tail)
-
-        v_means, v_quats, v_scales, v_viewmats, v_Ks = project_bwd(
-            means, quats, scales, viewmats, Ks, width, height, eps2d, radii,
-            grad_or_zeros(v_means2d, 2), grad_or_zeros(v_depths), grad_or_zeros(v_conics, 3),
-            grad_or_zeros(v_comp) if calc_compensations else None,
-            viewmats_grad=need[3], Ks_grad=need[4],
-        )  # fmt: skip
-        return (
-            v_means if need[0] else None,
-            v_quats if need[1] else None,
-            v_scales if need[2] else None,
-            v_viewmats if need[3] else None,
-            v_Ks if need[4] else None,
-            None, None, None, None, None, None, None,  # width, height, eps2d, near, far, radius_clip, calc_comp
-        )
-
-
-class _SphericalHarmonicsFn(torch.autograd.Function):
-    """spherical_harmonics: sh.metal forward, sh_bwd.metal backward."""
-
-    @staticmethod
-    def forward(ctx, degree, dirs, coeffs, masks):
-        colors = spherical_harmonics_fwd(degree, dirs, coeffs, masks)
-        ctx.degree = degree
-        ctx.save_for_backward(dirs, coeffs, masks)
-        return colors
-
-    @staticmethod
-    def backward(ctx, v_colors):
-        dirs, coeffs, masks = ctx.saved_tensors
-        if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
-            return None, None, None, None
-        v_dirs, v_coeffs = spherical_harmonics_bwd(
-            ctx.degree, dirs, coeffs, masks, v_colors.contiguous(), dirs_grad=ctx.needs_input_grad[1]
-        )
-        # degree, masks: not differentiable
-        return None, v_dirs, (v_coeffs if ctx.needs_input_grad[2] else None), None
 
 
 class _RasterizeToPixelsFn(torch.autograd.Function):
@@ -150,6 +86,13 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
         )
 
 
+# The Metal implementations ProjectFn and SphericalHarmonicsFn run.
+KERNELS = SimpleNamespace(
+    project_fwd=project_fwd, project_bwd=project_bwd,
+    spherical_harmonics_fwd=spherical_harmonics_fwd, spherical_harmonics_bwd=spherical_harmonics_bwd,
+)
+
+
 # ------------------------------------------------------------------------------------------------
 # The backend contract (same names and signatures as ops/reference.py)
 # ------------------------------------------------------------------------------------------------
@@ -168,8 +111,8 @@ def project(
     calc_compensations: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
     """radii [C,N] int32, means2d [C,N,2], depths [C,N], conics [C,N,3], compensations [C,N] or None."""
-    radii, means2d, depths, conics, comp = _ProjectFn.apply(
-        means, quats, scales, viewmats, Ks, int(width), int(height), float(eps2d), float(near_plane),
+    radii, means2d, depths, conics, comp = ProjectFn.apply(
+        KERNELS, means, quats, scales, viewmats, Ks, int(width), int(height), float(eps2d), float(near_plane),
         float(far_plane), float(radius_clip), bool(calc_compensations),
     )  # fmt: skip
     return radii, means2d, depths, conics, (comp if calc_compensations else None)
@@ -181,7 +124,7 @@ def spherical_harmonics(
     coeffs: Tensor,  # [C, N, K, 3]
     masks: Optional[Tensor] = None,  # [C, N] bool
 ) -> Tensor:  # [C, N, 3]
-    return _SphericalHarmonicsFn.apply(int(degree), dirs, coeffs, masks)
+    return SphericalHarmonicsFn.apply(KERNELS, int(degree), dirs, coeffs, masks)
 
 
 def isect_tiles(

@@ -1,0 +1,83 @@
+"""Autograd wrappers shared by the backends whose projection and spherical harmonics are kernels
+with an explicit backward (metal: .metal files; cpu: native C++).
+
+``kernels`` is passed as the first argument of ``apply``: any object with ``project_fwd``,
+``project_bwd``, ``spherical_harmonics_fwd`` and ``spherical_harmonics_bwd`` of the signatures in
+ops/metal/project.py, project_bwd.py, sh.py and sh_bwd.py. Gradients flow to means, quats, scales,
+viewmats (camera pose), Ks, SH coefficients and view directions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ProjectFn(torch.autograd.Function):
+    """project: ``kernels.project_fwd`` forward, ``kernels.project_bwd`` backward."""
+
+    @staticmethod
+    def forward(ctx, kernels, means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane,
+                radius_clip, calc_compensations):  # fmt: skip
+        ctx.kernels = kernels
+        radii, means2d, depths, conics, comp = kernels.project_fwd(
+            means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane, radius_clip,
+            calc_compensations,
+        )  # fmt: skip
+        ctx.save_for_backward(means, quats, scales, viewmats, Ks, radii)
+        ctx.args = (width, height, eps2d, calc_compensations)
+        ctx.mark_non_differentiable(radii)
+        if comp is None:
+            comp = torch.zeros((0,), dtype=means.dtype, device=means.device)  # placeholder, no gradient
+        return radii, means2d, depths, conics, comp
+
+    @staticmethod
+    def backward(ctx, _v_radii, v_means2d, v_depths, v_conics, v_comp):
+        means, quats, scales, viewmats, Ks, radii = ctx.saved_tensors
+        width, height, eps2d, calc_compensations = ctx.args
+        need = ctx.needs_input_grad[1:]  # [0] is `kernels`
+        if not any(need[:5]):
+            return (None,) * 13
+
+        def grad_or_zeros(g, *tail):  # outputs that fed nothing may arrive as None
+            return g.contiguous() if g is not None else means.new_zeros(radii.shape + tail)
+
+        v_means, v_quats, v_scales, v_viewmats, v_Ks = ctx.kernels.project_bwd(
+            means, quats, scales, viewmats, Ks, width, height, eps2d, radii,
+            grad_or_zeros(v_means2d, 2), grad_or_zeros(v_depths), grad_or_zeros(v_conics, 3),
+            grad_or_zeros(v_comp) if calc_compensations else None,
+            viewmats_grad=need[3], Ks_grad=need[4],
+        )  # fmt: skip
+        return (
+            None,  # kernels
+            v_means if need[0] else None,
+            v_quats if need[1] else None,
+            v_scales if need[2] else None,
+            v_viewmats if need[3] else None,
+            v_Ks if need[4] else None,
+            None, None, None, None, None, None, None,  # width, height, eps2d, near, far, radius_clip, calc_comp
+        )
+
+
+class SphericalHarmonicsFn(torch.autograd.Function):
+    """spherical_harmonics: ``kernels.spherical_harmonics_fwd`` forward, ``kernels.spherical_harmonics_bwd``
+    backward."""
+
+    @staticmethod
+    def forward(ctx, kernels, degree, dirs, coeffs, masks):
+        ctx.kernels = kernels
+        colors = kernels.spherical_harmonics_fwd(degree, dirs, coeffs, masks)
+        ctx.degree = degree
+        ctx.save_for_backward(dirs, coeffs, masks)
+        return colors
+
+    @staticmethod
+    def backward(ctx, v_colors):
+        dirs, coeffs, masks = ctx.saved_tensors
+        need = ctx.needs_input_grad[1:]  # [0] is `kernels`
+        if not (need[1] or need[2]):
+            return None, None, None, None, None
+        v_dirs, v_coeffs = ctx.kernels.spherical_harmonics_bwd(
+            ctx.degree, dirs, coeffs, masks, v_colors.contiguous(), dirs_grad=need[1]
+        )
+        # kernels, degree, masks: not differentiable
+        return None, None, v_dirs, (v_coeffs if need[2] else None), None
