@@ -6,8 +6,9 @@
 
 For each scene (the real garden points and cameras at several gaussian counts and resolutions) it
 times, per backend: project, SH, intersect + sort, rasterize forward, rasterize backward, one full
-training-like step (forward + backward through the public op) and that step's peak memory (CPU:
-resident set growth sampled every millisecond; CUDA: max_memory_allocated; MPS: driver memory).
+training-like step (forward + backward through the public op) and that step's peak memory above
+what was in use before it (CPU: C-heap bytes in use, sampled every millisecond; CUDA:
+max_memory_allocated; MPS: driver memory after the step).
 Backends alternate within each repetition so machine noise hits them alike; the median is
 reported. Backends listed in --slow (default: reference, metal, whose step at 1M gaussians takes
 minutes on a laptop CPU) only run up to --slow-max gaussians. Writes benchmarks/results/stages.csv
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import platform
 import statistics
 import threading
@@ -64,14 +64,13 @@ def garden_scene(n: int, scale_px: float, device, downscale: int = 1, seed: int 
     return {k: v.to(device) for k, v in scene.items()}, W, H
 
 
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # macOS: no /proc; ru_maxrss is a lifetime peak, so growth shows only once
-        import resource
+def _cpu_bytes_in_use() -> int:
+    """Bytes of the C heap in use (glibc mallinfo2: where CPU tensors live); the resident set size
+    where that is unavailable (macOS), which misses memory the allocator reuses."""
+    from splat_metal_method.memory import malloc_stats, process_rss
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if platform.system() == "Darwin" else 1024)
+    heap = malloc_stats()
+    return heap[0] if heap is not None else (process_rss() or 0)
 
 
 def peak_memory(fn, device):
@@ -88,11 +87,11 @@ def peak_memory(fn, device):
         r = fn()
         torch.mps.synchronize()
         return r, torch.mps.driver_allocated_memory() - base
-    base, peak, done = _rss_bytes(), [0], threading.Event()
+    base, peak, done = _cpu_bytes_in_use(), [0], threading.Event()
 
-    def sample():
+    def sample():  # every millisecond; a peak between two samples is missed
         while not done.is_set():
-            peak[0] = max(peak[0], _rss_bytes())
+            peak[0] = max(peak[0], _cpu_bytes_in_use())
             time.sleep(0.001)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -102,7 +101,7 @@ def peak_memory(fn, device):
     finally:
         done.set()
         sampler.join()
-    return r, max(peak[0], _rss_bytes()) - base
+    return r, max(peak[0], _cpu_bytes_in_use()) - base
 
 
 def time_backend(backend: str, scene, W, H, device):
@@ -213,6 +212,13 @@ def main():
         cells = " ".join(f"{r.get(k, float('nan')):>12.4f}" if k != "intersections" else f"{int(r.get(k, 0)):>12d}"
                          for k in keys[4:])  # fmt: skip
         print(f"{r['gaussians']:>8} @ {r['width']}x{r['height']:<8} {r['backend']:>10} {cells}  {ratio}")
+
+    print("\nscaling (train step time per intersection, per backend; flat = linear in intersections):")
+    for b in args.backends:
+        pts = [r for r in rows if r["backend"] == b and r.get("intersections")]
+        if pts:
+            print(f"  {b:>10}: " + ", ".join(f"{r['gaussians']:,}@{r['width']}x{r['height']}: "
+                                          f"{1e9 * r['train step'] / r['intersections']:.0f} ns" for r in pts))
 
     import matplotlib
 
