@@ -9,7 +9,27 @@ viewmats (camera pose), Ks, SH coefficients and view directions.
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
+from torch import Tensor
+
+
+def camera_grads(
+    total: Tensor,  # [C, 16]: d/d viewmat[0:3, 0:4] (12, row-major), then d/d (fx, fy, cx, cy)
+    viewmats_grad: bool,
+    Ks_grad: bool,
+) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The projection backward's camera sums as v_viewmats [C,4,4] (row 3 zero) and v_Ks [C,3,3]."""
+    C = total.shape[0]
+    v_viewmats = v_Ks = None
+    if viewmats_grad:
+        v_viewmats = torch.cat([total[:, :12].view(C, 3, 4), total.new_zeros(C, 1, 4)], dim=1)
+    if Ks_grad:
+        zero = total.new_zeros(C)
+        fx, fy, cx, cy = total[:, 12:].unbind(-1)
+        v_Ks = torch.stack([fx, zero, cx, zero, fy, cy, zero, zero, zero], dim=-1).view(C, 3, 3)
+    return v_viewmats, v_Ks
 
 
 class ProjectFn(torch.autograd.Function):

@@ -1,7 +1,7 @@
 """The native CPU backend ("cpu") against the reference, forward and backward, through the public op.
 
 Every comparison runs both backends on the same inputs and compares the rendered colours and
-alphas, every input gradient (means, quats, scales, opacities, colours/SH, viewmats, backgrounds),
+alphas, every input gradient (means, quats, scales, opacities, colours/SH, viewmats, Ks, backgrounds),
 means2d.grad and absgrad. Also: bit-identical results for any thread count, the fallback to the
 reference with one warning when no compiler exists, and a scene dense enough that pixels hit the
 transmittance floor (the stop rule) and alpha clamp.
@@ -24,7 +24,7 @@ from splat_metal_method.ops.cpu import available
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C++ compiler here to build the native CPU backend")
 
-GRAD_KEYS = ("means", "quats", "scales", "opacities", "colors", "viewmats", "backgrounds")
+GRAD_KEYS = ("means", "quats", "scales", "opacities", "colors", "viewmats", "Ks", "backgrounds")
 
 
 def run(scene, backend, threads=None, **kw):

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from ..autograd_stages import ProjectFn, SphericalHarmonicsFn
+from ..autograd_stages import ProjectFn, SphericalHarmonicsFn, camera_grads
 from ..constants import ALPHA_MAX, ALPHA_MIN, TRANSMITTANCE_MIN
 from . import build
 
@@ -93,15 +93,7 @@ def _project_bwd(means, quats, scales, viewmats, Ks, width, height, eps2d, radii
         C, N, width, height, eps2d, int(v_compensations is not None), int(camera_grad), CAMERA_GRAD_BLOCK,
         *map(_ptr, buffers), _threads(2 * C * N * NS_PER_PROJECTION),
     )  # fmt: skip
-    v_viewmats = v_Ks = None
-    if camera_grad:
-        total = part.sum(dim=1)  # [C, 16]
-        if viewmats_grad:
-            v_viewmats = torch.cat([total[:, :12].view(C, 3, 4), total.new_zeros(C, 1, 4)], dim=1)
-        if Ks_grad:
-            zero = total.new_zeros(C)
-            fx, fy, cx, cy = total[:, 12:].unbind(-1)
-            v_Ks = torch.stack([fx, zero, cx, zero, fy, cy, zero, zero, zero], dim=-1).view(C, 3, 3)
+    v_viewmats, v_Ks = camera_grads(part.sum(dim=1), viewmats_grad, Ks_grad) if camera_grad else (None, None)
     return v_means.sum(0), v_quats.sum(0), v_scales.sum(0), v_viewmats, v_Ks
 
 

@@ -7,6 +7,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..autograd_stages import camera_grads
 from .kernels import library
 
 GROUP = 256  # threads per group (injected as SPLAT_PROJECT_BWD_GROUP); a group lies in one camera
@@ -64,12 +65,7 @@ def project_bwd(
     v_viewmats = v_Ks = None
     if camera_grad:
         total = part.sum(dim=1) if C * N > 0 else torch.zeros((C, 16), dtype=torch.float32, device=device)
-        if viewmats_grad:
-            v_viewmats = torch.cat([total[:, :12].view(C, 3, 4), total.new_zeros(C, 1, 4)], dim=1)
-        if Ks_grad:
-            zero = total.new_zeros(C)
-            fx, fy, cx, cy = total[:, 12:].unbind(-1)
-            v_Ks = torch.stack([fx, zero, cx, zero, fy, cy, zero, zero, zero], dim=-1).view(C, 3, 3)
+        v_viewmats, v_Ks = camera_grads(total, viewmats_grad, Ks_grad)
     if C == 1:
         return v_means[0], v_quats[0], v_scales[0], v_viewmats, v_Ks
     return v_means.sum(0), v_quats.sum(0), v_scales.sum(0), v_viewmats, v_Ks
