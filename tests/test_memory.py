@@ -368,13 +368,26 @@ def test_dense_scene_exercises_the_stop_rule():
     assert 0.05 < stopped.float().mean() < 0.95  # some pixels stop, some do not
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("budget", [900, 150, 7])
-def test_chunked_equals_unchunked_reference_forward_and_backward(budget):
+def test_chunked_equals_unchunked_reference_forward_and_backward(budget, backend, monkeypatch):
+    """Against the unchunked reference; the cpu backend composites chunks natively (the reference's
+    chunk compositor is made to fail, so a fallback to it would show)."""
     scene = _dense_scene()
     want = _render(scene, "reference", None)
     total = want["meta"]["isect_ids"].numel()
     assert total > 900 and want["meta"]["depth_chunks"] == 1
-    got = _render(scene, "reference", budget)
+    if backend == "cpu":
+        from splat_metal_method.ops.cpu import available
+
+        if not available():
+            pytest.skip("no C++ compiler here to build the native CPU backend")
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("the cpu backend fell back to the reference's chunk compositor")
+
+        monkeypatch.setattr(reference, "rasterize_depth_chunk", refuse)
+    got = _render(scene, backend, budget)
     assert got["meta"]["depth_chunks"] > 1 and got["meta"]["isect_ids"] is None
     assert torch.equal(got["meta"]["tiles_per_gauss"], want["meta"]["tiles_per_gauss"])
     _assert_same_render(got, want)

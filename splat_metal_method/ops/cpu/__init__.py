@@ -26,7 +26,8 @@ from ..autograd_stages import ProjectFn, SphericalHarmonicsFn, camera_grads
 from ..constants import ALPHA_MAX, ALPHA_MIN, TRANSMITTANCE_MIN
 from . import build
 
-__all__ = ["project", "spherical_harmonics", "isect_tiles", "isect_offset_encode", "rasterize_to_pixels", "available"]
+__all__ = ["project", "spherical_harmonics", "isect_tiles", "isect_offset_encode", "rasterize_to_pixels",
+           "rasterize_depth_chunk", "available"]  # fmt: skip
 
 isect_offset_encode = reference.isect_offset_encode  # one bincount + cumsum: nothing to gain
 CAMERA_GRAD_BLOCK = 1024  # gaussians per partial sum of the camera gradients (fixed: deterministic)
@@ -194,11 +195,13 @@ def isect_tiles(
 
 class _RasterizeToPixelsFn(torch.autograd.Function):
     """Native forward (also records final transmittance and last contributor per pixel) and
-    native backward. Returns colours [C,H,W,D] without background and transmittance [C,H,W]."""
+    native backward. Returns colours [C,H,W,D] without background, transmittance [C,H,W] and the
+    stopped mask [C,H,W] (not differentiable). ``trans_in`` / ``stopped_in`` ([C,H,W], or None for a
+    whole render) resume from an earlier depth chunk; trans_in then gets a gradient too."""
 
     @staticmethod
-    def forward(ctx, means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids,
-                absgrad_buf):  # fmt: skip
+    def forward(ctx, means2d, conics, colors, opacities, trans_in, stopped_in, width, height, tile_size,
+                isect_offsets, flatten_ids, absgrad_buf):  # fmt: skip
         lib = build.load()
         C, N, D = colors.shape
         means2d, conics, colors, opacities = (t.contiguous() for t in (means2d, conics, colors, opacities))
@@ -208,20 +211,25 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
         out_trans = colors.new_empty(C, height, width)  # [C, H, W]
         out_last = torch.empty(C, height, width, dtype=torch.int32)  # [C, H, W]
         out_stopped = torch.empty(C, height, width, dtype=torch.uint8)  # [C, H, W]
+        resume = [None, None] if trans_in is None else [trans_in.contiguous(), stopped_in.to(torch.uint8).contiguous()]
         lib.splat_rasterize_fwd(
             C, D, width, height, tile_size, tile_w, tile_h, flatten_ids.numel(), ALPHA_MAX, ALPHA_MIN,
-            TRANSMITTANCE_MIN, *map(_ptr, (means2d, conics, colors, opacities, isect_offsets, flatten_ids,
-                                           out_colors, out_trans, out_last, out_stopped)),
+            TRANSMITTANCE_MIN, *map(_ptr, [means2d, conics, colors, opacities, isect_offsets, flatten_ids, *resume,
+                                           out_colors, out_trans, out_last, out_stopped]),
             _threads(flatten_ids.numel() * tile_size**2 * NS_PER_PIXEL_SLOT),
         )  # fmt: skip
-        ctx.save_for_backward(means2d, conics, colors, opacities, isect_offsets, flatten_ids, out_trans, out_last)
+        ctx.save_for_backward(means2d, conics, colors, opacities, isect_offsets, flatten_ids, out_trans, out_last,
+                              trans_in, stopped_in, out_colors if trans_in is not None else None)  # fmt: skip
         ctx.args = (width, height, tile_size)
         ctx.absgrad_buf = absgrad_buf
-        return out_colors, out_trans
+        out_stopped = out_stopped.bool()
+        ctx.mark_non_differentiable(out_stopped)
+        return out_colors, out_trans, out_stopped
 
     @staticmethod
-    def backward(ctx, v_colors, v_trans):
-        means2d, conics, colors, opacities, isect_offsets, flatten_ids, trans, last = ctx.saved_tensors
+    def backward(ctx, v_colors, v_trans, _v_stopped):
+        (means2d, conics, colors, opacities, isect_offsets, flatten_ids, trans, last, trans_in, stopped_in,
+         out_colors) = ctx.saved_tensors  # fmt: skip
         width, height, tile_size = ctx.args
         C, N, D = colors.shape
         tile_h, tile_w = isect_offsets.shape[1:]
@@ -241,7 +249,15 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
         )  # fmt: skip
         if ctx.absgrad_buf is not None:
             ctx.absgrad_buf.add_(absgrad)
-        return v_means2d, v_conics, v_colors_in, v_opacities, None, None, None, None, None, None
+        v_trans_in = None
+        if trans_in is not None and ctx.needs_input_grad[4]:
+            # A resumed pixel's colour and transmittance are both proportional to its incoming
+            # transmittance (C = T_in S, T = T_in P); a stopped pixel passes T_in through unchanged.
+            v_trans_out = torch.zeros_like(trans) if v_trans is None else v_trans
+            through = ((out_colors * v_colors).sum(-1) + trans * v_trans_out) / trans_in.clamp(min=TRANSMITTANCE_MIN)
+            v_trans_in = torch.where(stopped_in, v_trans_out, through)
+        return (v_means2d, v_conics, v_colors_in, v_opacities, v_trans_in,
+                None, None, None, None, None, None, None)  # fmt: skip
 
 
 def rasterize_to_pixels(
@@ -268,11 +284,39 @@ def rasterize_to_pixels(
     if absgrad:
         absgrad_buf = torch.zeros_like(means2d)
         means2d.absgrad = absgrad_buf
-    render_colors, trans = _RasterizeToPixelsFn.apply(
-        means2d, conics, colors, opacities, int(width), int(height), int(tile_size), isect_offsets, flatten_ids,
-        absgrad_buf,
+    render_colors, trans, _ = _RasterizeToPixelsFn.apply(
+        means2d, conics, colors, opacities, None, None, int(width), int(height), int(tile_size), isect_offsets,
+        flatten_ids, absgrad_buf,
     )  # fmt: skip
     render_alphas = 1.0 - trans[..., None]  # [C, H, W, 1]
     if backgrounds is not None:
         render_colors = render_colors + backgrounds[:, None, None, :] * (1.0 - render_alphas)
     return render_colors, render_alphas
+
+
+def rasterize_depth_chunk(
+    means2d: Tensor,  # [C, N, 2]
+    conics: Tensor,  # [C, N, 3]
+    colors: Tensor,  # [C, N, D]
+    opacities: Tensor,  # [C, N]
+    width: int,
+    height: int,
+    tile_size: int,
+    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32, of this chunk's intersections
+    flatten_ids: Tensor,  # [M_k] int32, this chunk's intersections
+    transmittance: Tensor,  # [C, H, W] running transmittance before this chunk
+    stopped: Tensor,  # [C, H, W] bool: the pixel has already hit the transmittance floor
+    absgrad_out: Optional[Tensor] = None,  # [C, N, 2] buffer backward adds |per-pixel d loss/d means2d| to
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """One depth chunk resumed from the running state (see ops/chunked.py and the reference's
+    rasterize_depth_chunk, which this matches): this chunk's colours [C,H,W,D] (weighted by the
+    incoming transmittance, no background), the transmittance after it [C,H,W] and the stopped mask."""
+    if not _native(means2d, conics, colors, opacities, transmittance):
+        return reference.rasterize_depth_chunk(
+            means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, transmittance,
+            stopped, absgrad_out,
+        )  # fmt: skip
+    return _RasterizeToPixelsFn.apply(
+        means2d, conics, colors, opacities, transmittance, stopped, int(width), int(height), int(tile_size),
+        isect_offsets, flatten_ids, absgrad_out,
+    )  # fmt: skip

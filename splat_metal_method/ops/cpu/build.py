@@ -88,7 +88,7 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     i32, i64, f32, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     head = [i32] * 7 + [i64, f32, f32, f32]  # C, D, width, height, tile_size, tile_w, tile_h, M, constants
-    lib.splat_rasterize_fwd.argtypes = head + [ptr] * 10 + [i32]
+    lib.splat_rasterize_fwd.argtypes = head + [ptr] * 12 + [i32]
     lib.splat_rasterize_bwd.argtypes = head + [ptr] * 16 + [i32]
     lib.splat_rasterize_fwd.restype = lib.splat_rasterize_bwd.restype = i32
     lib.splat_isect_count.argtypes = [i64, i32, i32, i32, ptr, ptr, ptr, i32]

@@ -222,11 +222,14 @@ extern "C" {
 // Forward. Writes out_colors [C,H,W,D] (no background), out_trans [C,H,W] (final transmittance),
 // out_last [C,H,W] int32 (index into flatten_ids of the last gaussian composited, -1 if none) and
 // out_stopped [C,H,W] uint8 (1 where the pixel hit the transmittance floor).
+// trans_in [C,H,W] and stopped_in [C,H,W] uint8 (both null for a whole render) resume compositing
+// from an earlier depth chunk: pixels start at that transmittance, stopped ones stay as they are.
 int splat_rasterize_fwd(int C, int D, int width, int height, int tile_size, int tile_w, int tile_h, int64_t M,
                         float alpha_max, float alpha_min, float t_min, const float* means2d, const float* conics,
                         const float* colors, const float* opacities, const int32_t* isect_offsets,
-                        const int32_t* flatten_ids, float* out_colors, float* out_trans, int32_t* out_last,
-                        uint8_t* out_stopped, int n_threads) {
+                        const int32_t* flatten_ids, const float* trans_in, const uint8_t* stopped_in,
+                        float* out_colors, float* out_trans, int32_t* out_last, uint8_t* out_stopped,
+                        int n_threads) {
     Params p{C, D, width, height, tile_size, tile_w, tile_h, M, alpha_max, alpha_min, t_min};
     int64_t n_tiles = (int64_t)C * tile_w * tile_h;
     splat::parallel_for(n_tiles, n_threads, [&](int64_t tile) {
@@ -237,6 +240,19 @@ int splat_rasterize_fwd(int C, int D, int width, int height, int tile_size, int 
         std::vector<int32_t> last(P, -1);
         int n_running = P;
         std::vector<int> row_running(h, w);  // pixels of each row still compositing
+        if (trans_in != nullptr) {
+            for (int ly = 0; ly < h; ++ly) {
+                for (int lx = 0; lx < w; ++lx) {
+                    int64_t pix = ((int64_t)r.cam * height + r.y0 + ly) * width + r.x0 + lx;
+                    T[ly * w + lx] = trans_in[pix];
+                    if (stopped_in[pix]) {
+                        stopped[ly * w + lx] = 1.0f;
+                        --row_running[ly];
+                        --n_running;
+                    }
+                }
+            }
+        }
         int64_t start = isect_offsets[tile], end = tile_end(p, isect_offsets, tile);
         for (int64_t i = start; i < end && n_running > 0; ++i) {
             Splat s;
