@@ -368,11 +368,12 @@ def test_dense_scene_exercises_the_stop_rule():
     assert 0.05 < stopped.float().mean() < 0.95  # some pixels stop, some do not
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "metal"])
 @pytest.mark.parametrize("budget", [900, 150, 7])
 def test_chunked_equals_unchunked_reference_forward_and_backward(budget, backend, monkeypatch):
-    """Against the unchunked reference; the cpu backend composites chunks natively (the reference's
-    chunk compositor is made to fail, so a fallback to it would show)."""
+    """Against the unchunked reference. The cpu and metal (emulated here) backends intersect and
+    composite each chunk with their own code: the reference's chunk compositor is made to fail for
+    them, so a fallback to it would show."""
     scene = _dense_scene()
     want = _render(scene, "reference", None)
     total = want["meta"]["isect_ids"].numel()
@@ -382,14 +383,29 @@ def test_chunked_equals_unchunked_reference_forward_and_backward(budget, backend
 
         if not available():
             pytest.skip("no C++ compiler here to build the native CPU backend")
+    if backend != "reference":
 
         def refuse(*args, **kwargs):
-            raise AssertionError("the cpu backend fell back to the reference's chunk compositor")
+            raise AssertionError(f"the {backend} backend fell back to the reference's chunk compositor")
 
         monkeypatch.setattr(reference, "rasterize_depth_chunk", refuse)
     got = _render(scene, backend, budget)
     assert got["meta"]["depth_chunks"] > 1 and got["meta"]["isect_ids"] is None
     assert torch.equal(got["meta"]["tiles_per_gauss"], want["meta"]["tiles_per_gauss"])
+    _assert_same_render(got, want)
+
+
+def test_metal_chunks_resume_across_several_passes(monkeypatch):
+    """Metal bounds the gaussians of a tile per dispatch (RASTER_CHUNK); a resumed depth chunk whose
+    tiles need several dispatches carries T and the stop state from pass to pass."""
+    import splat_metal_method.ops.metal as metal
+
+    monkeypatch.setattr(metal, "RASTER_CHUNK", 16)
+    monkeypatch.setattr(reference, "rasterize_depth_chunk", None)  # no fallback: calling it fails
+    scene = _dense_scene()
+    want = _render(scene, "reference", None)
+    got = _render(scene, "metal", 150)
+    assert got["meta"]["depth_chunks"] > 1
     _assert_same_render(got, want)
 
 
@@ -410,16 +426,6 @@ def test_chunked_equals_unchunked_without_grad(size):
     scene = _dense_scene(*size, C=1, seed=2)
     want = _render(scene, "reference", None, grad=False)
     got = _render(scene, "reference", 50, grad=False)
-    assert got["meta"]["depth_chunks"] > 1
-    _assert_same_render(got, want)
-
-
-def test_chunked_with_metal_backend_intersections_equals_unchunked():
-    """The Metal backend (emulated on CPU here) intersects each chunk with its own kernels."""
-    pytest.importorskip("splat_metal_method.ops.metal")
-    scene = _dense_scene(C=1)
-    want = _render(scene, "metal", None)
-    got = _render(scene, "metal", 120)
     assert got["meta"]["depth_chunks"] > 1
     _assert_same_render(got, want)
 

@@ -101,3 +101,20 @@ class SphericalHarmonicsFn(torch.autograd.Function):
         )
         # kernels, degree, masks: not differentiable
         return None, None, v_dirs, (v_coeffs if need[2] else None), None
+
+
+def resumed_transmittance_grad(
+    chunk_colors: Tensor,  # [C, H, W, D] a depth chunk's colours (weighted by the incoming T)
+    v_chunk_colors: Tensor,  # [C, H, W, D]
+    trans_out: Tensor,  # [C, H, W] transmittance after the chunk
+    v_trans_out: Optional[Tensor],  # [C, H, W]
+    trans_in: Tensor,  # [C, H, W] transmittance before the chunk
+    stopped_in: Tensor,  # [C, H, W] bool
+    t_min: float,  # TRANSMITTANCE_MIN: a pixel still running has trans_in above it
+) -> Tensor:  # [C, H, W] d loss / d trans_in
+    """A resumed pixel's colour and transmittance are both proportional to its incoming
+    transmittance (C = T_in S, T_out = T_in P), so their gradients carry back as (C v_C + T_out v_T) / T_in;
+    a pixel that had already stopped passes T_in through unchanged (T_out = T_in, C = 0)."""
+    v_trans_out = torch.zeros_like(trans_out) if v_trans_out is None else v_trans_out
+    through = ((chunk_colors * v_chunk_colors).sum(-1) + trans_out * v_trans_out) / trans_in.clamp(min=t_min)
+    return torch.where(stopped_in, v_trans_out, through)

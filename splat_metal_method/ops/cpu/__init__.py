@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from ..autograd_stages import ProjectFn, SphericalHarmonicsFn, camera_grads
+from ..autograd_stages import ProjectFn, SphericalHarmonicsFn, camera_grads, resumed_transmittance_grad
 from ..constants import ALPHA_MAX, ALPHA_MIN, TRANSMITTANCE_MIN
 from . import build
 
@@ -251,11 +251,8 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
             ctx.absgrad_buf.add_(absgrad)
         v_trans_in = None
         if trans_in is not None and ctx.needs_input_grad[4]:
-            # A resumed pixel's colour and transmittance are both proportional to its incoming
-            # transmittance (C = T_in S, T = T_in P); a stopped pixel passes T_in through unchanged.
-            v_trans_out = torch.zeros_like(trans) if v_trans is None else v_trans
-            through = ((out_colors * v_colors).sum(-1) + trans * v_trans_out) / trans_in.clamp(min=TRANSMITTANCE_MIN)
-            v_trans_in = torch.where(stopped_in, v_trans_out, through)
+            v_trans_in = resumed_transmittance_grad(out_colors, v_colors, trans, v_trans, trans_in, stopped_in,
+                                                    TRANSMITTANCE_MIN)  # fmt: skip
         return (v_means2d, v_conics, v_colors_in, v_opacities, v_trans_in,
                 None, None, None, None, None, None, None)  # fmt: skip
 

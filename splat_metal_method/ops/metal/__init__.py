@@ -19,7 +19,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..autograd_stages import ProjectFn, SphericalHarmonicsFn
+from ..autograd_stages import ProjectFn, SphericalHarmonicsFn, resumed_transmittance_grad
+from ..constants import TRANSMITTANCE_MIN
 from .isect import isect_offset_encode_fwd, isect_tiles_fwd
 from .project import project_fwd
 from .project_bwd import project_bwd
@@ -35,6 +36,7 @@ __all__ = [
     "isect_offset_encode",
     "rasterize_to_pixels",
     "rasterize_to_pixels_fwd",
+    "rasterize_depth_chunk",
 ]
 
 
@@ -84,6 +86,47 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
             v_backgrounds if need[4] else None,
             None, None, None, None, None, None,  # width, height, tile_size, offsets, flatten_ids, absgrad buffer
         )
+
+
+class _RasterizeDepthChunkFn(torch.autograd.Function):
+    """One depth chunk (ops/chunked.py) resumed from the running transmittance and stop state:
+    rasterize.metal forward in resume mode, rasterize_bwd.metal backward (T is recovered from the
+    chunk's final T, so it is absolute), plus the closed-form gradient to the incoming transmittance."""
+
+    @staticmethod
+    def forward(ctx, means2d, conics, colors, opacities, trans_in, stopped_in, width, height, tile_size,
+                isect_offsets, flatten_ids, absgrad_buf):  # fmt: skip
+        n_passes = count_passes(isect_offsets, flatten_ids.numel(), RASTER_CHUNK, colors.shape[1])
+        stopped_out = torch.zeros(trans_in.shape, dtype=torch.int32, device=trans_in.device)  # [C, H, W]
+        chunk_colors, _, trans_out, last_ids = rasterize_to_pixels_fwd(
+            means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, None,
+            chunk=RASTER_CHUNK, n_passes=n_passes, trans_in=trans_in, stopped_in=stopped_in, stopped_out=stopped_out,
+        )  # fmt: skip
+        ctx.save_for_backward(means2d, conics, colors, opacities, isect_offsets, flatten_ids, trans_out, last_ids,
+                              trans_in, stopped_in, chunk_colors)  # fmt: skip
+        ctx.args = (width, height, tile_size, n_passes)
+        ctx.absgrad_buf = absgrad_buf
+        stopped_out = stopped_out != 0
+        ctx.mark_non_differentiable(stopped_out)
+        return chunk_colors, trans_out, stopped_out
+
+    @staticmethod
+    def backward(ctx, v_chunk_colors, v_trans_out, _v_stopped):
+        (means2d, conics, colors, opacities, isect_offsets, flatten_ids, trans_out, last_ids, trans_in, stopped_in,
+         chunk_colors) = ctx.saved_tensors  # fmt: skip
+        width, height, tile_size, n_passes = ctx.args
+        if v_chunk_colors is None:
+            v_chunk_colors = torch.zeros_like(chunk_colors)
+        v_alphas = (torch.zeros_like(trans_out) if v_trans_out is None else -v_trans_out)[..., None]  # alpha = 1 - T
+        v_means2d, v_conics, v_colors, v_opacities, _ = rasterize_to_pixels_bwd(
+            means2d, conics, colors, opacities, None, width, height, tile_size, isect_offsets, flatten_ids,
+            trans_out, last_ids, v_chunk_colors.contiguous(), v_alphas.contiguous(), absgrad_out=ctx.absgrad_buf,
+            chunk=RASTER_CHUNK, n_passes=n_passes,
+        )  # fmt: skip
+        v_trans_in = resumed_transmittance_grad(chunk_colors, v_chunk_colors, trans_out, v_trans_out, trans_in,
+                                                stopped_in, TRANSMITTANCE_MIN)  # fmt: skip
+        return (v_means2d, v_conics, v_colors, v_opacities, v_trans_in,
+                None, None, None, None, None, None, None)  # fmt: skip
 
 
 # The Metal implementations ProjectFn and SphericalHarmonicsFn run.
@@ -166,4 +209,27 @@ def rasterize_to_pixels(
     return _RasterizeToPixelsFn.apply(
         means2d, conics, colors, opacities, backgrounds, int(width), int(height), int(tile_size),
         isect_offsets, flatten_ids, absgrad_buf,
+    )  # fmt: skip
+
+
+def rasterize_depth_chunk(
+    means2d: Tensor,  # [C, N, 2]
+    conics: Tensor,  # [C, N, 3]
+    colors: Tensor,  # [C, N, D]
+    opacities: Tensor,  # [C, N]
+    width: int,
+    height: int,
+    tile_size: int,
+    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32, of this chunk's intersections
+    flatten_ids: Tensor,  # [M_k] int32, this chunk's intersections
+    transmittance: Tensor,  # [C, H, W] running transmittance before this chunk
+    stopped: Tensor,  # [C, H, W] bool: the pixel has already hit the transmittance floor
+    absgrad_out: Optional[Tensor] = None,  # [C, N, 2] buffer backward adds |per-pixel d loss/d means2d| to
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """One depth chunk resumed from the running state, as the reference's rasterize_depth_chunk: this
+    chunk's colours [C,H,W,D] (weighted by the incoming transmittance, no background), the
+    transmittance after it [C,H,W] and the stopped mask [C,H,W]."""
+    return _RasterizeDepthChunkFn.apply(
+        means2d, conics, colors.contiguous(), opacities.contiguous(), transmittance.contiguous(), stopped,
+        int(width), int(height), int(tile_size), isect_offsets, flatten_ids, absgrad_out,
     )  # fmt: skip

@@ -33,6 +33,9 @@
 // sigma < 0 or alpha < ALPHA_MIN; stop (without contributing) once T (1 - alpha) <= TRANSMITTANCE_MIN.
 // Recorded for the backward pass: transmittance = final T, last_ids = index into flatten_ids of the
 // last gaussian that contributed (-1 if none).
+// Resuming a depth chunk (has_resume != 0, ops/chunked.py): pass 0 starts each pixel from trans_in
+// (the transmittance after the earlier chunks) and stopped_in instead of T = 1, and the final pass
+// also writes pixel_done (then [C, H, W]), the stop state the next chunk resumes from.
 // Threadgroup memory: TILE_PIXELS * (4 + 8 + 16) + 32 * 4 bytes = 7.3 KB for 16x16 tiles.
 kernel void rasterize_fwd(
     const device float* means2d [[buffer(0)]],       // [C*N, 2]
@@ -56,6 +59,9 @@ kernel void rasterize_fwd(
     constant long& has_background [[buffer(18)]],
     constant long& pass_index [[buffer(19)]],
     constant long& chunk [[buffer(20)]],
+    const device float* trans_in [[buffer(21)]],     // [C, H, W] or [1] placeholder
+    const device int* stopped_in [[buffer(22)]],     // [C, H, W] or [1] placeholder
+    constant long& has_resume [[buffer(23)]],
     uint3 tgp [[threadgroup_position_in_grid]],
     uint3 lid [[thread_position_in_threadgroup]],
     uint tid [[thread_index_in_threadgroup]],
@@ -92,6 +98,10 @@ kernel void rasterize_fwd(
   }
   int last = -1;
   bool done = !inside;
+  if (pass_index == 0 && has_resume != 0 && inside) {
+    T = trans_in[pix];
+    done = stopped_in[pix] != 0;
+  }
   if (pass_index > 0 && inside) {
     T = transmittance[pix];
     for (int k = 0; k < SPLAT_CHANNELS; ++k) {
@@ -161,6 +171,9 @@ kernel void rasterize_fwd(
       for (int k = 0; k < SPLAT_CHANNELS; ++k) {
         const float bg = has_background != 0 ? backgrounds[cam * SPLAT_CHANNELS + k] : 0.0f;
         render_colors[pix * SPLAT_CHANNELS + k] = acc[k] + T * bg;
+      }
+      if (has_resume != 0) {
+        pixel_done[pix] = done ? 1 : 0;
       }
     } else {
       for (int k = 0; k < SPLAT_CHANNELS; ++k) {

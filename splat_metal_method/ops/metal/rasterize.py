@@ -30,6 +30,9 @@ def rasterize_to_pixels_fwd(
     backgrounds: Optional[Tensor] = None,  # [C, D]
     chunk: Optional[int] = None,
     n_passes: Optional[int] = None,
+    trans_in: Optional[Tensor] = None,  # [C, H, W]: resume a depth chunk from this transmittance ...
+    stopped_in: Optional[Tensor] = None,  # [C, H, W] bool ... and stop state
+    stopped_out: Optional[Tensor] = None,  # [C, H, W] int32, written when resuming: the stop state after
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Runs rasterize_fwd. Returns render_colors [C,H,W,D], render_alphas [C,H,W,1] and, for the
     backward pass, transmittance [C,H,W] (final T) and last_ids [C,H,W] int32 (index into
@@ -77,7 +80,16 @@ def rasterize_to_pixels_fwd(
 
     if n_passes is None:
         n_passes = count_passes(isect_offsets, M, chunk, N)
-    pixel_done = torch.empty((C, height, width) if n_passes > 1 else (1,), dtype=torch.int32, device=device)
+    resume = trans_in is not None
+    if resume:
+        if stopped_in is None or stopped_out is None or tuple(trans_in.shape) != (C, height, width):
+            raise ValueError(f"[{op}] resuming needs trans_in, stopped_in and stopped_out of shape {[C, height, width]}")
+        pixel_done = stopped_out
+        resume_bufs = (trans_in.float().contiguous(), stopped_in.to(torch.int32).contiguous())
+    else:
+        pixel_done = torch.empty((C, height, width) if n_passes > 1 else (1,), dtype=torch.int32, device=device)
+        placeholder = torch.zeros((1,), dtype=torch.int32, device=device)
+        resume_bufs = (placeholder.float(), placeholder)
     bg = backgrounds.contiguous() if backgrounds is not None else torch.zeros((1,), dtype=torch.float32, device=device)
     if M == 0:  # kernels bind every buffer; give flatten_ids one (never read) element
         flatten_ids = torch.zeros((1,), dtype=torch.int32, device=device)
@@ -92,7 +104,7 @@ def rasterize_to_pixels_fwd(
         int(backgrounds is not None),
     )  # fmt: skip
     for p in range(n_passes):
-        lib.rasterize_fwd(*args, p, chunk, **grid)
+        lib.rasterize_fwd(*args, p, chunk, *resume_bufs, int(resume), **grid)
     return render_colors, render_alphas, transmittance, last_ids
 
 
