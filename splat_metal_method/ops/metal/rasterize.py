@@ -83,7 +83,7 @@ def rasterize_to_pixels_fwd(
     resume = trans_in is not None
     if resume:
         if stopped_in is None or stopped_out is None or tuple(trans_in.shape) != (C, height, width):
-            raise ValueError(f"[{op}] resuming needs trans_in, stopped_in and stopped_out of shape {[C, height, width]}")
+            raise ValueError(f"[{op}] resuming needs trans_in, stopped_in and stopped_out of {[C, height, width]}")
         pixel_done = stopped_out
         resume_bufs = (trans_in.float().contiguous(), stopped_in.to(torch.int32).contiguous())
     else:
