@@ -22,8 +22,6 @@ def make_pipeline(data: Path, seed: int = 0, warmup: int = 10, refine_every: int
     """VanillaPipeline + Optimizers + training callbacks, as Trainer.setup builds them (no viewer), on
     CPU, with the SO3xR3 camera optimizer (viewmats get gradients) and a white background."""
     from nerfstudio.cameras.camera_optimizers import CameraOptimizerConfig
-    from nerfstudio.engine.callbacks import TrainingCallbackAttributes
-    from nerfstudio.engine.optimizers import Optimizers
 
     from splat_metal_method.config import splat_metal_trainer_config
 
@@ -38,8 +36,16 @@ def make_pipeline(data: Path, seed: int = 0, warmup: int = 10, refine_every: int
     model.refine_every = refine_every
     model.sh_degree_interval = sh_degree_interval
     model.backend = backend  # "auto": SPLAT_METAL_BACKEND decides
+    return setup_pipeline(cfg, "cpu", seed)
+
+
+def setup_pipeline(cfg, device: str, seed: int = 0):
+    """Pipeline, Optimizers and training callbacks of a TrainerConfig (any method), on ``device``."""
+    from nerfstudio.engine.callbacks import TrainingCallbackAttributes
+    from nerfstudio.engine.optimizers import Optimizers
+
     seed_all(seed)
-    pipeline = cfg.pipeline.setup(device="cpu", test_mode="val", world_size=1, local_rank=0)
+    pipeline = cfg.pipeline.setup(device=device, test_mode="val", world_size=1, local_rank=0)
     optimizers = Optimizers(cfg.optimizers, pipeline.get_param_groups())
     callbacks = pipeline.get_training_callbacks(
         TrainingCallbackAttributes(optimizers=optimizers, grad_scaler=None, pipeline=pipeline, trainer=None)
