@@ -6,10 +6,12 @@
 One step is exactly what `ns-train splat-metal` runs per iteration (Trainer.train_iteration):
 splatfacto's forward through our op layer, L1 + SSIM loss, backward, Adam steps for the gaussians and
 the SO3xR3 camera optimizer, schedulers and callbacks. Each backend gets its own pipeline built with
-the same seed; steps alternate between backends so machine noise hits them alike. Densification is
-off (warm-up longer than the run) so every backend times the same gaussians. Prints the median
-time per step split into forward / backward / optimizer and the ratio to the first backend, and
-writes benchmarks/results/train_step.csv.
+the same seed; steps alternate between backends so machine noise hits them alike. By default
+densification is off (warm-up longer than the run) so every backend times the same gaussians;
+--densify runs splatfacto's densification (warm-up a quarter of the run, refine every eighth) so
+the count grows as in real training (each backend densifies from its own gradients). Prints the
+median time per step split into forward / backward / optimizer and the ratio to the first
+backend, and writes benchmarks/results/train_step.csv.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def main():
     parser.add_argument("--height", type=int, default=64)
     parser.add_argument("--data", type=Path, default=None, help="a nerfstudio dataset instead of the demo scene")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--densify", action="store_true", help="densify during the run (see above)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -84,19 +87,23 @@ def main():
         runs = {}
         for b in args.backends:
             seed_all(0)
-            runs[b] = make_pipeline(data, seed=0, warmup=10**9, refine_every=10**9, sh_degree_interval=1, backend=b)
-        n_points = {b: runs[b][0].model.num_points for b in args.backends}
+            total = args.warmup + args.steps
+            warmup, refine = (total // 4, max(total // 8, 2)) if args.densify else (10**9, 10**9)
+            runs[b] = make_pipeline(data, seed=0, warmup=warmup, refine_every=refine, sh_degree_interval=1, backend=b)
+        start_points = {b: runs[b][0].model.num_points for b in args.backends}
         samples = {b: [] for b in args.backends}
         for step in track(range(args.warmup + args.steps), description="training steps"):
             for b in args.backends:
                 r = timed_step(*runs[b], step)
                 if step >= args.warmup:
                     samples[b].append(r)
+        n_points = {b: runs[b][0].model.num_points for b in args.backends}
 
     info = machine_info()
     print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()))
     print(f"scene: {'demo ' + str(args.width) + 'x' + str(args.height) if args.data is None else args.data}, "
-          f"gaussians {n_points}, SH degree 3 from step 3, median of {args.steps} steps after {args.warmup}")  # fmt: skip
+          f"gaussians {start_points} at the start, {n_points} at the end, SH degree 3 from step 3, "
+          f"median of {args.steps} steps after {args.warmup}")  # fmt: skip
     base = None
     rows = []
     header = f"{'backend':>10} {'forward s':>10} {'backward s':>10} {'optimizer s':>11} {'step s':>8}"

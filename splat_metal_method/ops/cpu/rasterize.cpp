@@ -6,11 +6,10 @@
 // take its transmittance to <= t_min.
 //
 // Speed comes from doing only the work that matters and doing it in vector registers: each gaussian
-// visits only the pixels of its tile inside its alpha >= alpha_min ellipse (row by row, plus a
-// one-pixel margin, so every pixel it can reach is still tested with the exact rule), a tile stops
-// once all its pixels have stopped, the per-pixel loops are branch-free over structure-of-arrays
-// state (the compiler vectorises them; exp is inlined arithmetic), and tiles run on `n_threads`
-// threads.
+// visits only the rows of its tile that its alpha >= alpha_min ellipse crosses (with slack, so every
+// pixel it can reach is still tested with the exact rule), a row is one branch-free vector loop
+// over structure-of-arrays pixel state (exp is inlined arithmetic), rows and tiles whose pixels
+// have all stopped are skipped, and tiles run on `n_threads` threads.
 //
 // Determinism: a tile's pixels and its per-intersection gradients are computed by one thread in a
 // fixed order, and gradients are summed per gaussian in intersection order after all threads
@@ -87,16 +86,15 @@ inline float fast_exp(float x) {
     return q * scale;
 }
 
-// One gaussian as a tile sees it, and which of the tile's pixels it can reach: alpha >= alpha_min
-// needs sigma <= level = log(opacity / alpha_min), an ellipse. Rows and per-row columns are that
-// ellipse's (with slack on the level and a one-pixel margin), so every pixel the exact rule could
-// accept is still tested with it.
+// One gaussian as a tile sees it, and which of the tile's rows it can reach: alpha >= alpha_min
+// needs sigma <= level = log(opacity / alpha_min), an ellipse; its rows (with slack on the level
+// and a one-row margin) are the only ones composited, so every pixel the exact rule could accept is
+// still tested with it.
 struct Splat {
     float mx, my, a, b, c, opacity;
     const float* color;
     bool whole_tile;  // conic not positive definite or not finite: test every pixel of the tile
-    bool whole_rows;  // the ellipse is wider than the tile: per-row spans would not save work
-    float two_a_level, det, b_over_a, inv_a;  // for the per-row spans
+    float two_a_level, det;  // for row_reachable
     int ly0, ly1;  // tile-local rows it can reach
 };
 
@@ -107,56 +105,44 @@ bool make_splat(const Params& p, const TileRect& r, const float* means2d, const 
     s.mx = means2d[2 * g], s.my = means2d[2 * g + 1];
     s.a = conics[3 * g], s.b = conics[3 * g + 1], s.c = conics[3 * g + 2];
     s.color = colors + g * p.D;
-    int w = r.x1 - r.x0, h = r.y1 - r.y0;
+    int h = r.y1 - r.y0;
     s.ly0 = 0, s.ly1 = h;
     double det = (double)s.a * s.c - (double)s.b * s.b;
     double level = std::log((double)s.opacity / p.alpha_min) * (1.0 + 1e-3) + 1e-3;
-    // The ellipse {d : 0.5 d^T A d <= level} spans sqrt(2 level (A^-1)_yy) rows around my and
-    // sqrt(2 level (A^-1)_xx) columns around mx.
-    double ey = std::sqrt(2.0 * level * s.a / det) + 1.0, ex = std::sqrt(2.0 * level * s.c / det) + 1.0;
+    // The ellipse {d : 0.5 d^T A d <= level} spans sqrt(2 level (A^-1)_yy) rows around my.
+    double ey = std::sqrt(2.0 * level * s.a / det) + 1.0;
     s.whole_tile = !(det > 0.0) || !(s.a > 0.0f) || !std::isfinite(s.mx) || !std::isfinite(s.my) ||
-                   !std::isfinite(ex) || !std::isfinite(ey);
+                   !std::isfinite(ey) || !std::isfinite((float)(2.0 * s.a * level));
     if (s.whole_tile) return true;
-    s.whole_rows = 2.0 * ex >= w;
     s.two_a_level = (float)(2.0 * s.a * level);
     s.det = (float)det;
-    s.b_over_a = s.b / s.a;
-    s.inv_a = 1.0f / s.a;
     // Row y (centre y + 0.5) is reachable only if |my - (y + 0.5)| <= ey.
     s.ly0 = (int)std::max(0.0, std::min((double)h, std::floor(s.my - ey - 0.5) - r.y0));
     s.ly1 = (int)std::max(0.0, std::min((double)h, std::ceil(s.my + ey - 0.5) - r.y0 + 1));
     return s.ly0 < s.ly1;
 }
 
-// Tile-local columns [xa, xb) of row ly the splat can reach.
-inline void row_span(const Splat& s, const TileRect& r, int ly, int& xa, int& xb) {
-    int w = r.x1 - r.x0;
-    xa = 0, xb = w;
-    if (s.whole_tile || s.whole_rows) return;
-    // sigma(dx) = 0.5 a dx^2 + b dy dx + 0.5 c dy^2 <= level  <=>  dx between the roots of it, i.e.
-    // pixel centres mx - dx within half_width of mx + (b / a) dy.
+// Whether the splat can reach a pixel of tile-local row ly: the row's centre line crosses the
+// ellipse sigma <= level (with its slack). The whole row is then composited with the exact rule;
+// a full tile row is one or two vector iterations, cheaper than finding the columns.
+inline bool row_reachable(const Splat& s, const TileRect& r, int ly) {
+    if (s.whole_tile) return true;
+    // sigma(dx) = 0.5 a dx^2 + b dy dx + 0.5 c dy^2 has its minimum over dx below level iff
+    // 2 a level - det dy^2 >= 0.
     float dy = s.my - ((float)(r.y0 + ly) + 0.5f);
-    float disc = s.two_a_level - s.det * dy * dy;
-    if (disc < 0.0f) {
-        xa = xb = 0;
-        return;
-    }
-    float half_width = std::sqrt(disc) * s.inv_a + 1.0f;  // one pixel of margin each side
-    float centre = s.mx + s.b_over_a * dy - 0.5f - (float)r.x0;  // column (not centre) coordinates
-    xa = (int)std::max(0.0f, std::min((float)w, std::floor(centre - half_width)));
-    xb = (int)std::max(0.0f, std::min((float)w, std::ceil(centre + half_width) + 1.0f));
+    return s.two_a_level - s.det * dy * dy >= 0.0f;
 }
 
 // Backward, one row of one gaussian, first pass: undo this gaussian in T (back to front) and record
 // what the colour pass and the gradient pass need (zero where the pixel did not use it).
-void backward_row_alphas(int xa, int xb, float x0, float dy, const Splat& s, float alpha_max, float alpha_min,
+void backward_row_alphas(int w, float x0, float dy, const Splat& s, float alpha_max, float alpha_min,
                          int32_t i, float* __restrict T_row, const float* __restrict T_final_row,
                          const float* __restrict v_alpha_out_row, const int32_t* __restrict last_row,
                          float* __restrict dxs, float* __restrict vis, float* __restrict alpha_raw,
                          float* __restrict T_before, float* __restrict ra, float* __restrict fac,
                          float* __restrict v_alpha, float* __restrict grad_ok) {
     const float a = s.a, b = s.b, c = s.c, mx = s.mx, opacity = s.opacity;
-    for (int x = xa; x < xb; ++x) {
+    for (int x = 0; x < w; ++x) {
         float dx = mx - ((x0 + (float)x) + 0.5f);
         float sigma = 0.5f * (a * dx * dx + c * dy * dy) + b * dx * dy;
         float e = fast_exp(-sigma);
@@ -182,7 +168,7 @@ void backward_row_alphas(int xa, int xb, float x0, float dy, const Splat& s, flo
 
 // Backward, one row of one gaussian, last pass: per-column partial sums of its gradients
 // (partial [K, w]: means2d x/y, conic a/b/c, opacity, D colours (filled by the colour pass), |x|, |y|).
-void backward_row_partials(int xa, int xb, int w, int D, float dy, const Splat& s, const float* __restrict dxs,
+void backward_row_partials(int w, int D, float dy, const Splat& s, const float* __restrict dxs,
                            const float* __restrict vis, const float* __restrict alpha_raw,
                            const float* __restrict v_alpha, const float* __restrict grad_ok, float* partial) {
     const float a = s.a, b = s.b, c = s.c;
@@ -195,7 +181,7 @@ void backward_row_partials(int xa, int xb, int w, int D, float dy, const Splat& 
     float* p_abs_x = partial + (size_t)(6 + D) * w;
     float* p_abs_y = partial + (size_t)(7 + D) * w;
     VECTORIZE  // the p_* rows of `partial` never overlap
-    for (int x = xa; x < xb; ++x) {
+    for (int x = 0; x < w; ++x) {
         float v_sigma = grad_ok[x] * (-alpha_raw[x] * v_alpha[x]);
         float dx = dxs[x];
         float gx = v_sigma * (a * dx + b * dy), gy = v_sigma * (b * dx + c * dy);
@@ -260,16 +246,13 @@ int splat_rasterize_fwd(int C, int D, int width, int height, int tile_size, int 
             const float a = s.a, b = s.b, c = s.c, mx = s.mx, opacity = s.opacity;
             const int32_t i32 = (int32_t)i;
             for (int ly = s.ly0; ly < s.ly1; ++ly) {
-                if (row_running[ly] == 0) continue;
-                int xa, xb;
-                row_span(s, r, ly, xa, xb);
-                if (xa >= xb) continue;
+                if (row_running[ly] == 0 || !row_reachable(s, r, ly)) continue;
                 const float dy = s.my - ((float)(r.y0 + ly) + 0.5f);
                 float* T_row = &T[ly * w];
                 float* stopped_row = &stopped[ly * w];
                 int32_t* last_row = &last[ly * w];
                 int n_stopping = 0;
-                for (int x = xa; x < xb; ++x) {
+                for (int x = 0; x < w; ++x) {
                     float dx = mx - ((float)(r.x0 + x) + 0.5f);
                     float sigma = 0.5f * (a * dx * dx + c * dy * dy) + b * dx * dy;
                     float alpha = std::min(alpha_max, opacity * fast_exp(-sigma));
@@ -286,7 +269,7 @@ int splat_rasterize_fwd(int C, int D, int width, int height, int tile_size, int 
                 for (int d = 0; d < D; ++d) {
                     const float cd = s.color[d];
                     float* acc_row = &acc[(size_t)d * P + ly * w];
-                    for (int x = xa; x < xb; ++x) acc_row[x] += weight[x] * cd;
+                    for (int x = 0; x < w; ++x) acc_row[x] += weight[x] * cd;
                 }
                 n_running -= n_stopping;
                 row_running[ly] -= n_stopping;
@@ -358,17 +341,14 @@ int splat_rasterize_bwd(int C, int D, int width, int height, int tile_size, int 
             std::fill(partial.begin(), partial.end(), 0.0f);
             bool touched = false;
             for (int ly = s.ly0; ly < s.ly1; ++ly) {
-                if (row_max_last[ly] < i) continue;
-                int xa, xb;
-                row_span(s, r, ly, xa, xb);
-                if (xa >= xb) continue;
+                if (row_max_last[ly] < i || !row_reachable(s, r, ly)) continue;
                 touched = true;
                 const float dy = s.my - ((float)(r.y0 + ly) + 0.5f);
                 float* T_row = &T[ly * w];
                 const float* T_final_row = &T_final[ly * w];
                 const float* v_alpha_out_row = &v_alpha_out[ly * w];
                 const int32_t* last_row = &last[ly * w];
-                backward_row_alphas(xa, xb, (float)r.x0, dy, s, alpha_max, alpha_min, i32, T_row, T_final_row,
+                backward_row_alphas(w, (float)r.x0, dy, s, alpha_max, alpha_min, i32, T_row, T_final_row,
                                     v_alpha_out_row, last_row, dxs.data(), vis.data(), alpha_raw.data(),
                                     T_before.data(), ra.data(), fac.data(), v_alpha.data(), grad_ok.data());
                 for (int d = 0; d < D; ++d) {
@@ -376,13 +356,13 @@ int splat_rasterize_bwd(int C, int D, int width, int height, int tile_size, int 
                     const float* v_row = &v_out[(size_t)d * P + ly * w];
                     float* behind_row = &behind[(size_t)d * P + ly * w];
                     float* partial_color = &partial[(size_t)(6 + d) * w];
-                    for (int x = xa; x < xb; ++x) {
+                    for (int x = 0; x < w; ++x) {
                         v_alpha[x] += (cd * T_before[x] - behind_row[x] * ra[x]) * v_row[x];
                         partial_color[x] += fac[x] * v_row[x];
                         behind_row[x] += cd * fac[x];
                     }
                 }
-                backward_row_partials(xa, xb, w, D, dy, s, dxs.data(), vis.data(), alpha_raw.data(), v_alpha.data(),
+                backward_row_partials(w, D, dy, s, dxs.data(), vis.data(), alpha_raw.data(), v_alpha.data(),
                                       grad_ok.data(), partial.data());
             }
             if (!touched) continue;
