@@ -167,19 +167,20 @@ void backward_row_alphas(int w, float x0, float dy, const Splat& s, float alpha_
 }
 
 // Backward, one row of one gaussian, last pass: per-column partial sums of its gradients
-// (partial [K, w]: means2d x/y, conic a/b/c, opacity, D colours (filled by the colour pass), |x|, |y|).
-void backward_row_partials(int w, int D, float dy, const Splat& s, const float* __restrict dxs,
+// (partial [K, stride]: means2d x/y, conic a/b/c, opacity, D colours (filled by the colour pass),
+// |x|, |y|; columns w..stride stay 0).
+void backward_row_partials(int w, int stride, int D, float dy, const Splat& s, const float* __restrict dxs,
                            const float* __restrict vis, const float* __restrict alpha_raw,
                            const float* __restrict v_alpha, const float* __restrict grad_ok, float* partial) {
     const float a = s.a, b = s.b, c = s.c;
     float* p_x = partial;
-    float* p_y = partial + w;
-    float* p_a = partial + 2 * w;
-    float* p_b = partial + 3 * w;
-    float* p_c = partial + 4 * w;
-    float* p_opacity = partial + 5 * w;
-    float* p_abs_x = partial + (size_t)(6 + D) * w;
-    float* p_abs_y = partial + (size_t)(7 + D) * w;
+    float* p_y = partial + stride;
+    float* p_a = partial + 2 * stride;
+    float* p_b = partial + 3 * stride;
+    float* p_c = partial + 4 * stride;
+    float* p_opacity = partial + 5 * stride;
+    float* p_abs_x = partial + (size_t)(6 + D) * stride;
+    float* p_abs_y = partial + (size_t)(7 + D) * stride;
     VECTORIZE  // the p_* rows of `partial` never overlap
     for (int x = 0; x < w; ++x) {
         float v_sigma = grad_ok[x] * (-alpha_raw[x] * v_alpha[x]);
@@ -329,19 +330,22 @@ int splat_rasterize_bwd(int C, int D, int width, int height, int tile_size, int 
                 v_alpha_out[q] = v_render_alphas[pix];
             }
         }
-        // Per-row scratch, and per-column partial sums of this gaussian's gradients (summed over
-        // the columns once per gaussian: a fixed order, and the loops stay vectorisable).
+        // Per-row scratch, and per-column partial sums of this gaussian's gradients, summed over the
+        // columns once per gaussian by a fixed pairwise tree (deterministic, and it vectorises):
+        // rows of `stride` = w rounded up to a power of two, zero-padded.
         std::vector<float> dxs(w), vis(w), alpha_raw(w), T_before(w), ra(w), fac(w), v_alpha(w), grad_ok(w);
-        std::vector<float> partial((size_t)K * w);
+        int stride = 1;
+        while (stride < w) stride *= 2;
+        std::vector<float> partial((size_t)K * stride);
         for (int64_t i = std::min<int64_t>(end - 1, max_last); i >= start; --i) {
             Splat s;
             if (!make_splat(p, r, means2d, conics, colors, opacities, flatten_ids[i], s)) continue;
             const float a = s.a, b = s.b, c = s.c, mx = s.mx, opacity = s.opacity;
             const int32_t i32 = (int32_t)i;
-            std::fill(partial.begin(), partial.end(), 0.0f);
             bool touched = false;
             for (int ly = s.ly0; ly < s.ly1; ++ly) {
                 if (row_max_last[ly] < i || !row_reachable(s, r, ly)) continue;
+                if (!touched) std::fill(partial.begin(), partial.end(), 0.0f);
                 touched = true;
                 const float dy = s.my - ((float)(r.y0 + ly) + 0.5f);
                 float* T_row = &T[ly * w];
@@ -355,23 +359,25 @@ int splat_rasterize_bwd(int C, int D, int width, int height, int tile_size, int 
                     const float cd = s.color[d];
                     const float* v_row = &v_out[(size_t)d * P + ly * w];
                     float* behind_row = &behind[(size_t)d * P + ly * w];
-                    float* partial_color = &partial[(size_t)(6 + d) * w];
+                    float* partial_color = &partial[(size_t)(6 + d) * stride];
                     for (int x = 0; x < w; ++x) {
                         v_alpha[x] += (cd * T_before[x] - behind_row[x] * ra[x]) * v_row[x];
                         partial_color[x] += fac[x] * v_row[x];
                         behind_row[x] += cd * fac[x];
                     }
                 }
-                backward_row_partials(w, D, dy, s, dxs.data(), vis.data(), alpha_raw.data(), v_alpha.data(),
+                backward_row_partials(w, stride, D, dy, s, dxs.data(), vis.data(), alpha_raw.data(), v_alpha.data(),
                                       grad_ok.data(), partial.data());
             }
             if (!touched) continue;
-            float* grad = isect_grads + (size_t)i * K;
-            for (int k = 0; k < K; ++k) {
-                float sum = 0.0f;
-                for (int x = 0; x < w; ++x) sum += partial[(size_t)k * w + x];
-                grad[k] = sum;
+            for (int step = stride / 2; step >= 1; step /= 2) {
+                for (int k = 0; k < K; ++k) {
+                    float* row = &partial[(size_t)k * stride];
+                    for (int x = 0; x < step; ++x) row[x] += row[x + step];
+                }
             }
+            float* grad = isect_grads + (size_t)i * K;
+            for (int k = 0; k < K; ++k) grad[k] = partial[(size_t)k * stride];
         }
     }, 1);
     // Deterministic reduction: one pass over the intersections in their sorted order.
