@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything splat-metal needs on a fresh Linux or macOS machine: system libraries
-# (Debian/Ubuntu: libusb for ns-export's open3d import, chromium for the viewer tests, ffmpeg, which
-# ns-render requires even for image output), a virtual
+# (Debian/Ubuntu: g++ for the native CPU backend, libusb for ns-export's open3d import, chromium for
+# the viewer tests, ffmpeg, which ns-render requires even for image output; extra Debian packages
+# may be named as arguments, e.g. `bash scripts/setup.sh clang`), a virtual
 # environment in .venv (override with SPLAT_METAL_VENV) and this package with its test extras.
 # Safe to re-run: it skips what is already in place.
 set -euo pipefail
@@ -11,7 +12,7 @@ PYTHON=${PYTHON:-python3}
 
 if [ "$(uname -s)" = Linux ] && command -v apt-get >/dev/null 2>&1; then
   missing=()
-  for pkg in libusb-1.0-0 chromium chromium-driver ffmpeg; do
+  for pkg in g++ libusb-1.0-0 chromium chromium-driver ffmpeg "$@"; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
   done
   if [ ${#missing[@]} -gt 0 ]; then

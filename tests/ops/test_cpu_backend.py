@@ -233,3 +233,43 @@ def test_builds_without_march_native_when_the_compiler_rejects_it(tmp_path):
     assert res.returncode == 0 and "LOADED True" in res.stdout, res.stdout + res.stderr
     builds = [line for line in calls.read_text().splitlines() if "-shared" in line]
     assert len(builds) == 2 and "-march=native" in builds[0] and "-march=native" not in builds[1], builds
+
+
+def test_gcc_and_clang_builds_agree(tmp_path):
+    """macOS builds with Apple clang, Linux usually with g++: both builds of the native backend run
+    the same scene (forward and backward) and must agree with each other."""
+    compilers = [c for c in ("g++", "clang++") if shutil.which(c)]
+    if len(compilers) < 2:
+        pytest.skip(f"needs both g++ and clang++ (found {compilers}; scripts/test.sh installs clang on Debian)")
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        from scenes import random_scene
+        from splat_metal_method.ops import rasterization
+        from splat_metal_method.ops.cpu import build
+        assert build.load() is not None, build.unavailable_reason()
+        scene = random_scene(n=400, C=2, width=45, height=29, seed=8, sh_degree=3, backgrounds=True)
+        leaves = {k: v.clone().requires_grad_(True) for k, v in scene.tensors().items()}
+        colors, alphas, meta = rasterization(**scene.kwargs(**leaves, backend="cpu", absgrad=True))
+        (colors * torch.linspace(-1, 1, colors.numel()).view(colors.shape)).sum().add(alphas.sum()).backward()
+        out = {"colors": colors.detach(), "alphas": alphas.detach()}
+        out.update({k: v.grad for k, v in leaves.items()})
+        torch.save(out, sys.argv[1])
+        """
+    )
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    results = {}
+    for cxx in compilers:
+        env = dict(os.environ, CXX=cxx, SPLAT_METAL_CACHE_DIR=str(tmp_path / cxx))
+        env["PYTHONPATH"] = tests_dir + os.pathsep + env.get("PYTHONPATH", "")
+        out = tmp_path / f"{cxx}.pt"
+        res = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, env=env,
+                             timeout=300)  # fmt: skip
+        assert res.returncode == 0, f"{cxx}: {res.stderr[-3000:]}"
+        assert list((tmp_path / cxx / "native").glob("*.so")), f"{cxx} built nothing"
+        results[cxx] = torch.load(out)
+    first, second = (results[c] for c in compilers)
+    for k in first:
+        scale = float(first[k].abs().max())
+        err = float((first[k] - second[k]).abs().max())
+        assert err <= 1e-6 * scale + 1e-7, f"{k}: g++ and clang++ builds differ by {err:.3g} (largest {scale:.3g})"

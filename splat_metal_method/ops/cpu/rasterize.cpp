@@ -142,6 +142,7 @@ void backward_row_alphas(int w, float x0, float dy, const Splat& s, float alpha_
                          float* __restrict T_before, float* __restrict ra, float* __restrict fac,
                          float* __restrict v_alpha, float* __restrict grad_ok) {
     const float a = s.a, b = s.b, c = s.c, mx = s.mx, opacity = s.opacity;
+    VECTORIZE  // all row arrays are distinct (and __restrict)
     for (int x = 0; x < w; ++x) {
         float dx = mx - ((x0 + (float)x) + 0.5f);
         float sigma = 0.5f * (a * dx * dx + c * dy * dy) + b * dx * dy;
@@ -253,6 +254,7 @@ int splat_rasterize_fwd(int C, int D, int width, int height, int tile_size, int 
                 float* stopped_row = &stopped[ly * w];
                 int32_t* last_row = &last[ly * w];
                 int n_stopping = 0;
+                VECTORIZE  // T_row, stopped_row, last_row and weight are distinct arrays
                 for (int x = 0; x < w; ++x) {
                     float dx = mx - ((float)(r.x0 + x) + 0.5f);
                     float sigma = 0.5f * (a * dx * dx + c * dy * dy) + b * dx * dy;
@@ -340,7 +342,6 @@ int splat_rasterize_bwd(int C, int D, int width, int height, int tile_size, int 
         for (int64_t i = std::min<int64_t>(end - 1, max_last); i >= start; --i) {
             Splat s;
             if (!make_splat(p, r, means2d, conics, colors, opacities, flatten_ids[i], s)) continue;
-            const float a = s.a, b = s.b, c = s.c, mx = s.mx, opacity = s.opacity;
             const int32_t i32 = (int32_t)i;
             bool touched = false;
             for (int ly = s.ly0; ly < s.ly1; ++ly) {
@@ -360,6 +361,7 @@ int splat_rasterize_bwd(int C, int D, int width, int height, int tile_size, int 
                     const float* v_row = &v_out[(size_t)d * P + ly * w];
                     float* behind_row = &behind[(size_t)d * P + ly * w];
                     float* partial_color = &partial[(size_t)(6 + d) * stride];
+                    VECTORIZE  // distinct rows of distinct arrays
                     for (int x = 0; x < w; ++x) {
                         v_alpha[x] += (cd * T_before[x] - behind_row[x] * ra[x]) * v_row[x];
                         partial_color[x] += fac[x] * v_row[x];
