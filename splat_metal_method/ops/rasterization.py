@@ -66,7 +66,7 @@ def _cpu_backend_available(explicit: bool) -> bool:
         _warned_no_native = True
         warnings.warn(
             f"splat-metal: the fast CPU backend cannot be built ({reason}); using the 'reference' backend, "
-            f"which is 10-20x slower per step. To fix: {hint}.",
+            f"which is 10-40x slower per step. To fix: {hint}.",
             RuntimeWarning,
             stacklevel=3,
         )
