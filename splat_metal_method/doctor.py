@@ -189,7 +189,7 @@ def _native_cpu_fact() -> str:
 
     if build.load() is None:
         return f"unavailable ({build.unavailable_reason().splitlines()[0]}); CPU tensors use the reference"
-    return f"built with {build.find_compiler()} (cache {build.cache_dir()})"
+    return f"built with {build.describe()}"
 
 
 def facts(device: torch.device) -> Dict[str, str]:

@@ -227,10 +227,11 @@ def test_builds_without_march_native_when_the_compiler_rejects_it(tmp_path):
         f'exec "{real}" "$@"\n'
     )
     wrapper.chmod(0o755)
-    script = "from splat_metal_method.ops.cpu import build; print('LOADED', build.load() is not None)"
+    script = "from splat_metal_method.ops.cpu import build; print('LOADED', build.load() is not None, build.describe())"
     env = dict(os.environ, CXX=str(wrapper), SPLAT_METAL_CACHE_DIR=str(tmp_path / "cache"))
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0 and "LOADED True" in res.stdout, res.stdout + res.stderr
+    assert "portable (no -march=native)" in res.stdout, res.stdout
     builds = [line for line in calls.read_text().splitlines() if "-shared" in line]
     assert len(builds) == 2 and "-march=native" in builds[0] and "-march=native" not in builds[1], builds
 

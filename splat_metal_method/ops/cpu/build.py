@@ -77,14 +77,15 @@ def _build() -> ctypes.CDLL:
     key = hashlib.sha256("\0".join([*sources, cxx, version, _cpu_id(), *FLAGS]).encode()).hexdigest()[:24]
     d = cache_dir()
     d.mkdir(parents=True, exist_ok=True)
-    so = d / f"splat-cpu-{key}.so"
-    if not so.exists():
-        res = _compile(cxx, FLAGS + NATIVE_FLAGS, so)
-        if res.returncode != 0:
-            res = _compile(cxx, FLAGS, so)
-        if res.returncode != 0:
-            names = ", ".join(f.name for f in SOURCES)
-            raise RuntimeError(f"{cxx} failed to build {names}:\n{res.stderr.strip()[-2000:]}")
+    native, portable = d / f"splat-cpu-{key}-native.so", d / f"splat-cpu-{key}-portable.so"
+    if not native.exists() and not portable.exists():
+        if _compile(cxx, FLAGS + NATIVE_FLAGS, native).returncode != 0:
+            res = _compile(cxx, FLAGS, portable)
+            if res.returncode != 0:
+                names = ", ".join(f.name for f in SOURCES)
+                raise RuntimeError(f"{cxx} failed to build {names}:\n{res.stderr.strip()[-2000:]}")
+    so = native if native.exists() else portable
+    _state["built"] = f"{cxx}, {'-march=native' if so is native else 'portable (no -march=native)'}, {so}"
     lib = ctypes.CDLL(str(so))
     i32, i64, f32, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     head = [i32] * 7 + [i64, f32, f32, f32]  # C, D, width, height, tile_size, tile_w, tile_h, M, constants
@@ -118,6 +119,11 @@ def load() -> Optional[ctypes.CDLL]:
 def unavailable_reason() -> str:
     load()
     return _state.get("reason", "")
+
+
+def describe() -> str:
+    """How the loaded library was built (compiler, flags, path), or why there is none."""
+    return _state.get("built", "") if load() is not None else f"unavailable: {unavailable_reason()}"
 
 
 def reset() -> None:
