@@ -9,45 +9,28 @@ holds out 2), 10-12 training steps. Tests check rendering and tooling, not quali
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import pytest
 import torch
+from cli_helpers import cli_env, demo_args, executable  # noqa: F401 (demo_args is part of this module's API)
 
 REPO = Path(__file__).resolve().parents[1]
 WIDTH, HEIGHT, VIEWS, SEED = 64, 48, 20, 0
 # The eval split nerfstudio's dataparser makes for VIEWS views (see demo_scene.eval_indices).
 N_EVAL = 2
 
-_RUN_ENV_DROP = ("SPLAT_METAL_RENDER_DEVICE", "SPLAT_METAL_RENDER_LOG", "SPLAT_METAL_BACKEND")
-
-
-def demo_args() -> List[str]:
-    """configs/demo.args as ns-train arguments."""
-    lines = (REPO / "configs" / "demo.args").read_text().splitlines()
-    return [tok for line in lines if line.strip() and not line.lstrip().startswith("#") for tok in line.split()]
-
 
 def tool(name: str) -> str:
     """Path of a nerfstudio console script (ns-train, ...) of this interpreter's environment."""
-    candidate = Path(sys.executable).parent / name
-    found = str(candidate) if candidate.exists() else shutil.which(name)
-    if found is None:
-        pytest.fail(f"{name} not found next to {sys.executable} or on PATH: install nerfstudio (scripts/setup.sh)")
-    return found
+    return executable(name)
 
 
 def tool_env(**extra: str) -> Dict[str, str]:
     """The environment the tools run in: offline, unbuffered, no splat-metal overrides unless given."""
-    env = {k: v for k, v in os.environ.items() if k not in _RUN_ENV_DROP}
-    env.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
+    return cli_env(extra=extra)
 
 
 def run_tool(args: Sequence[str], log_dir: Path, name: str, timeout: float = 600, env=None) -> str:
