@@ -49,6 +49,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Type
@@ -291,13 +292,62 @@ def resume_command(argv: Sequence[str], load_dir: Path, steps: int) -> str:
     return shlex.join([prog, *args, "--load-dir", str(load_dir), "--max-num-iterations", str(steps)])
 
 
+class TurnTakingLock:
+    """A lock that one thread cannot monopolise. nerfstudio's training loop releases train_lock and
+    takes it again at once, every step, while the viewer's render thread waits for the same lock; a
+    plain Lock lets the releasing thread win again and again, and with a fast step (the native CPU
+    backend) a browser waited minutes for its first frame. Here a thread that wants the lock back
+    while another thread waits for it first gives the waiter up to 50 ms to take its turn."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = threading.Lock()
+        self._waiting = 0
+        self._last_owner: Optional[int] = None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        me = threading.get_ident()
+        if blocking and self._last_owner == me:
+            for _ in range(50):
+                if not self._waiting:
+                    break
+                time.sleep(0.001)
+        with self._count:
+            self._waiting += 1
+        try:
+            got = self._lock.acquire(blocking, timeout)
+        finally:
+            with self._count:
+                self._waiting -= 1
+        if got:
+            self._last_owner = me
+        return got
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class SplatMetalTrainer(Trainer):
-    """nerfstudio's Trainer with atomic checkpoints and a clean stop on Ctrl-C, SIGTERM and NaN/Inf."""
+    """nerfstudio's Trainer with atomic checkpoints, a clean stop on Ctrl-C, SIGTERM and NaN/Inf, and a
+    train_lock the viewer gets its turn at (TurnTakingLock)."""
 
     _stop_signal: Optional[int] = None  # the signal that asked training to stop, once one has
     _last_done_step: Optional[int] = None  # last step whose callbacks (densification included) ran
     _cut_short: bool = False  # the loop ended early on a signal (then the exit status is 130)
     _saved_steps: set
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.train_lock = TurnTakingLock()  # before setup() hands it to the viewer
 
     def setup(self, test_mode: Literal["test", "val", "inference"] = "val") -> None:
         try:

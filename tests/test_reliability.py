@@ -316,3 +316,38 @@ def test_first_signal_asks_to_stop_second_stops_at_once():
     assert trainer.stop_training and trainer._stop_signal == signal.SIGINT
     with pytest.raises(KeyboardInterrupt):
         handler(signal.SIGINT, None)
+
+
+def _turn_order(lock) -> list:
+    """The training thread (here: this one) releases the lock and takes it straight back while a
+    render thread waits for it: who gets it first?"""
+    import threading
+    import time
+
+    order = []
+
+    def render():
+        with lock:
+            order.append("render")
+
+    lock.acquire()
+    thread = threading.Thread(target=render)
+    thread.start()
+    time.sleep(0.2)  # the render thread is now blocked on the lock
+    lock.release()
+    with lock:  # nerfstudio's next training step
+        order.append("train")
+    thread.join()
+    return order
+
+
+def test_train_lock_gives_a_waiting_render_its_turn():
+    """nerfstudio's training loop re-takes train_lock right after releasing it; with a plain Lock the
+    releasing thread usually wins again, and with fast steps a browser waited minutes for a frame."""
+    import threading
+
+    from splat_metal_method.reliability import TurnTakingLock
+
+    assert [_turn_order(TurnTakingLock()) for _ in range(5)] == [["render", "train"]] * 5
+    plain = [_turn_order(threading.Lock()) for _ in range(5)]
+    print("plain Lock turn orders:", plain)  # shows the problem the TurnTakingLock fixes
