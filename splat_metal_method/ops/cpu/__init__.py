@@ -50,7 +50,7 @@ PARALLEL_MIN_NS = 1_000_000
 # Rough single-thread cost of one work item, in nanoseconds (a pixel slot: one of the tile_size^2
 # pixels of an intersection's tile, most of which a gaussian does not reach).
 NS_PER_PIXEL_SLOT = 0.5
-NS_PER_PROJECTION, NS_PER_SH_ROW, NS_PER_INTERSECTION = 150, 60, 30
+NS_PER_PROJECTION, NS_PER_SH_ROW, NS_PER_GAUSSIAN_TO_TILES = 150, 60, 30
 
 
 def _threads(work_ns: float) -> int:
@@ -183,7 +183,7 @@ def isect_tiles(
     means2d, radii = means2d.detach().contiguous(), radii.int().contiguous()
     depths = depths.detach().float().contiguous()
     tiles_per_gauss = torch.empty(C, N, dtype=torch.int32)  # [C, N]
-    threads = _threads(C * N * NS_PER_INTERSECTION)
+    threads = _threads(C * N * NS_PER_GAUSSIAN_TO_TILES)
     M = lib.splat_isect_count(C * N, tile_size, tile_width, tile_height, _ptr(means2d), _ptr(radii),
                               _ptr(tiles_per_gauss), threads)  # fmt: skip
     isect_ids = torch.empty(M, dtype=torch.int64)  # [M]

@@ -124,9 +124,3 @@ def unavailable_reason() -> str:
 def describe() -> str:
     """How the loaded library was built (compiler, flags, path), or why there is none."""
     return _state.get("built", "") if load() is not None else f"unavailable: {unavailable_reason()}"
-
-
-def reset() -> None:
-    """Forget the loaded library (tests use it to re-run the build with another $CXX)."""
-    with _lock:
-        _state.clear()
