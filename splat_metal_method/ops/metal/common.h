@@ -31,6 +31,14 @@ using namespace metal;
 // Threads of one rasterization threadgroup: one per pixel of a tile.
 #define SPLAT_TILE_PIXELS (SPLAT_TILE_SIZE * SPLAT_TILE_SIZE)
 
+// Every kernel declares [[max_total_threads_per_threadgroup(N)]] with N = the group size its host
+// code dispatches: SPLAT_TILE_PIXELS (rasterizer), SPLAT_RADIX_THREADS (sort),
+// SPLAT_PROJECT_BWD_GROUP (projection backward) or SPLAT_GROUP_1D (one thread per item), so the
+// compiler keeps register use low enough for that many threads.
+#ifndef SPLAT_GROUP_1D
+#error "SPLAT_GROUP_1D must be injected by kernels.py"
+#endif
+
 // Radix sort geometry (sort.metal): RADIX_BITS per pass, RADIX_THREADS threads per group, each owning
 // a contiguous run of RADIX_KEYS_PER_THREAD keys. Defined in kernels.py (RADIX_*) and injected.
 #if !defined(SPLAT_RADIX_BITS) || !defined(SPLAT_RADIX_THREADS) || !defined(SPLAT_RADIX_KEYS_PER_THREAD)

@@ -27,6 +27,7 @@ inline void tile_rect(float mx, float my, int radius, long tile_size, long tile_
 
 // isect_count: one thread per (camera, gaussian), idx < C*N. Independent threads, no barriers.
 // Invariant: tiles_per_gauss is 0 iff radius <= 0 or the rectangle is empty; <= tile_width*tile_height.
+[[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void isect_count(
     const device float* means2d [[buffer(0)]],   // [C*N, 2]
     const device int* radii [[buffer(1)]],       // [C*N]
@@ -53,6 +54,7 @@ kernel void isect_count(
 // [cum[p] - count, cum[p]) where count = tiles_per_gauss[order[p]]: disjoint ranges, no races, no
 // barriers. Keys are (camera << tile_bits | tile_id) as uint32 (the host checks they fit), values the
 // flat gaussian index camera*N + n. Work per thread is bounded by tile_width*tile_height.
+[[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void isect_emit(
     const device float* means2d [[buffer(0)]],        // [C*N, 2]
     const device int* radii [[buffer(1)]],            // [C*N]
@@ -91,6 +93,7 @@ kernel void isect_emit(
 
 // isect_finalize: one thread per intersection i < M. isect_ids[i] = key << 32 | bits(depth), the
 // depth bits zero-extended (as the reference's `& 0xFFFFFFFF`). Independent threads.
+[[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void isect_finalize(
     const device uint* tile_keys [[buffer(0)]],   // [M] sorted
     const device uint* flat_ids [[buffer(1)]],    // [M] sorted alongside
@@ -113,6 +116,7 @@ kernel void isect_finalize(
 // dense = camera * n_tiles + tile; the last thread also writes M for every t > dense(M-1). Each t is
 // written by exactly one thread because dense() is non-decreasing: no races, no barriers. A thread's
 // loop length is the number of empty tiles before its tile (bounded by C * n_tiles in total).
+[[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void isect_offsets(
     const device long* isect_ids [[buffer(0)]],  // [M] sorted
     device int* offsets [[buffer(1)]],           // [C * n_tiles]

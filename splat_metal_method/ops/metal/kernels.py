@@ -36,6 +36,7 @@ def _base_defines(tile_size: int) -> dict:
         "SPLAT_RADIX_BITS": RADIX_BITS,
         "SPLAT_RADIX_THREADS": RADIX_THREADS,
         "SPLAT_RADIX_KEYS_PER_THREAD": RADIX_KEYS_PER_THREAD,
+        "SPLAT_GROUP_1D": GROUP_1D,
     }
 
 

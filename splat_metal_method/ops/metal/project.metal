@@ -15,6 +15,7 @@
 //     its 3-sigma square touches the image; radius = ceil(3 sqrt(b + sqrt(max(b^2 - det, 0.01)))).
 // Bounds: idx < C*N < 2^32 (checked on the host); compensations is written only if calc_comp != 0
 // (otherwise the host passes a 1-element placeholder).
+[[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void project_fwd(
     const device float* means [[buffer(0)]],     // [N, 3]
     const device float* quats [[buffer(1)]],     // [N, 4] wxyz

@@ -56,6 +56,7 @@ inline void mat3_mul_at(thread const float* a, thread const float* b, thread flo
 #error "SPLAT_PROJECT_BWD_GROUP (threads per group, a multiple of 32) must be injected by project_bwd.py"
 #endif
 #define PROJECT_BWD_SIMDGROUPS (SPLAT_PROJECT_BWD_GROUP / 32)
+[[max_total_threads_per_threadgroup(SPLAT_PROJECT_BWD_GROUP)]]
 kernel void project_bwd(
     const device float* means [[buffer(0)]],       // [N, 3]
     const device float* quats [[buffer(1)]],       // [N, 4] wxyz

@@ -37,6 +37,7 @@
 // (the transmittance after the earlier chunks) and stopped_in instead of T = 1, and the final pass
 // also writes pixel_done (then [C, H, W]), the stop state the next chunk resumes from.
 // Threadgroup memory: TILE_PIXELS * (4 + 8 + 16) + 32 * 4 bytes = 7.3 KB for 16x16 tiles.
+[[max_total_threads_per_threadgroup(SPLAT_TILE_PIXELS)]]
 kernel void rasterize_fwd(
     const device float* means2d [[buffer(0)]],       // [C*N, 2]
     const device float* conics [[buffer(1)]],        // [C*N, 3]

@@ -56,6 +56,7 @@
 // threads tid < batch_size load gaussian (batch_end - 1 - tid) into slot tid, so slot 0 is the
 // furthest back; barrier; each simdgroup walks the slots in order.
 // Threadgroup memory: BATCH * (4 + 8 + 16 + 4 D) bytes = 10 KB for 16x16 tiles and D = 3.
+[[max_total_threads_per_threadgroup(SPLAT_TILE_PIXELS)]]
 kernel void rasterize_bwd(
     const device float* means2d [[buffer(0)]],          // [C*N, 2]
     const device float* conics [[buffer(1)]],           // [C*N, 3]

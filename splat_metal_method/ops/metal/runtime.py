@@ -41,13 +41,29 @@ def metal_available() -> bool:
     return torch.backends.mps.is_available() and hasattr(torch.mps, "compile_shader")
 
 
+def _line_name(path: Path) -> str:
+    """The file name a `#line` directive gives `path`, as ASCII C string-literal content: files of this
+    package by their path in it (splat_metal_method/ops/metal/x.metal, the same on every machine),
+    others by their absolute path with `\\`, `"` and non-ASCII bytes written as octal escapes."""
+    try:
+        return "splat_metal_method/ops/metal/" + path.relative_to(KERNEL_DIR).as_posix()
+    except ValueError:
+        pass
+    return "".join(
+        chr(b) if 32 <= b < 127 and b not in b'"\\' else f"\\{b:03o}" for b in path.as_posix().encode()
+    )
+
+
 def load_source(*metal_files: str | os.PathLike, defines: dict[str, object] | None = None) -> str:
     """Concatenate kernel files (shared header first, then stage files) into one source.
 
-    Relative paths are taken from this directory. Each file is preceded by `#line 1 "<path>"`, so
+    Relative paths are taken from this directory. Each file is preceded by `#line 1 "<name>"`, so
     errors from Apple's compiler or the emulator's g++ name the original .metal file and line.
     `defines` (e.g. constants shared with Python such as TILE_SIZE) become `#define NAME value`
     lines at the top; floats are written with an `f` suffix so they stay float in MSL.
+
+    The result is ASCII whatever the install path: torch.mps.compile_shader builds its source
+    string as ASCII, so a path under /Users/José/ in a `#line` would fail the whole library.
     """
     parts = []
     if defines:
@@ -60,7 +76,7 @@ def load_source(*metal_files: str | os.PathLike, defines: dict[str, object] | No
         if not p.is_absolute():
             p = KERNEL_DIR / p
         text = p.read_text()
-        parts.append(f'#line 1 "{p}"\n{text}')
+        parts.append(f'#line 1 "{_line_name(p)}"\n{text}')
         if not text.endswith("\n"):
             parts.append("\n")
     return "".join(parts)

@@ -12,6 +12,7 @@
 //   * masked-out entries (has_masks != 0 and masks[idx] == 0) get exactly 0; no +0.5 offset (the
 //     public API adds it).
 // Bounds: coefficient reads stay inside coeffs[idx, 0:(degree+1)^2, 0:3] because K >= (degree+1)^2.
+[[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void sh_fwd(
     const device float* dirs [[buffer(0)]],     // [C*N, 3] unnormalised
     const device float* coeffs [[buffer(1)]],   // [C*N, K, 3]

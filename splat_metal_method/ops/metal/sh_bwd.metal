@@ -15,6 +15,7 @@
 //     with d/dn the plain partial derivatives of the basis polynomials in (x, y, z), as autograd
 //     takes them, and normalise_vjp(g) = (g - n (n . g)) / |d| for |d| > 1e-12, g / 1e-12 below
 //     (F.normalize's clamp).
+[[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void sh_bwd(
     const device float* dirs [[buffer(0)]],       // [C*N, 3] unnormalised
     const device float* coeffs [[buffer(1)]],     // [C*N, K, 3]

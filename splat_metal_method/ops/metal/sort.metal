@@ -26,6 +26,7 @@
 // whole groups; keys at index >= n are skipped, never read). Threadgroup memory: BINS*THREADS uints.
 // Each thread writes only its own column of `counts` before the barrier; after it, threads
 // 0..BINS-1 each sum one digit's row. Every thread reaches the single barrier.
+[[max_total_threads_per_threadgroup(SPLAT_RADIX_THREADS)]]
 kernel void radix_hist(
     const device uint* keys [[buffer(0)]],       // [n]
     device int* block_hist [[buffer(1)]],        // [BINS, n_blocks]
@@ -67,6 +68,7 @@ kernel void radix_hist(
 //      bin_offsets[digit, block] + seg prefix + column prefix, bumping its own column slot.
 // Output positions are a permutation of [0, n): bin_offsets come from the exclusive scan of all
 // blocks' histograms, and inside a block the ranks of one digit are 0..count-1.
+[[max_total_threads_per_threadgroup(SPLAT_RADIX_THREADS)]]
 kernel void radix_scatter(
     const device uint* keys_in [[buffer(0)]],       // [n]
     const device uint* vals_in [[buffer(1)]],       // [n]
