@@ -51,11 +51,16 @@ inline void mat3_mul_at(thread const float* a, thread const float* b, thread flo
 //   mean_c = R m + t, covc = R cov R^T       -> v_m = R^T v_mc, v_R = v_mc m^T + v_covc R cov^T + v_covc^T R cov
 //   cov = M M^T, M = Rq(q/|q|) diag(s)       -> v_M = (v_cov + v_cov^T) M, then rotation-matrix and
 //                                               normalisation vjps.
-// Threadgroup memory: (GROUP / 32) * 16 * 4 = 512 bytes for 256 threads.
+// The cross-simdgroup sum reads simdgroups_per_threadgroup partial rows: Apple GPUs run 32-wide
+// simdgroups (8 rows for 256 threads), but nothing here assumes it; s_part has room for simdgroups
+// as narrow as 8 lanes (2 KB for 256 threads).
 #ifndef SPLAT_PROJECT_BWD_GROUP
 #error "SPLAT_PROJECT_BWD_GROUP (threads per group, a multiple of 32) must be injected by project_bwd.py"
 #endif
-#define PROJECT_BWD_SIMDGROUPS (SPLAT_PROJECT_BWD_GROUP / 32)
+#if SPLAT_PROJECT_BWD_GROUP % 32 != 0 || SPLAT_PROJECT_BWD_GROUP < 32
+#error "SPLAT_PROJECT_BWD_GROUP must be a positive multiple of 32"
+#endif
+#define PROJECT_BWD_MAX_SIMDGROUPS (SPLAT_PROJECT_BWD_GROUP / 8)
 [[max_total_threads_per_threadgroup(SPLAT_PROJECT_BWD_GROUP)]]
 kernel void project_bwd(
     const device float* means [[buffer(0)]],       // [N, 3]
@@ -83,8 +88,9 @@ kernel void project_bwd(
     uint2 tgp [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
-    uint sgid [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float s_part[PROJECT_BWD_SIMDGROUPS * 16];
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint n_sg [[simdgroups_per_threadgroup]]) {
+  threadgroup float s_part[PROJECT_BWD_MAX_SIMDGROUPS * 16];
 
   const long g = (long)gpos.x;
   const long cam = (long)gpos.y;
@@ -308,7 +314,7 @@ kernel void project_bwd(
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (tid < 16) {
       float total = 0.0f;
-      for (int sg = 0; sg < PROJECT_BWD_SIMDGROUPS; ++sg) {
+      for (uint sg = 0; sg < n_sg && sg < PROJECT_BWD_MAX_SIMDGROUPS; ++sg) {
         total += s_part[sg * 16 + tid];
       }
       v_camera_part[(cam * n_groups + (long)tgp.x) * 16 + tid] = total;

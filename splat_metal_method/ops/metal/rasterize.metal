@@ -36,7 +36,8 @@
 // Resuming a depth chunk (has_resume != 0, ops/chunked.py): pass 0 starts each pixel from trans_in
 // (the transmittance after the earlier chunks) and stopped_in instead of T = 1, and the final pass
 // also writes pixel_done (then [C, H, W]), the stop state the next chunk resumes from.
-// Threadgroup memory: TILE_PIXELS * (4 + 8 + 16) + 32 * 4 bytes = 7.3 KB for 16x16 tiles.
+// Threadgroup memory: TILE_PIXELS * (4 + 8 + 16 + 4 / 8) bytes = 7.3 KB for 16x16 tiles. Nothing
+// assumes 32-wide simdgroups (Apple's width) or full ones: tiles of 1 to 32 pixels a side.
 [[max_total_threads_per_threadgroup(SPLAT_TILE_PIXELS)]]
 kernel void rasterize_fwd(
     const device float* means2d [[buffer(0)]],       // [C*N, 2]
@@ -72,7 +73,7 @@ kernel void rasterize_fwd(
   threadgroup int s_ids[SPLAT_TILE_PIXELS];
   threadgroup float2 s_xy[SPLAT_TILE_PIXELS];
   threadgroup float4 s_conic_opac[SPLAT_TILE_PIXELS];
-  threadgroup int s_sg_done[32];
+  threadgroup int s_sg_done[(SPLAT_TILE_PIXELS + 7) / 8];  // one per simdgroup (room for 8-wide ones)
 
   const long cam = (long)tgp.z;
   const long tile_flat = (cam * tile_height + (long)tgp.y) * tile_width + (long)tgp.x;
@@ -115,13 +116,13 @@ kernel void rasterize_fwd(
   for (long batch_start = lo; batch_start < hi; batch_start += SPLAT_TILE_PIXELS) {
     // A. publish per-simdgroup completion
     const bool sg_all_done = simd_all(done);
-    if (lane == 0) {
+    if (lane == 0 && sgid < (SPLAT_TILE_PIXELS + 7) / 8) {
       s_sg_done[sgid] = sg_all_done ? 1 : 0;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // B. uniform stop decision, then cooperative load
     bool all_done = true;
-    for (uint s = 0; s < n_sg; ++s) {
+    for (uint s = 0; s < n_sg && s < (SPLAT_TILE_PIXELS + 7) / 8; ++s) {
       all_done = all_done && (s_sg_done[s] != 0);
     }
     if (all_done) {

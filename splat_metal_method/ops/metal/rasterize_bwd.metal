@@ -20,7 +20,7 @@
 
 // Colour gradients are reduced four channels at a time (simd_sum of a float4).
 #define SPLAT_COLOR_VEC4 ((SPLAT_CHANNELS + 3) / 4)
-// Per gaussian and simdgroup, the reduced values are scattered to device memory by lane q:
+// Per gaussian and simdgroup, the reduced quantities q scattered to device memory:
 //   q = 0,1,2: conic; 3: opacity; 4,5: means2d; 6,7: |means2d| (absgrad); 8 + k: colour channel k.
 #define SPLAT_BWD_QUANTITIES (8 + SPLAT_CHANNELS)
 
@@ -41,9 +41,14 @@
 //   v_mean = v_sigma (a dx + b dy, b dx + c dy), v_opacity = exp(-sigma) v_alpha.
 // absgrad accumulates |v_mean| per pixel before summing, as gsplat does.
 //
-// Reduction: per gaussian, every simdgroup sums its 32 pixels' contributions with simd_sum over float4s
-// (3 + ceil(D/4) reductions), then lanes q < 8 + D each issue ONE device atomic add for quantity q, so
-// a gaussian costs at most (simdgroups per tile) atomics per output element and tile. A simdgroup skips
+// Reduction: per gaussian, every simdgroup sums its pixels' contributions with simd_sum over float4s
+// (3 + ceil(D/4) reductions), then its lanes share the 8 + D quantities round-robin (the lane of rank
+// r among the simdgroup's live lanes scatters q = r, r + lanes, ...), each with ONE device atomic add,
+// so a gaussian costs at most (simdgroups per tile) atomics per output element and tile. No geometry
+// is assumed: a simdgroup may have fewer than 32 live lanes (tiles of 1..5 pixels a side, or the last
+// simdgroup of a tile whose pixel count is not a multiple of 32, e.g. 12x12 = 4.5 simdgroups), and
+// 8 + D may exceed the lane count (D up to MAX_CHANNELS = 64). The rank and count come from simd
+// prefix sums, so they also hold if a GPU formed simdgroups other than from consecutive thread indices. A simdgroup skips
 // gaussians behind all of its pixels' last contributors (simd_max of last_ids) and gaussians that
 // touch none of its pixels (simd_any), like gsplat's warp-level skips.
 //
@@ -88,8 +93,7 @@ kernel void rasterize_bwd(
     constant long& chunk [[buffer(27)]],
     uint3 tgp [[threadgroup_position_in_grid]],
     uint3 lid [[thread_position_in_threadgroup]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
+    uint tid [[thread_index_in_threadgroup]]) {
   threadgroup int s_ids[SPLAT_BWD_BATCH];
   threadgroup float2 s_xy[SPLAT_BWD_BATCH];
   threadgroup float4 s_conic_opac[SPLAT_BWD_BATCH];
@@ -144,6 +148,9 @@ kernel void rasterize_bwd(
   }
   // Gaussians behind every pixel of this simdgroup are skipped without touching memory.
   const long sg_bin_final = (long)simd_max((int)bin_final);
+  // This lane's rank among the simdgroup's live lanes, and their count (every thread is live here).
+  const int sg_rank = (int)simd_prefix_exclusive_sum(1u);
+  const int sg_lanes = (int)simd_sum(1u);
 
   for (long batch_end = hi; batch_end > lo; batch_end -= SPLAT_BWD_BATCH) {
     const long batch_lo = (batch_end - SPLAT_BWD_BATCH > lo) ? batch_end - SPLAT_BWD_BATCH : lo;
@@ -210,9 +217,9 @@ kernel void rasterize_bwd(
       for (int q = 0; q < SPLAT_COLOR_VEC4; ++q) {
         g_rgb[q] = simd_sum(g_rgb[q]);
       }
-      // Every lane now holds the simdgroup's sums; lane q scatters quantity q.
+      // Every lane now holds the simdgroup's sums; the quantities are shared out by lane rank.
       const long g = (long)s_ids[t];
-      for (int q = (int)lane; q < SPLAT_BWD_QUANTITIES; q += 32) {
+      for (int q = sg_rank; q < SPLAT_BWD_QUANTITIES; q += sg_lanes) {
         if (q < 4) {
           if (q < 3) {
             atomic_fetch_add_explicit(&v_conics[3 * g + q], g_conic_opac[q], memory_order_relaxed);
