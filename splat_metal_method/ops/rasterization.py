@@ -117,9 +117,16 @@ def backend_module(name: str) -> ModuleType:
     raise BackendUnavailable(f"no stage module for backend {name!r}")
 
 
-def _check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds):
+MAX_TILE_SIZE = 32  # one thread per pixel of a tile: at most 1024 per threadgroup/block (Metal, gsplat)
+
+
+def _check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds,
+                  tile_size):  # fmt: skip
     def fail(msg):
         raise ValueError(f"[rasterization] {msg}")
+
+    if isinstance(tile_size, bool) or not isinstance(tile_size, int) or not 1 <= tile_size <= MAX_TILE_SIZE:
+        fail(f"tile_size must be an int in 1..{MAX_TILE_SIZE} (one thread per pixel of a tile), got {tile_size!r}")
 
     N = means.shape[0] if means.dim() == 2 else -1
     if means.dim() != 2 or means.shape[1] != 3:
@@ -181,7 +188,8 @@ def rasterization(
     ``max_intersections`` (not a gsplat argument): when the render's tile intersections exceed it,
     it is rasterized in depth chunks with the same result (ops/chunked.py); meta then has
     ``depth_chunks`` > 1 and no isect_ids/flatten_ids/isect_offsets. Ignored by backend "gsplat"."""
-    _check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds)
+    _check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds,
+                  tile_size)  # fmt: skip
     if rasterize_mode not in ("classic", "antialiased"):
         raise ValueError(f"[rasterization] rasterize_mode must be 'classic' or 'antialiased', got {rasterize_mode!r}")
     name = resolve_backend(backend, means.device)

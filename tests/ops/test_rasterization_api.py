@@ -101,6 +101,9 @@ def _bad_inputs():
         ("rasterize_mode", s.kwargs(rasterize_mode="fancy")),
         ("packed", s.kwargs(packed=True)),
         ("colors", s.kwargs(colors=torch.rand(N + 1, 3))),
+        ("tile_size", s.kwargs(tile_size=0)),
+        ("tile_size", s.kwargs(tile_size=33)),
+        ("tile_size", s.kwargs(tile_size=16.0)),
     ]
 
 
