@@ -12,6 +12,7 @@ over the plateau. Training stops at ``--steps`` or after ``--max-minutes``, whic
     python benchmarks/bench_memory.py                          # cpu, stops after 10 minutes
     python benchmarks/bench_memory.py --device cuda --hooks on  # on an NVIDIA GPU
     python benchmarks/bench_memory.py --device cuda --hooks off
+    python benchmarks/bench_memory.py --device cuda --no-seed-points --json summary.json  # without open3d
 
 Writes benchmarks/results/memory_<device>_hooks-<on|off>_<time>.csv and .png (git-ignored) and
 prints a summary (machine, steps, seconds per step, count and memory at plateau start/end, growth).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import json
 import platform
 import sys
 import tempfile
@@ -57,6 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--height", type=int, default=32)
     p.add_argument("--views", type=int, default=16)
     p.add_argument("--data", type=Path, default=None, help="existing scene (default: generate the demo scene)")
+    p.add_argument("--no-seed-points", action="store_true",
+                   help="splatfacto's random initialisation (nerfstudio reads seed points with open3d)")
+    p.add_argument("--json", type=Path, default=None, help="also write the summary to this JSON file")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     return p.parse_args(argv)
 
@@ -67,6 +72,7 @@ def build_trainer(args, data: Path, workdir: Path):
     cfg = splat_metal_trainer_config()
     cfg.machine.device_type = args.device
     cfg.pipeline.datamanager.data = data
+    cfg.pipeline.datamanager.dataparser.load_3D_points = not args.no_seed_points
     cfg.output_dir = workdir / "outputs"
     cfg.max_num_iterations = args.steps
     cfg.steps_per_save = 10**9  # the final checkpoint only
@@ -209,8 +215,14 @@ def main(argv=None) -> int:
     print(f"device {args.device}, backend {args.backend}, hooks {args.hooks}, {steps_done} steps in {seconds:.0f} s "
           f"({seconds / max(steps_done, 1):.3f} s/step), {len(model.memory.releases)} cache releases")  # fmt: skip
     counts = [r["gaussians"] for r in rows if r["step"] >= plateau]
+    summary = {"device": args.device, "backend": args.backend, "hooks": args.hooks, "steps": steps_done,
+               "seconds": round(seconds, 1), "s_per_step": round(seconds / max(steps_done, 1), 4),
+               "cache_releases": len(model.memory.releases), "max_gaussians": max((r["gaussians"] for r in rows), default=0),
+               "csv": str(stem.with_suffix(".csv")), "plateau_from_step": plateau, "growth": {}}  # fmt: skip
     if len(counts) < 10:
         print(f"the run ended before the plateau had 10 samples (plateau from step {plateau}); no verdict")
+        if args.json:
+            args.json.write_text(json.dumps({**summary, "verdict": None}, indent=1))
         return 2
     print(
         f"gaussians: max {max(r['gaussians'] for r in rows)}, on the plateau {min(counts)}..{max(counts)} "
@@ -223,10 +235,14 @@ def main(argv=None) -> int:
             continue
         ok = g[2] <= GROWTH_LIMIT
         verdict &= ok if key in ("rss_mb", "allocated_mb") else True
+        summary["growth"][key] = {"plateau_start_mb": round(g[0], 1), "plateau_end_mb": round(g[1], 1),
+                                  "growth": round(g[2], 4), "trend": round(trend(rows, key, plateau), 4)}  # fmt: skip
         print(f"{key:>13}: plateau start {g[0]:8.1f} MiB, end {g[1]:8.1f} MiB, growth {100 * g[2]:+.2f}% "
               f"({'ok' if ok else 'OVER'} the {100 * GROWTH_LIMIT:.0f}% limit), "
               f"trend {100 * trend(rows, key, plateau):+.2f}% over the plateau")  # fmt: skip
     print(f"wrote {stem.with_suffix('.csv')}" + (f" and {stem.with_suffix('.png')}" if plotted else ""))
+    if args.json:
+        args.json.write_text(json.dumps({**summary, "verdict": bool(verdict)}, indent=1))
     return 0 if verdict else 1
 
 

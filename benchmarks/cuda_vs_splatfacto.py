@@ -2,6 +2,7 @@
 
     python benchmarks/cuda_vs_splatfacto.py                      # the bundled demo scene
     python benchmarks/cuda_vs_splatfacto.py --data path/to/scene --steps 300
+    python benchmarks/cuda_vs_splatfacto.py --no-seed-points --json result.json   # without open3d
 
 Builds both nerfstudio pipelines (Trainer.setup's pipeline, optimizers and callbacks) on the same
 scene with the same seed and runs exactly Trainer.train_iteration's step on each, alternating
@@ -9,11 +10,14 @@ blocks of steps so machine noise hits both alike. Prints the median step time of
 ratio (target <= 1.02), each method's peak CUDA memory above what was allocated when its block
 began, and the gaussian counts; then checks reference-vs-gsplat parity on CUDA with the doctor's
 full-op check. Needs a CUDA GPU; exits 2 with a clear message otherwise, 1 on a parity mismatch.
+``--no-seed-points`` starts both from splatfacto's random initialisation (nerfstudio reads the seed
+points with open3d); ``--json`` also writes the numbers to a file.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -27,13 +31,14 @@ sys.path.insert(0, str(ROOT / "tests"))  # the shared in-process pipeline helper
 from pipelines import setup_pipeline, train_step  # noqa: E402
 
 
-def build(method: str, data: Path, seed: int):
+def build(method: str, data: Path, seed: int, seed_points: bool = True):
     from nerfstudio.configs.method_configs import all_methods
 
     cfg = all_methods[method]
     cfg.machine.device_type = "cuda"
     cfg.machine.seed = seed
     cfg.pipeline.datamanager.data = data
+    cfg.pipeline.datamanager.dataparser.load_3D_points = seed_points
     cfg.pipeline.model.num_downscales = 0
     cfg.pipeline.model.background_color = "white"  # "random" would make the two runs differ
     return setup_pipeline(cfg, "cuda", seed)
@@ -60,6 +65,8 @@ def main() -> int:
     parser.add_argument("--data", type=Path, default=None, help="a nerfstudio scene (default: the demo scene)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--block", type=int, default=25)
+    parser.add_argument("--no-seed-points", action="store_true", help="random initialisation (no open3d needed)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("cuda_vs_splatfacto: needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -70,7 +77,7 @@ def main() -> int:
         if data is None:
             data = Path(tmp) / "demo"
             subprocess.run([sys.executable, "-m", "splat_metal_method.demo_scene", "--out", str(data)], check=True)
-        runs = {m: build(m, data, seed=0) for m in ("splatfacto", "splat-metal")}
+        runs = {m: build(m, data, seed=0, seed_points=not args.no_seed_points) for m in ("splatfacto", "splat-metal")}
         times = {m: [] for m in runs}
         peaks = {m: [] for m in runs}
         for start in range(0, args.steps, args.block):
@@ -92,6 +99,16 @@ def main() -> int:
     for c in checks:
         verdict = "ok" if c.ok else "MISMATCH"
         print(f"parity {c.stage} {c.direction}: max abs {c.max_abs:.2e}, rel {c.rel:.2e}, {verdict}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": args.steps, "block": args.block,
+            "seed_points": not args.no_seed_points,
+            "median_step_ms": {m: round(statistics.median(t) * 1000, 3) for m, t in times.items()},
+            "peak_mib_above_block_start": {m: round(max(p) / 2**20, 1) for m, p in peaks.items()},
+            "gaussians": {m: run[0].model.num_points for m, run in runs.items()},
+            "step_time_ratio": round(ratio, 4),
+            "parity": [{"check": f"{c.stage} {c.direction}", "max_abs": c.max_abs, "rel": c.rel, "ok": c.ok} for c in checks],
+        }, indent=1))  # fmt: skip
     return 0 if all(c.ok for c in checks) else 1
 
 

@@ -1,0 +1,578 @@
+"""Everything the CUDA path needs measured on a real NVIDIA GPU, in one call, results in one folder.
+
+    bash benchmarks/cuda_device_run.sh --prepare     # here (network): wheels + garden data -> .cuda-carry/
+    bash benchmarks/cuda_device_run.sh               # on the GPU machine: installs .cuda-carry/, runs this
+    python benchmarks/cuda_device_run.py --out DIR   # the same without the wrapper (deps already importable)
+    python benchmarks/cuda_device_run.py --cpu-dry-run --out DIR   # any machine: the CUDA parts skipped
+
+Stages, in order; each writes its results as soon as it ends (results.json, summary.md), so a run
+cut short still leaves every finished stage behind:
+  env       machine, GPU, driver, nvcc, torch, gsplat, numpy versions
+  build     gsplat 1.4's CUDA kernels, JIT-compiled once with MAX_JOBS = all cores, only for this
+            GPU's architecture (TORCH_CUDA_ARCH_LIST), timed
+  parity    reference (CPU and CUDA) and cpu backends vs gsplat on CUDA, through the public op, on
+            random scenes and the garden cameras: forward (colours, alphas, radii) and backward (means,
+            quats, scales, opacities, colours/SH, viewmats, backgrounds, means2d.grad, absgrad);
+            RGB and RGB+ED, classic and antialiased, square and non-square -> parity.csv
+  overhead  the op layer (backend "auto" -> gsplat) vs gsplat's rasterization called directly, the
+            same splatfacto-like call forward + backward, alternating, median ratio (goal <= 1.02)
+            -> overhead.csv
+  training  benchmarks/cuda_vs_splatfacto.py (step time and peak memory vs stock splatfacto) and
+            benchmarks/bench_memory.py --device cuda with the memory hooks on and off -> memory.csv,
+            their output in training.log
+
+Each stage has a time cap (--parity-s, --overhead-s, --training-s) and every stage ends by
+--budget-s (none starts with less than 15 s of it left); parity and overhead stop between cases
+when their time is up and say what was left. --stages picks a subset for a rerun.
+At most 8 files land in --out (what the device tool brings back). --cpu-dry-run runs the same code
+on CPU: parity becomes cpu vs reference on small cases, overhead times the cpu backend against the
+reference (the harness only; its ratio is no overhead figure), build is skipped and training runs
+only with --with-training. Exit status 0 unless a stage failed (a mismatch is reported, not fatal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))  # the shared scene generators
+sys.path.insert(0, str(ROOT))
+
+from bench_step import cpu_model, with_sh  # noqa: E402
+from scenes import GARDEN_PATH, Scene, garden_scene, load_garden, random_scene  # noqa: E402
+
+from splat_metal_method.ops import BackendUnavailable, rasterization  # noqa: E402
+
+CARRY = ROOT / ".cuda-carry"  # what `cuda_device_run.sh --prepare` fills (git-ignored)
+STAGES = ("env", "build", "parity", "overhead", "training")
+# Inputs whose gradients are compared. Ks is left out: gsplat 1.4 returns no gradient for it.
+GRAD_INPUTS = ("means", "quats", "scales", "opacities", "colors", "viewmats", "backgrounds")
+FORWARD = ("colors", "alphas")
+# Tolerances relative to the largest entry of each quantity: forward as the doctor's 1e-4, gradients
+# as its 1e-3 (GPU float atomics reorder the sums, and gsplat builds with --use_fast_math).
+FWD_RTOL, BWD_RTOL = 1e-4, 1e-3
+OVERHEAD_GOAL = 1.02
+# What splatfacto passes to rasterization (nerfstudio 1.1.5 splatfacto.get_outputs); it adds the
+# background itself, after rendering.
+SPLATFACTO_CALL = dict(packed=False, near_plane=0.01, far_plane=1e10, render_mode="RGB+ED", sh_degree=3,
+                       sparse_grad=False, absgrad=True, rasterize_mode="classic")  # fmt: skip
+
+
+class StageTimeout(Exception):
+    """A stage's cap was reached between two of its cases."""
+
+
+class Results:
+    """results.json and summary.md in ``out``, rewritten whenever a stage or a parity case ends;
+    CSV files there, one row flushed at a time."""
+
+    def __init__(self, out: Path, mode: str):
+        self.out = out
+        self.data = {"script": "benchmarks/cuda_device_run.py", "mode": mode, "argv": sys.argv[1:],
+                     "started_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                     "stages": {}}  # fmt: skip
+        self._csv: Dict[str, tuple] = {}
+
+    def stage(self, name: str) -> dict:
+        return self.data["stages"].setdefault(name, {"status": "running"})
+
+    def csv_row(self, name: str, row: dict) -> None:
+        if name not in self._csv:
+            f = open(self.out / f"{name}.csv", "w", newline="")
+            writer = csv.DictWriter(f, fieldnames=list(row))
+            writer.writeheader()
+            self._csv[name] = (f, writer)
+        f, writer = self._csv[name]
+        writer.writerow(row)
+        f.flush()
+
+    def write(self) -> None:
+        tmp = self.out / ".results.json.partial"
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        os.replace(tmp, self.out / "results.json")
+        (self.out / "summary.md").write_text(summary(self.data))
+
+
+# ----------------------------------------------------------------------------------------------- env
+def _version(dist: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _command(cmd: List[str]) -> Optional[str]:
+    if shutil.which(cmd[0]) is None:
+        return None
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def stage_env(ctx) -> dict:
+    info = {
+        "python": platform.python_version(), "os": f"{platform.system()} {platform.release()}",
+        "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(), "numpy": _version("numpy"), "gsplat": _version("gsplat"),
+        "nerfstudio": _version("nerfstudio"), "open3d": _version("open3d"),
+        "splat_metal": __import__("splat_metal_method").__version__,
+        "gsplat_path": str(Path(importlib.util.find_spec("gsplat").origin).parent)
+        if importlib.util.find_spec("gsplat") else None,
+        "commit": _command(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]),
+    }  # fmt: skip
+    nvcc = _command(["nvcc", "--version"])
+    info["nvcc"] = nvcc.splitlines()[-1] if nvcc else None
+    if ctx.cuda:
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    multiprocessors=props.multi_processor_count)  # fmt: skip
+        info["nvidia_smi"] = _command(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
+    return info
+
+
+# --------------------------------------------------------------------------------------------- build
+def stage_build(ctx) -> dict:
+    """JIT-compiles gsplat's CUDA extension (or loads the one built earlier on this machine)."""
+    major, minor = torch.cuda.get_device_capability(0)
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")  # this GPU only: a fraction of the time
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count()))  # gsplat's own default is 10
+    t0 = time.perf_counter()
+    from gsplat.cuda._backend import _C  # noqa: PLC0415  (importing it builds the extension)
+
+    seconds = time.perf_counter() - t0
+    if _C is None:
+        raise RuntimeError("gsplat found no CUDA toolkit (nvcc not on PATH): its CUDA kernels are unavailable")
+    ctx.gsplat_ok = True
+    return {"build_seconds": round(seconds, 1), "max_jobs": os.environ["MAX_JOBS"],
+            "torch_cuda_arch_list": os.environ["TORCH_CUDA_ARCH_LIST"], "module": getattr(_C, "__file__", None)}  # fmt: skip
+
+
+# -------------------------------------------------------------------------------------------- parity
+def sh_scene(scene: Scene, degree: int, seed: int = 0) -> Scene:
+    """``scene`` with SH colours of ``degree`` (DC from its RGB; bench_step.with_sh makes degree 3)."""
+    scene = with_sh(scene, seed)
+    scene.colors = scene.colors[:, : (degree + 1) ** 2].contiguous()
+    scene.sh_degree = degree
+    return scene
+
+
+def parity_cases(small: bool, garden: Optional[dict]) -> List[tuple]:
+    """(name, scene, rasterization kwargs): random scenes, then the real garden cameras."""
+    n = (lambda k: max(k // 10, 50)) if small else (lambda k: k)
+    cases = [
+        ("random 61x37 RGB classic", random_scene(n(400), C=2, width=61, height=37, seed=1, backgrounds=True),
+         dict(render_mode="RGB")),
+        ("random 61x37 SH3 RGB+ED classic", sh_scene(random_scene(n(400), C=2, width=61, height=37, seed=2,
+                                                                   backgrounds=True), 3), dict(render_mode="RGB+ED")),
+        ("random 61x37 SH3 RGB+ED antialiased", sh_scene(random_scene(n(400), C=2, width=61, height=37, seed=3,
+                                                                       backgrounds=True), 3),
+         dict(render_mode="RGB+ED", rasterize_mode="antialiased")),
+        ("random 23x41 SH1 RGB antialiased", sh_scene(random_scene(n(300), C=2, width=23, height=41, seed=4), 1),
+         dict(render_mode="RGB", rasterize_mode="antialiased")),
+        ("random 16x16 SH2 RGB+ED classic", sh_scene(random_scene(n(200), C=1, width=16, height=16, seed=5), 2),
+         dict(render_mode="RGB+ED")),
+        ("random 64x40 dense (stop rule) RGB classic",
+         random_scene(n(600), C=1, width=64, height=40, seed=6, opacity_range=(0.9, 1.0), scale_range=(0.2, 0.6),
+                      backgrounds=True), dict(render_mode="RGB")),
+        ("random 200x120 5k SH3 RGB+ED antialiased",
+         sh_scene(random_scene(n(5000), C=2, width=200 // (4 if small else 1), height=120 // (4 if small else 1),
+                               seed=7, scale_range=(0.01, 0.1), backgrounds=True), 3),
+         dict(render_mode="RGB+ED", rasterize_mode="antialiased")),
+    ]  # fmt: skip
+    if garden is not None:
+        for name, degree, kw in (("RGB RGB+ED classic", None, dict(render_mode="RGB+ED")),
+                                 ("SH3 RGB+ED antialiased", 3, dict(render_mode="RGB+ED", rasterize_mode="antialiased"))):  # fmt: skip
+            scene = garden_scene(garden, n=1000 if small else 50_000, seed=1)
+            if small:  # 1/8 resolution, one camera: seconds on a laptop
+                scene.Ks = scene.Ks.clone()  # garden_scene's Ks share memory with the loaded arrays
+                scene.Ks[:, :2] /= 8
+                scene.width, scene.height = scene.width // 8, scene.height // 8
+                scene.viewmats, scene.Ks = scene.viewmats[:1], scene.Ks[:1]
+            scene.backgrounds = torch.rand(scene.C, 3, generator=torch.Generator().manual_seed(2))
+            if degree is not None:
+                scene = sh_scene(scene, degree)
+            cases.append((f"garden {scene.width}x{scene.height} {scene.N // 1000}k x{scene.C} cams {name}", scene, kw))
+    return cases
+
+
+def render(scene: Scene, backend: str, device: str, **kw) -> dict:
+    """Forward + backward of a fixed random weighting of colours and alphas; returns float64 CPU
+    copies of the outputs, radii, every compared gradient, means2d.grad and absgrad."""
+    inputs = {k: v.detach().to(device, copy=True).requires_grad_(k in GRAD_INPUTS) for k, v in scene.tensors().items()}
+    colors, alphas, meta = rasterization(**scene.kwargs(**inputs), backend=backend, absgrad=True, packed=False, **kw)
+    meta["means2d"].retain_grad()
+    g = torch.Generator().manual_seed(3)
+    weights = torch.randn(colors.shape, generator=g).to(device), torch.rand(alphas.shape, generator=g).to(device)
+    ((colors * weights[0]).sum() + (alphas * weights[1]).sum()).backward()
+    out = {"colors": colors, "alphas": alphas, "radii": meta["radii"], "means2d.grad": meta["means2d"].grad,
+           "absgrad": getattr(meta["means2d"], "absgrad", None)}  # fmt: skip
+    out.update({f"{k}.grad": v.grad for k, v in inputs.items() if v.requires_grad})
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return {k: None if v is None else v.detach().to("cpu", torch.float64) for k, v in out.items()}
+
+
+def compare(got: dict, want: dict) -> List[dict]:
+    """One row per quantity: max |got - want|, the largest |want|, their ratio, relative L2 error."""
+    rows = []
+    for k in want:
+        row = {"quantity": k, "shape": "x".join(map(str, want[k].shape)) if want[k] is not None else ""}
+        if want[k] is None or got.get(k) is None:
+            row.update(ok=want[k] is None and got.get(k) is None, note="missing on one side")
+        elif k == "radii":  # integers: how many differ (a pixel's rounding at the cull edge), by how much
+            diff = (got[k] - want[k]).abs()
+            row.update(max_abs=float(diff.max()) if diff.numel() else 0.0, differing=int((diff > 0).sum()),
+                       rel_max=float((diff > 0).double().mean()) if diff.numel() else 0.0, ok=True)  # fmt: skip
+        else:
+            diff = got[k] - want[k]
+            scale = float(want[k].abs().max()) if want[k].numel() else 0.0
+            max_abs = float(diff.abs().max()) if diff.numel() else 0.0
+            rel_max = max_abs / scale if scale > 0 else max_abs
+            rel_l2 = float(diff.norm() / want[k].norm()) if float(want[k].norm()) > 0 else float(diff.norm())
+            tol = FWD_RTOL if k in FORWARD else BWD_RTOL
+            row.update(max_abs=max_abs, scale=scale, rel_max=rel_max, rel_l2=rel_l2, tol=tol,
+                       finite=bool(torch.isfinite(got[k]).all()), ok=bool(torch.isfinite(got[k]).all()) and rel_max <= tol)  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def stage_parity(ctx) -> dict:
+    garden_path = ctx.args.garden or next((p for p in (GARDEN_PATH, CARRY / GARDEN_PATH.name) if p.exists()), GARDEN_PATH)
+    garden = load_garden(garden_path)
+    backends = [("reference", "cpu"), ("cpu", "cpu")]
+    if ctx.cuda:
+        backends.append(("reference", "cuda"))
+        if ctx.gsplat_ok:
+            backends.append(("gsplat", "cuda"))
+    target = "gsplat/cuda" if ctx.gsplat_ok else "reference/cpu"  # what every other backend is compared with
+    result = {"target": target, "backends": [f"{b}/{d}" for b, d in backends], "tolerances": {"forward": FWD_RTOL, "backward": BWD_RTOL},
+              "garden": str(garden_path) if garden else f"not found at {garden_path}: garden cases skipped",
+              "cases": [], "not_run": []}  # fmt: skip
+    ctx.results.stage("parity").update(result)
+    cases = parity_cases(ctx.args.cpu_dry_run, garden)
+    for i, (name, scene, kw) in enumerate(cases):
+        if time.monotonic() > ctx.stage_deadline:
+            result["not_run"] = [c[0] for c in cases[i:]]
+            raise StageTimeout(f"parity cap reached: {len(cases) - i} of {len(cases)} cases not run")
+        outs, seconds = {}, {}
+        case = {"case": name, "gaussians": scene.N, "cameras": scene.C, "size": f"{scene.width}x{scene.height}", "kwargs": kw,
+                "seconds": seconds, "comparisons": {}}  # fmt: skip
+        for backend, device in backends:
+            label = f"{backend}/{device}"
+            t0 = time.perf_counter()
+            try:
+                outs[label] = render(scene, backend, device, **kw)
+            except BackendUnavailable as e:
+                case.setdefault("unavailable", {})[label] = str(e)
+            seconds[label] = round(time.perf_counter() - t0, 3)
+        pairs = [(b, target) for b in outs if b != target] + ([("cpu/cpu", "reference/cpu")] if target != "reference/cpu" else [])
+        for got, want in pairs:
+            if got not in outs or want not in outs:
+                continue
+            rows = compare(outs[got], outs[want])
+            for row in rows:
+                ctx.results.csv_row("parity", {"case": name, "backend": got, "against": want, **{k: row.get(k, "") for k in (
+                    "quantity", "shape", "max_abs", "scale", "rel_max", "rel_l2", "differing", "tol", "ok", "note")}})  # fmt: skip
+            graded = [r for r in rows if "tol" in r]
+            worst = max(graded, key=lambda r: r["rel_max"] / r["tol"], default={"quantity": "-", "rel_max": 0.0, "tol": 1.0})
+            case["comparisons"][f"{got} vs {want}"] = {
+                "ok": all(r["ok"] for r in rows),
+                "worst": {k: worst[k] for k in ("quantity", "rel_max", "tol")},
+                "radii_differing": next((r["differing"] for r in rows if r["quantity"] == "radii"), None),
+                "failing": [r["quantity"] for r in rows if not r["ok"]],
+            }
+        result["cases"].append(case)
+        ctx.results.write()
+        print(f"[parity] {name}: " + "; ".join(f"{k}: {'ok' if v['ok'] else 'MISMATCH ' + ','.join(v['failing'])} "
+                                             f"(worst {v['worst']['quantity']} {v['worst']['rel_max']:.1e})"
+                                             for k, v in case["comparisons"].items()), flush=True)  # fmt: skip
+    result["all_ok"] = all(c["ok"] for case in result["cases"] for c in case["comparisons"].values())
+    return result
+
+
+# ------------------------------------------------------------------------------------------ overhead
+def _step(fn: Callable, leaves: dict, fixed: dict, sync: Callable) -> float:
+    """Seconds for one splatfacto-like forward + backward through ``fn``."""
+    for v in leaves.values():
+        v.grad = None
+    sync()
+    t0 = time.perf_counter()
+    colors, alphas, meta = fn(**leaves, **fixed, **SPLATFACTO_CALL)
+    meta["means2d"].retain_grad()  # as splatfacto's strategy does
+    (colors.sum() + alphas.sum()).backward()
+    sync()
+    return time.perf_counter() - t0
+
+
+def stage_overhead(ctx) -> dict:
+    if ctx.gsplat_ok:
+        from gsplat.rendering import rasterization as gsplat_rasterization  # noqa: PLC0415
+
+        device, impls = "cuda", {"op layer (auto)": lambda **kw: rasterization(**kw, backend="auto"),
+                                 "gsplat direct": gsplat_rasterization}  # fmt: skip
+        sync = torch.cuda.synchronize
+        note = "the same call to splat-metal's op layer and to gsplat.rendering.rasterization"
+    elif ctx.args.cpu_dry_run:
+        device, impls = "cpu", {"op layer (cpu)": lambda **kw: rasterization(**kw, backend="cpu"),
+                                "op layer (reference)": lambda **kw: rasterization(**kw, backend="reference")}  # fmt: skip
+        sync = lambda: None  # noqa: E731
+        note = "dry run: the timing harness on the cpu backend vs the reference; NOT the overhead figure"
+    else:
+        raise RuntimeError("needs gsplat's CUDA kernels (the build stage did not succeed)")
+    garden = load_garden(ctx.args.garden or next((p for p in (GARDEN_PATH, CARRY / GARDEN_PATH.name) if p.exists()), GARDEN_PATH))
+    if ctx.args.cpu_dry_run:  # the harness only, on a scene the reference renders in a blink
+        scenes = {"tiny 300 48x32": with_sh(random_scene(n=300, C=1, width=48, height=32, seed=0, scale_range=(0.01, 0.08)))}
+    else:
+        scenes = {"demo-like 2k 96x72": with_sh(random_scene(n=2000, C=1, width=96, height=72, seed=0, scale_range=(0.01, 0.08)))}
+        if garden is not None:
+            scenes["garden 648x420 all 138k"] = with_sh(garden_scene(garden, n=None, seed=0))
+    result = {"note": note, "impls": list(impls), "goal_ratio": OVERHEAD_GOAL, "scenes": {}}
+    ctx.results.stage("overhead").update(result)
+    max_reps = 3 if ctx.args.cpu_dry_run else ctx.args.overhead_reps
+    per_scene = (ctx.stage_deadline - time.monotonic()) / len(scenes)
+    (ours, ours_fn), (direct, direct_fn) = impls.items()
+    for name, scene in scenes.items():
+        deadline = time.monotonic() + per_scene
+        leaves = {k: getattr(scene, k).detach().to(device, copy=True).requires_grad_()
+                  for k in ("means", "quats", "scales", "opacities", "colors")}
+        leaves["viewmats"] = scene.viewmats[:1].to(device, copy=True).requires_grad_()  # the camera optimizer's path
+        fixed = dict(Ks=scene.Ks[:1].to(device), width=scene.width, height=scene.height)
+        for _ in range(1 if ctx.args.cpu_dry_run else 10):  # warm-up: caches, the allocator, cuBLAS
+            _step(ours_fn, leaves, fixed, sync), _step(direct_fn, leaves, fixed, sync)
+        times = {ours: [], direct: []}
+        for rep in range(max_reps):
+            order = [(ours, ours_fn), (direct, direct_fn)][:: 1 if rep % 2 == 0 else -1]  # ABBA: drift hits both alike
+            for label, fn in order:
+                seconds = _step(fn, leaves, fixed, sync)
+                times[label].append(seconds)
+                ctx.results.csv_row("overhead", {"scene": name, "rep": rep, "impl": label, "seconds": f"{seconds:.6e}"})
+            if time.monotonic() > deadline:
+                break
+        paired = [a / b for a, b in zip(times[ours], times[direct])]
+        med = {k: statistics.median(v) for k, v in times.items()}
+        result["scenes"][name] = {
+            "gaussians": scene.N, "size": f"{scene.width}x{scene.height}", "reps": len(paired),
+            f"median_ms {ours}": round(med[ours] * 1e3, 4), f"median_ms {direct}": round(med[direct] * 1e3, 4),
+            "ratio_of_medians": round(med[ours] / med[direct], 4), "median_paired_ratio": round(statistics.median(paired), 4),
+            "paired_ratio_p10_p90": [round(q, 4) for q in statistics.quantiles(paired, n=10)[:: 8]] if len(paired) > 1 else None,
+            "meets_goal": med[ours] / med[direct] <= OVERHEAD_GOAL if ctx.gsplat_ok else None,
+        }  # fmt: skip
+        ctx.results.write()
+        print(f"[overhead] {name}: {ours} {med[ours] * 1e3:.3f} ms, {direct} {med[direct] * 1e3:.3f} ms, "
+              f"ratio {med[ours] / med[direct]:.4f} over {len(paired)} pairs", flush=True)  # fmt: skip
+    return result
+
+
+# ------------------------------------------------------------------------------------------ training
+def _subprocess(ctx, name: str, cmd: List[str], timeout: float, env: dict) -> dict:
+    """Runs a benchmark script with its output appended to out/training.log; returns rc and seconds."""
+    print(f"[training] {name}: {' '.join(cmd)} (timeout {timeout:.0f} s)", flush=True)
+    t0 = time.perf_counter()
+    with open(ctx.out / "training.log", "a") as log:
+        log.write(f"\n===== {name}: {' '.join(cmd)}\n")
+        log.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, env=env, cwd=ROOT).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    return {"rc": rc, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def stage_training(ctx) -> dict:
+    device = "cuda" if ctx.cuda else "cpu"
+    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))  # fmt: skip
+    if not any(ep.name == "splat-metal" for ep in importlib.metadata.entry_points(group="nerfstudio.method_configs")):
+        env["NERFSTUDIO_METHOD_CONFIGS"] = "splat-metal=splat_metal_method.config:splat_metal_method"  # not pip-installed
+    # nerfstudio reads seed points with open3d (~900 MB, cannot travel): without it both methods start
+    # from splatfacto's random initialisation instead.
+    seed = [] if importlib.util.find_spec("open3d") else ["--no-seed-points"]
+    result = {"device": device, "seed_points": not seed, "runs": {}}
+    ctx.results.stage("training").update(result)
+    py, bench = sys.executable, ROOT / "benchmarks"
+    tmp = Path(tempfile.mkdtemp(prefix="cuda_device_run_"))
+    remaining = lambda: ctx.stage_deadline - time.monotonic()  # noqa: E731
+    small = ctx.args.cpu_dry_run
+    runs = [("cuda_vs_splatfacto", 0.45,
+             [py, str(bench / "cuda_vs_splatfacto.py"), "--steps", "40" if small else "300", "--block", "10" if small else "25"] + seed),
+            ("bench_memory hooks on", 0.5,
+             [py, str(bench / "bench_memory.py"), "--device", device, "--hooks", "on"] + seed),
+            ("bench_memory hooks off", 1.0,
+             [py, str(bench / "bench_memory.py"), "--device", device, "--hooks", "off"] + seed)]  # fmt: skip
+    for name, share, cmd in runs:
+        timeout = remaining() * share
+        if timeout < 20:
+            result["runs"][name] = {"rc": "not run: stage time used up"}
+            continue
+        out_json = tmp / f"{name.replace(' ', '_')}.json"
+        cmd = cmd + ["--json", str(out_json)]
+        if name.startswith("bench_memory"):
+            # Train minutes: what the timeout leaves after nerfstudio's imports and setup (~30 s).
+            minutes = max((timeout - 40) / 60, 0.2)
+            cmd += ["--out", str(tmp), "--max-minutes", f"{minutes:.2f}", "--steps", "200" if small else "2000"]
+            if small:
+                cmd += ["--refine-stop", "60", "--sample-every", "2"]
+        run = _subprocess(ctx, name, cmd, timeout, env)
+        if out_json.exists():
+            run["result"] = json.loads(out_json.read_text())
+        if name.startswith("bench_memory"):  # its samples (also of a run cut short) into one memory.csv
+            hooks = name.split()[-1]
+            for path in sorted(tmp.glob(f"memory_{device}_hooks-{hooks}_*.csv")):
+                with open(path, newline="") as f:
+                    for row in csv.DictReader(f):
+                        ctx.results.csv_row("memory", {"run": name, **row})
+        result["runs"][name] = run
+        ctx.results.write()
+    shutil.rmtree(tmp, ignore_errors=True)
+    result["all_ok"] = all(r.get("rc") == 0 for r in result["runs"].values())
+    return result
+
+
+# ------------------------------------------------------------------------------------------- summary
+def summary(data: dict) -> str:
+    st = data["stages"]
+    lines = [f"# splat-metal on CUDA: {data['mode']} run, started {data['started_utc']}", ""]
+    env = st.get("env", {})
+    if env:
+        lines += [f"- {k}: {env.get(k)}" for k in ("gpu", "nvidia_smi", "capability", "nvcc", "torch", "torch_cuda", "gsplat",
+                                                   "numpy", "python", "cpu", "cores", "commit") if k in env]  # fmt: skip
+    lines.append("")
+    for name in STAGES:
+        s = st.get(name)
+        if not s:
+            continue
+        lines.append(f"## {name}: {s['status']}" + (f" ({s['seconds']} s)" if "seconds" in s else ""))
+        if s.get("error"):
+            lines += ["```", s["error"][-3000:], "```"]
+        if name == "build" and "max_jobs" in s:
+            lines.append(f"gsplat CUDA extension in {s.get('build_seconds', '?')} s with MAX_JOBS={s['max_jobs']}, "
+                         f"TORCH_CUDA_ARCH_LIST={s['torch_cuda_arch_list']}")  # fmt: skip
+        if name == "parity":
+            lines.append(f"target {s.get('target')}; backends {', '.join(s.get('backends', []))}; garden: {s.get('garden')}")
+            lines += ["", "| case | comparison | result | worst quantity | rel. to max | radii differing |", "|---|---|---|---|---|---|"]
+            for case in s.get("cases", []):
+                for comp, c in case["comparisons"].items():
+                    verdict = "ok" if c["ok"] else "MISMATCH: " + ", ".join(c["failing"])
+                    lines.append(f"| {case['case']} | {comp} | {verdict} | {c['worst']['quantity']} | "
+                                 f"{c['worst']['rel_max']:.1e} (tol {c['worst']['tol']:.0e}) | {c['radii_differing']} |")  # fmt: skip
+            if s.get("not_run"):
+                lines.append(f"\nnot run (time): {', '.join(s['not_run'])}")
+        if name == "overhead":
+            lines.append(s.get("note", ""))
+            for scene, r in s.get("scenes", {}).items():
+                lines.append(f"- {scene}: " + ", ".join(f"{k} {v}" for k, v in r.items()))
+        if name == "training":
+            for run, r in s.get("runs", {}).items():
+                lines.append(f"- {run}: rc {r.get('rc')}, {r.get('seconds', '?')} s" +
+                             (f": {json.dumps(r['result'])}" if r.get("result") else ""))  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+class Context:
+    def __init__(self, args, results: Results):
+        self.args, self.results, self.out = args, results, args.out
+        self.cuda = not args.cpu_dry_run and torch.cuda.is_available()
+        self.gsplat_ok = False
+        self.stage_deadline = float("inf")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results" / "cuda"))
+    p.add_argument("--cpu-dry-run", action="store_true", help="no CUDA: small cases, cpu vs reference")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)} (env always runs)")
+    p.add_argument("--with-training", action="store_true", help="run the training stage in a dry run too (slow)")
+    p.add_argument("--budget-s", type=float, default=540,
+                   help="the whole run's seconds: stages end by then, none starts with < 15 s left (default 540)")
+    p.add_argument("--parity-s", type=float, default=150, help="parity stage cap (default 150 s)")
+    p.add_argument("--overhead-s", type=float, default=60, help="overhead stage cap (default 60 s)")
+    p.add_argument("--overhead-reps", type=int, default=300, help="alternating pairs per overhead scene at most")
+    p.add_argument("--training-s", type=float, default=240, help="training stage cap (default 240 s)")
+    p.add_argument("--garden", type=Path, default=None, help=f"garden_points.npz (default {GARDEN_PATH} or .cuda-carry/)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    mode = "cpu-dry-run" if args.cpu_dry_run else "cuda"
+    results = Results(args.out, mode)
+    ctx = Context(args, results)
+    if not args.cpu_dry_run and not ctx.cuda:
+        print("cuda_device_run: no CUDA device (torch.cuda.is_available() is False); use --cpu-dry-run to test it here")
+        return 2
+    signal.signal(signal.SIGTERM, _interrupt)  # the wrapper's `timeout` ends us: record where, then stop
+    wanted = {"env", *args.stages.split(",")}
+    if args.cpu_dry_run:
+        wanted.discard("build")
+        if not args.with_training:
+            wanted.discard("training")
+    caps = {"parity": args.parity_s, "overhead": args.overhead_s, "training": args.training_s}
+    start = time.monotonic()
+    failed = False
+    for name in STAGES:
+        stage = results.stage(name)
+        if name not in wanted:
+            stage["status"] = "skipped" + (" (cpu dry run)" if args.cpu_dry_run and name in ("build", "training") else "")
+            continue
+        if name not in ("env", "build") and start + args.budget_s - time.monotonic() < 15:
+            stage["status"] = f"not run: the {args.budget_s:.0f} s budget was used up"
+            results.write()
+            continue
+        if name in ("overhead",) and not (ctx.gsplat_ok or args.cpu_dry_run):
+            stage["status"] = "skipped: gsplat's CUDA kernels did not build"
+            results.write()
+            continue
+        ctx.stage_deadline = min(time.monotonic() + caps.get(name, float("inf")), start + args.budget_s)
+        print(f"[{name}] starting", flush=True)
+        t0 = time.perf_counter()
+        try:
+            stage.update(globals()[f"stage_{name}"](ctx))
+            stage["status"] = "ok"
+        except StageTimeout as e:
+            stage["status"] = f"partial: {e}"
+        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001  (recorded; the next stages still run)
+            failed = True
+            stage["status"] = "failed" if not isinstance(e, KeyboardInterrupt) else "interrupted"
+            stage["error"] = traceback.format_exc()[-8000:]
+            print(stage["error"], flush=True)
+            if isinstance(e, KeyboardInterrupt):
+                stage["seconds"] = round(time.perf_counter() - t0, 1)
+                results.write()
+                return 130
+        stage["seconds"] = round(time.perf_counter() - t0, 1)
+        results.write()
+        print(f"[{name}] {stage['status']} in {stage['seconds']} s", flush=True)
+    results.data["finished_utc"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    results.write()
+    print(f"wrote {args.out}/: " + ", ".join(sorted(p.name for p in args.out.iterdir() if not p.name.startswith("."))))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
