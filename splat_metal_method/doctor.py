@@ -12,6 +12,7 @@ Paste its output into bug reports.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -34,6 +35,15 @@ class Check:
     rel: float
     ms: float
     ok: bool
+    error: str = ""  # the exception a stage raised instead of returning (then ok is False)
+
+    def describe(self) -> str:
+        """One line naming the stage and what went wrong (or its errors)."""
+        if self.error:
+            return f"{self.stage} {self.direction}: raised {self.error}"
+        what = f"max abs error {self.max_abs:.2e} (tolerance {FWD_ATOL:.0e})" if self.direction == "forward" else \
+            f"relative error {self.rel:.2e} (tolerance {BWD_RTOL:.0e})"
+        return f"{self.stage} {self.direction}: {what}"
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -79,7 +89,16 @@ def _timed(fn: Callable, device: torch.device):
 
 def _compare_stage(name: str, run: Callable, inputs: Dict[str, torch.Tensor], fast, ref, device) -> List[Check]:
     """Runs `run(backend_module, **leaves)` for both backends, compares outputs, then the gradients of
-    a fixed random projection of the outputs w.r.t. every floating input."""
+    a fixed random projection of the outputs w.r.t. every floating input (and the `absgrad` a
+    backend attaches to an input, as rasterize_to_pixels does to means2d). A stage that raises gives
+    one failed Check carrying the exception."""
+    try:
+        return _compare(name, run, inputs, fast, ref, device)
+    except Exception as e:  # a compile error, a launch refused by the GPU, ...: report it, keep checking
+        return [Check(name, "forward+backward", float("inf"), float("inf"), 0.0, False, f"{type(e).__name__}: {e}")]
+
+
+def _compare(name: str, run: Callable, inputs: Dict[str, torch.Tensor], fast, ref, device) -> List[Check]:
     checks = []
     results = {}
     for label, module in (("fast", fast), ("ref", ref)):
@@ -101,18 +120,27 @@ def _compare_stage(name: str, run: Callable, inputs: Dict[str, torch.Tensor], fa
         (got, ms) = _timed(lambda: torch.autograd.grad(loss, wanted, allow_unused=True), device)
         grads[label] = ([torch.zeros_like(v) if x is None else x for v, x in zip(wanted, got)], ms)
     pairs = list(zip(grads["fast"][0], grads["ref"][0]))
+    pairs += [(leaves_f[k].absgrad, leaves_r[k].absgrad) for k in leaves_r if hasattr(leaves_r[k], "absgrad")]
     err = max((_max_abs(a, b) for a, b in pairs), default=0.0)
     rel = max((_rel(a, b) for a, b in pairs), default=0.0)
     checks.append(Check(name, "backward", err, rel, grads["fast"][1], rel <= BWD_RTOL))
     return checks
 
 
-def stage_checks(device: torch.device, fast, ref, width: int, height: int) -> List[Check]:
-    """Every stage of the backend contract, forward and backward, `fast` vs `ref`, on one scene."""
-    scene, W, H = random_scene(device, width=width, height=height)
+def stage_checks(
+    device: torch.device, fast, ref, width: int, height: int, *, tile_size: int = 16, channels: Sequence[int] = (4,),
+    sh_degrees: Sequence[int] = (0, 1, 2, 3), modes: Sequence[str] = ("classic", "antialiased"),
+    absgrad: bool = False, backgrounds: bool = True, cameras: int = 2, n: int = 300,
+) -> List[Check]:
+    """Stages of the backend contract, forward and backward, `fast` vs `ref`, on one seeded scene: the
+    projection in each rasterize mode, SH at each degree, intersection + sort at `tile_size`, and the
+    rasterizer at `tile_size` for each channel count (with or without absgrad and backgrounds).
+    The doctor checks every option; the self-check (self_check.py) what one run will use. Draws no
+    numbers from torch's global generator (training runs after this must not change)."""
+    scene, W, H = random_scene(device, n=n, width=width, height=height, cameras=cameras)
     checks: List[Check] = []
     proj_in = {k: scene[k] for k in ("means", "quats", "scales", "viewmats", "Ks")}
-    for mode in ("classic", "antialiased"):
+    for mode in modes:
         checks += _compare_stage(
             f"project ({mode})",
             lambda m, **x: m.project(**x, width=W, height=H, calc_compensations=mode == "antialiased"),
@@ -122,35 +150,46 @@ def stage_checks(device: torch.device, fast, ref, width: int, height: int) -> Li
     C, N = radii.shape
     campos = torch.linalg.inv(scene["viewmats"])[:, :3, 3]
     dirs = scene["means"][None] - campos[:, None]
-    for degree in range(4):
+    for degree in sh_degrees:
         sh_in = {"dirs": dirs, "coeffs": scene["coeffs"].expand(C, -1, -1, -1).contiguous()}
         checks += _compare_stage(
             f"sh (degree {degree})", lambda m, **x: (m.spherical_harmonics(degree, **x, masks=radii > 0),),
             sh_in, fast, ref, device,
         )  # fmt: skip
 
-    tw, th = -(-W // 16), -(-H // 16)
-    (tiles_f, ids_f, flat_f), ms = _timed(lambda: fast.isect_tiles(means2d, radii, depths, 16, tw, th), device)
-    tiles_r, ids_r, flat_r = ref.isect_tiles(means2d, radii, depths, 16, tw, th)
-    same = (
-        torch.equal(tiles_f.cpu(), tiles_r.cpu()) and torch.equal(ids_f.cpu(), ids_r.cpu())
-        and torch.equal(flat_f.cpu(), flat_r.cpu())
-    )  # fmt: skip
-    offsets = ref.isect_offset_encode(ids_r, C, tw, th)
-    same = same and torch.equal(fast.isect_offset_encode(ids_f, C, tw, th).cpu(), offsets.cpu())
-    checks.append(Check("isect + sort", "forward", 0.0 if same else float("inf"), 0.0, ms, same))
+    ts = tile_size
+    tw, th = -(-W // ts), -(-H // ts)
+    try:
+        (tiles_f, ids_f, flat_f), ms = _timed(lambda: fast.isect_tiles(means2d, radii, depths, ts, tw, th), device)
+        tiles_r, ids_r, flat_r = ref.isect_tiles(means2d, radii, depths, ts, tw, th)
+        same = (
+            torch.equal(tiles_f.cpu(), tiles_r.cpu()) and torch.equal(ids_f.cpu(), ids_r.cpu())
+            and torch.equal(flat_f.cpu(), flat_r.cpu())
+        )  # fmt: skip
+        offsets = ref.isect_offset_encode(ids_r, C, tw, th)
+        same = same and torch.equal(fast.isect_offset_encode(ids_f, C, tw, th).cpu(), offsets.cpu())
+        checks.append(Check(f"isect + sort (tile {ts})", "forward", 0.0 if same else float("inf"), 0.0, ms, same))
+    except Exception as e:
+        checks.append(Check(f"isect + sort (tile {ts})", "forward", float("inf"), 0.0, 0.0, False, f"{type(e).__name__}: {e}"))
+        tiles_r, ids_r, flat_r = ref.isect_tiles(means2d, radii, depths, ts, tw, th)
+        offsets = ref.isect_offset_encode(ids_r, C, tw, th)
 
-    colors = torch.rand(C, N, 4, device=device)
+    g = torch.Generator().manual_seed(2)
     opac = scene["opacities"].expand(C, -1).contiguous()
-    raster_in = {"means2d": means2d, "conics": conics, "colors": colors, "opacities": opac,
-                 "backgrounds": torch.rand(C, 4, device=device)}  # fmt: skip
-    checks += _compare_stage(
-        "rasterize (RGB+depth)",
-        lambda m, **x: m.rasterize_to_pixels(
-            x["means2d"], x["conics"], x["colors"], x["opacities"], W, H, 16, offsets, flat_r, x["backgrounds"]
-        ),
-        raster_in, fast, ref, device,
-    )  # fmt: skip
+    for D in channels:
+        raster_in = {"means2d": means2d, "conics": conics, "colors": torch.rand(C, N, D, generator=g).to(device),
+                     "opacities": opac}  # fmt: skip
+        if backgrounds:
+            raster_in["backgrounds"] = torch.rand(C, D, generator=g).to(device)
+        label = f"rasterize (tile {ts}, {D} channel{'s' if D > 1 else ''}{', absgrad' if absgrad else ''})"
+        checks += _compare_stage(
+            label,
+            lambda m, **x: m.rasterize_to_pixels(
+                x["means2d"], x["conics"], x["colors"], x["opacities"], W, H, ts, offsets, flat_r,
+                x.get("backgrounds"), absgrad,
+            ),
+            raster_in, fast, ref, device,
+        )  # fmt: skip
     return checks
 
 
@@ -207,11 +246,48 @@ def facts(device: torch.device) -> Dict[str, str]:
         "auto backend here": resolve_backend("auto", device),
         "native cpu backend": _native_cpu_fact(),
     }
+    info["PYTORCH_MPS_FAST_MATH"] = fast_math_fact()
+    if device.type == "mps":
+        from .self_check import gpu_name
+
+        info["gpu"] = gpu_name(device)
     if device.type == "mps" and hasattr(torch.mps, "recommended_max_memory"):
         info["mps recommended max memory"] = f"{torch.mps.recommended_max_memory() / 2**30:.1f} GiB"
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+def fast_math_fact() -> str:
+    """PYTORCH_MPS_FAST_MATH as torch reads it when it compiles our kernels (once per process)."""
+    from .self_check import FAST_MATH_ENV, fast_math_enabled
+
+    value = os.environ.get(FAST_MATH_ENV)
+    if value is None:
+        return "unset (safe math, as the kernels are verified)"
+    return f"{value!r}: " + ("FAST MATH ON (the checks above ran with it)" if fast_math_enabled() else "off")
+
+
+def _print_pipelines(device: torch.device) -> None:
+    """Each compiled kernel's pipeline limits as this GPU reports them, next to what we dispatch."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .ops.metal import kernels
+
+    title = "Metal pipelines on this GPU" if device.type == "mps" else "Metal pipelines (as the emulator enforces them)"
+    table = Table(title=title)
+    for col in ("library", "kernel", "max threads", "dispatched", "SIMD width", "tg bytes"):
+        table.add_column(col, no_wrap=True)
+    for name, (stage_file, extra) in kernels.standard_variants().items():
+        lib = kernels.library(device, stage_file, extra=extra)
+        for kernel in sorted(dir(lib)):
+            lim = {k: "-" if v is None else str(v) for k, v in lib.limits(kernel).items()}
+            ours, limit = kernels.group_threads(kernel), lib.limits(kernel)["max_threads_per_threadgroup"]
+            fits = limit is None or ours <= limit
+            table.add_row(name, kernel, lim["max_threads_per_threadgroup"], str(ours) if fits else f"[red]{ours}[/red]",
+                          lim["thread_execution_width"], lim["static_thread_group_memory_length"])  # fmt: skip
+    Console().print(table)
 
 
 def _print_table(checks: Sequence[Check]) -> None:
@@ -270,13 +346,16 @@ def main(argv=None) -> int:
             compiled, ms = _timed(lambda: sum(1 for _ in kernels.compile_all(device)), device)
             checks = [Check(f"compile {compiled} kernels", "-", 0.0, 0.0, ms, compiled > 0)]
             progress.update(task, description="running stages forward and backward")
-            checks += stage_checks(device, metal, reference, width, height)
+            # Every standard rasterizer variant (depth only, RGB, RGB+depth), with absgrad as training uses it.
+            checks += stage_checks(device, metal, reference, width, height, channels=(1, 3, 4), absgrad=True)
         from .ops.cpu import available
 
         if available():  # the native CPU backend (what "auto" uses for CPU tensors)
             progress.update(task, description="checking the native cpu backend")
             checks += full_op_checks(torch.device("cpu"), "cpu", width, height)
     _print_table(checks)
+    if device.type != "cuda":  # the Metal kernels ran: on MPS as this GPU compiled them, else the emulator's limits
+        _print_pipelines(device)
     bad = [c for c in checks if not c.ok]
     print(f"{len(checks) - len(bad)}/{len(checks)} checks passed" + (": MISMATCH, please report" if bad else ""))
     return 1 if bad else 0

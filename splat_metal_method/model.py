@@ -21,7 +21,7 @@ import torch
 from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.models.splatfacto import RGB2SH, SplatfactoModel, SplatfactoModelConfig, get_viewmat
 
-from . import memory, reliability, render_device
+from . import memory, reliability, render_device, self_check
 from .ops import rasterization
 
 # torchvision's AlexNet weights, which torchmetrics' LPIPS loads at construction.
@@ -80,6 +80,10 @@ class SplatMetalModelConfig(SplatfactoModelConfig):
     """Also release cached device memory every this many steps (0: off)."""
     memory_log_every: int = 100
     """Write memory scalars (Memory/...) to tensorboard/wandb/comet every this many steps (0: off)."""
+    metal_self_check: bool = True
+    """Before training or rendering with the Metal kernels (on MPS, or CPU tensors under the emulator), check
+    the stages this run uses against the PyTorch reference on this GPU and stop on a mismatch; the verdict
+    is cached per machine (splat_metal_method/self_check.py). False skips the check."""
     nonfinite: Literal["recover", "stop"] = "recover"
     """When a gaussian parameter or gradient becomes NaN/Inf (checked after every step, reported with the
     step and parameter): "recover" drops the affected gaussians and continues; "stop" ends training
@@ -125,6 +129,7 @@ class SplatMetalModel(SplatfactoModel):
         return torch.nn.Module.load_state_dict(self, dict, **kwargs)
 
     def get_training_callbacks(self, training_callback_attributes):
+        self_check.ensure_verified(self, self.device, self.config.backend)  # before the first step
         # The NaN/Inf check goes last: after the strategy's densification and the memory hooks.
         self.nonfinite_guard = reliability.NonFiniteGuard(
             self, training_callback_attributes.optimizers.optimizers, self.config.nonfinite
@@ -148,6 +153,7 @@ class SplatMetalModel(SplatfactoModel):
         # elsewhere (render_device.py: ns-viewer on a Mac keeps the model on cpu and renders with Metal).
         params, backend = render_device.render_source(self)
         device = params["means"].device
+        self_check.ensure_verified(self, device, backend, "training" if self.training else "rendering")
         if self.crop_box is not None and not self.training:
             crop_ids = self.crop_box.within(self.means).squeeze().to(device)
             if crop_ids.sum() == 0:

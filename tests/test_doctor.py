@@ -14,5 +14,7 @@ def test_doctor_passes_on_cpu():
     assert res.returncode == 0, res.stdout + res.stderr
     assert "auto backend here: cpu" in res.stdout
     assert "rasterization (cpu)" in res.stdout and "MISMATCH" not in res.stdout
+    assert "rasterize (tile 16, 3 channels, absgrad)" in res.stdout  # what training uses
+    assert "Metal pipelines" in res.stdout and "radix_scatter" in res.stdout  # each kernel's threadgroup limit
     passed, total = res.stdout.rsplit(" checks passed", 1)[0].rsplit("\n", 1)[-1].split("/")
     assert passed == total and int(total) >= 18, res.stdout

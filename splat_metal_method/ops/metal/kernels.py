@@ -55,8 +55,9 @@ def library(device: torch.device, stage_file: str, tile_size: int = constants.TI
 
 
 def grid_1d(n: int) -> dict:
-    """Launch arguments for one thread per item (partial last group; kernels bound-check)."""
-    return {"threads": (int(n),), "group_size": (GROUP_1D,)}
+    """Launch arguments for one thread per item (partial last group; kernels bound-check). These kernels
+    never synchronise, so the runtime may shrink the group to what a pipeline allows (fit_group)."""
+    return {"threads": (int(n),), "group_size": (GROUP_1D,), "fit_group": True}
 
 
 # Every library the backend compiles in normal use: stage file + variant defines. The rasterizer is
@@ -70,6 +71,23 @@ _STANDARD_VARIANTS = {
     "rasterize_rgbd": ("rasterize.metal", (("SPLAT_CHANNELS", 4),)),
     "rasterize_d": ("rasterize.metal", (("SPLAT_CHANNELS", 1),)),
 }
+
+
+def group_threads(kernel: str, tile_size: int = constants.TILE_SIZE) -> int:
+    """Threads per threadgroup the host dispatches `kernel` with: the N of its
+    [[max_total_threads_per_threadgroup(N)]] (the same injected define)."""
+    from .project_bwd import GROUP as PROJECT_BWD_GROUP
+
+    if kernel in ("rasterize_fwd", "rasterize_bwd"):
+        return tile_size * tile_size
+    if kernel.startswith("radix_"):
+        return RADIX_THREADS
+    return PROJECT_BWD_GROUP if kernel == "project_bwd" else GROUP_1D
+
+
+def standard_variants() -> dict:
+    """name -> (stage file, variant defines) of every library the backend compiles in normal use."""
+    return _variants()
 
 
 def _variants() -> dict:

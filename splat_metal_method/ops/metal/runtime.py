@@ -82,12 +82,64 @@ def load_source(*metal_files: str | os.PathLike, defines: dict[str, object] | No
     return "".join(parts)
 
 
+class ThreadgroupLimitError(ValueError):
+    """This GPU's pipeline for a kernel allows fewer threads per threadgroup than splat-metal dispatches."""
+
+
+def pipeline_limits(kernel) -> dict[str, int | None]:
+    """What a compiled kernel reports about its pipeline (None where its runtime reports nothing):
+    torch.mps.compile_shader's kernels have max_threads_per_threadgroup (the pipeline's
+    maxTotalThreadsPerThreadgroup: register-dependent, can be < 1024), thread_execution_width and
+    static_thread_group_memory_length; the emulator reports what it enforces."""
+    limits = {a: getattr(kernel, a, None) for a in
+              ("max_threads_per_threadgroup", "thread_execution_width", "static_thread_group_memory_length")}
+    if limits["max_threads_per_threadgroup"] is None:  # the emulator names it as MTLComputePipelineState does
+        limits["max_threads_per_threadgroup"] = getattr(kernel, "max_total_threads_per_threadgroup", None)
+    return limits
+
+
+def fitted_group(group_size, limits: dict[str, int | None]) -> tuple[int]:
+    """A 1-D group of a kernel whose threads never synchronise, shrunk to what the pipeline allows
+    (whole execution widths where possible): such a kernel computes the same with any group size."""
+    (group,) = (group_size,) if isinstance(group_size, int) else tuple(group_size)
+    limit = limits.get("max_threads_per_threadgroup")
+    if limit is None or group <= limit:
+        return (group,)
+    width = limits.get("thread_execution_width") or 1
+    return (limit - limit % width if limit >= width else limit,)
+
+
+def check_group_size(name: str, group_size, limits: dict[str, int | None]) -> None:
+    """Raises ThreadgroupLimitError (before the launch) when `group_size` needs more threads than the
+    pipeline allows. torch would raise a bare ValueError; this one says what to do."""
+    limit = limits.get("max_threads_per_threadgroup")
+    if limit is None or group_size is None:
+        return
+    dims = (group_size,) if isinstance(group_size, int) else tuple(group_size)
+    threads = 1
+    for d in dims:
+        threads *= int(d)
+    if threads > limit:
+        raise ThreadgroupLimitError(
+            f"[{name}] this GPU's pipeline for the kernel allows at most {limit} threads per threadgroup "
+            f"(thread execution width {limits.get('thread_execution_width')}), but splat-metal dispatches "
+            f"{threads} (group_size {dims}). The Metal backend cannot run here as built. Continue with "
+            "--pipeline.model.backend reference (PyTorch on the same GPU), and please report this with the "
+            "output of `splat-metal-doctor`."
+        )
+
+
 class _CountingLibrary:
-    """Wraps a compiled library (MPS or emulator); `lib.kernel(...)` counts then launches."""
+    """Wraps a compiled library (MPS or emulator); `lib.kernel(...)` checks the group size against the
+    pipeline's limit (shrinking it first when the launch says ``fit_group=True``), counts, then launches."""
 
     def __init__(self, lib, runtime: str):
         self._lib, self.runtime = lib, runtime
         self._kernels: dict[str, object] = {}
+
+    def limits(self, name: str) -> dict[str, int | None]:
+        """pipeline_limits of kernel `name`."""
+        return pipeline_limits(getattr(self._lib, name))
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -95,8 +147,12 @@ class _CountingLibrary:
         fn = self._kernels.get(name)
         if fn is None:
             kernel = getattr(self._lib, name)
+            limits = pipeline_limits(kernel)  # read once: a pipeline's limits never change
 
-            def fn(*args, _kernel=kernel, _name=name, **launch):  # launch: threads=, group_size=
+            def fn(*args, _kernel=kernel, _name=name, **launch):  # launch: threads=, group_size= [, fit_group=]
+                if launch.pop("fit_group", False):  # kernels.grid_1d: any group size will do
+                    launch["group_size"] = fitted_group(launch["group_size"], limits)
+                check_group_size(_name, launch.get("group_size"), limits)
                 _launches[_name] += 1
                 return _kernel(*args, **launch)
 

@@ -1,0 +1,239 @@
+"""The Metal self-check: before a run trains or renders with the Metal kernels, the stages it will use
+are checked against the PyTorch reference on this machine's GPU.
+
+The kernels are verified on Linux under the MSL emulator, but a GPU family, macOS or torch version
+nobody tested can still run them differently (an earlier Metal port of 3DGS rendered right and
+trained 30,000 steps on a wrong backward). So the first time a configuration runs on a machine,
+every stage it is about to use runs forward and backward on a small seeded scene, with the Metal
+backend and with the reference on the same device, compared by doctor.py's comparisons and
+tolerances (one implementation): the projection in this run's rasterize mode, SH at each degree up
+to the model's, tile intersection + sort and the rasterizer at this run's tile size and channel
+counts (3 for RGB training, 4 for RGB+depth: eval and the viewer), with absgrad when the strategy
+reads it.
+
+A pass is cached per machine in a small JSON file (``cache_path()``), keyed by torch version, GPU
+name, a hash of the kernel sources and their dispatch code, PYTORCH_MPS_FAST_MATH and the run's
+configuration, so it costs seconds once. A mismatch (or a stage that raises) stops the run before
+its first step (so before any checkpoint) with the stage, its error, how to report it and how to
+continue. SplatMetalModel calls :func:`ensure_verified` when training is set up and before each
+render (a set lookup once verified). It runs whenever the model's backend resolves to "metal": on
+MPS, and on CPU tensors under the MSL emulator (how the tests exercise it).
+Skip: ``--pipeline.model.metal-self-check False``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import torch
+
+from .ops.constants import TILE_SIZE
+
+FAST_MATH_ENV = "PYTORCH_MPS_FAST_MATH"
+SKIP_OPTION = "--pipeline.model.metal-self-check False"
+FALLBACK_OPTION = "--pipeline.model.backend reference"
+# The check's scene: one camera (training renders one), non-square, partial edge tiles at 16 px.
+SCENE = {"n": 200, "width": 45, "height": 29, "cameras": 1}
+
+
+class SelfCheckFailed(SystemExit):
+    """The Metal kernels disagree with the reference on this machine. A SystemExit, like
+    reliability.NonFiniteError: ns-train prints only the message and exits with status 1."""
+
+
+@dataclass(frozen=True)
+class RunKernels:
+    """What one run asks of the Metal kernels."""
+
+    tile_size: int
+    channels: Tuple[int, ...]  # rasterizer channel counts
+    rasterize_mode: str  # "classic" | "antialiased"
+    absgrad: bool
+    sh_degree: int  # 0: colours without SH (no SH stage)
+
+    @classmethod
+    def of(cls, model) -> "RunKernels":
+        train_channels = 4 if model.config.output_depth_during_training else 3
+        return cls(
+            tile_size=TILE_SIZE,  # SplatMetalModel renders at the op layer's default tile size
+            channels=tuple(sorted({train_channels, 4})),  # RGB+depth: eval images and the viewer
+            rasterize_mode=model.config.rasterize_mode,
+            absgrad=bool(getattr(model.strategy, "absgrad", False)),
+            sh_degree=int(model.config.sh_degree),
+        )
+
+
+def fast_math_enabled() -> bool:
+    """Whether torch compiles Metal shaders with fast math (it reads PYTORCH_MPS_FAST_MATH; "0" is off)."""
+    return os.environ.get(FAST_MATH_ENV, "").strip() not in ("", "0")
+
+
+def gpu_name(device: torch.device) -> str:
+    """The GPU the kernels run on, for the cache key and messages."""
+    if device.type != "mps":
+        return f"MSL emulator ({platform.machine()})"
+    try:
+        return torch.backends.mps.get_name()  # torch >= 2.8
+    except Exception:
+        pass
+    try:
+        out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5)
+        if out.stdout.strip():
+            return out.stdout.strip()  # Apple silicon: the SoC names its GPU family ("Apple M2 Pro")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or "unknown Apple GPU"
+
+
+def cache_path() -> Path:
+    """The per-machine verdict file, in the user's cache dir (~/Library/Caches on macOS, else $XDG_CACHE_HOME
+    or ~/.cache)."""
+    if sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "splat_metal" / "self_check.json"
+
+
+def kernel_source_hash() -> str:
+    """Hash of the kernel sources and the Python that assembles and dispatches them (ops/metal/)."""
+    from .ops.metal.runtime import KERNEL_DIR
+
+    h = hashlib.sha256()
+    for f in sorted(KERNEL_DIR.iterdir()):
+        if f.is_file() and f.suffix in (".metal", ".h", ".py"):
+            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _key(device: torch.device, run: RunKernels) -> Tuple[str, dict]:
+    from .doctor import BWD_RTOL, FWD_ATOL
+
+    facts = {
+        "torch": torch.__version__,
+        "gpu": gpu_name(device),
+        "kernels": kernel_source_hash(),
+        "fast_math": fast_math_enabled() and device.type == "mps",
+        "run": asdict(run),
+        "scene": SCENE,
+        "tolerances": [FWD_ATOL, BWD_RTOL],
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24], facts
+
+
+def _load_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # no file yet, or unreadable: check again
+
+
+def _store(path: Path, key: str, entry: dict) -> None:
+    """Adds one verdict; written to a temporary file and renamed, so concurrent runs never see half a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _load_cache(path)
+        data[key] = entry
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home must not stop training; the check just runs again next time
+        warnings.warn(f"splat-metal: could not cache the Metal self-check verdict in {path}: {e}", stacklevel=3)
+
+
+def run_checks(device: torch.device, run: RunKernels):
+    """doctor.stage_checks restricted to what `run` uses, Metal vs reference on `device`."""
+    from .doctor import stage_checks
+    from .ops import metal, reference
+
+    with torch.inference_mode(False), torch.enable_grad():  # renders run under no_grad; the check needs grads
+        return stage_checks(
+            device, metal, reference, SCENE["width"], SCENE["height"], tile_size=run.tile_size,
+            channels=run.channels, sh_degrees=range(run.sh_degree + 1) if run.sh_degree > 0 else (),
+            modes=(run.rasterize_mode,), absgrad=run.absgrad, backgrounds=False, cameras=SCENE["cameras"],
+            n=SCENE["n"],
+        )  # fmt: skip
+
+
+def failure_message(bad: List, device: torch.device, before: str) -> str:
+    lines = "\n".join(f"  - {c.describe()}" for c in bad)
+    return (
+        f"splat-metal: the Metal kernels failed their self-check on this GPU ({gpu_name(device)}, torch "
+        f"{torch.__version__}): they disagree with the PyTorch reference in\n{lines}\n"
+        f"Stopped before {before}; nothing was written to the run's checkpoints.\n"
+        f"To continue now: rerun with {FALLBACK_OPTION} (the PyTorch reference on the same GPU: slower, right).\n"
+        "Please report this: run `splat-metal-doctor` and paste its output, with the lines above, into an issue.\n"
+        f"(Experts who accept wrong results can skip the check with {SKIP_OPTION}.)"
+    )
+
+
+def verify(device: torch.device, run: RunKernels, before: str = "training") -> Optional[float]:
+    """Checks `run`'s stages on `device` unless this machine has passed them before. Returns the seconds
+    the check took (None when the cached verdict was used); raises SelfCheckFailed on a mismatch."""
+    from nerfstudio.utils.rich_utils import CONSOLE
+
+    path = cache_path()
+    key, facts = _key(device, run)
+    if _load_cache(path).get(key, {}).get("passed"):
+        return None
+    start = time.perf_counter()
+    checks = run_checks(device, run)
+    seconds = time.perf_counter() - start
+    bad = [c for c in checks if not c.ok]
+    if bad:
+        message = failure_message(bad, device, before)
+        if threading.current_thread() is not threading.main_thread():  # a viewer thread: SystemExit is silent there
+            CONSOLE.print(message, highlight=False, soft_wrap=True)
+        raise SelfCheckFailed(message)
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    _store(path, key, {**facts, "passed": True, "checks": len(checks), "seconds": round(seconds, 2), "when": when})
+    CONSOLE.print(
+        f"splat-metal: Metal self-check passed on {facts['gpu']}: {len(checks)} checks of the stages this run uses "
+        f"in {seconds:.1f} s (verdict cached in {path}; skip with {SKIP_OPTION})",
+        highlight=False, soft_wrap=True,
+    )  # fmt: skip
+    return seconds
+
+
+_verified: set = set()
+_lock = threading.Lock()
+
+
+def ensure_verified(model, device: torch.device, backend: str, before: str = "training") -> None:
+    """The check for `model` rendering on `device` with `backend`, once per process and configuration;
+    a no-op unless the backend resolves to "metal" and model.config.metal_self_check is on."""
+    if not getattr(model.config, "metal_self_check", True):
+        return
+    from .ops import resolve_backend
+
+    device = torch.device(device)
+    if resolve_backend(backend, device) != "metal":
+        return
+    run = RunKernels.of(model)
+    if (device.type, run) in _verified:
+        return
+    with _lock:  # the viewer's render thread and training may both get here first
+        if (device.type, run) in _verified:
+            return
+        if device.type == "mps" and fast_math_enabled():
+            warnings.warn(
+                f"splat-metal: {FAST_MATH_ENV}={os.environ[FAST_MATH_ENV]} makes torch compile the Metal kernels "
+                "with fast math; they are verified without it. The self-check runs them as compiled, but results "
+                f"may differ more from the reference. Unset {FAST_MATH_ENV} unless you measured it.",
+                RuntimeWarning, stacklevel=2,
+            )  # fmt: skip
+        verify(device, run, before)
+        _verified.add((device.type, run))

@@ -1,0 +1,96 @@
+"""The Metal self-check (splat_metal_method/self_check.py) as a user meets it: `ns-train splat-metal
+--pipeline.model.backend metal` on CPU tensors runs the Metal kernels under the MSL emulator, so the
+check runs there too. The package is installed (copied) under a directory named with a non-ASCII
+character, as on a Mac under /Users/José/, and imported from there (PYTHONPATH); first with its
+kernels as they are (trains, caches the verdict), then with one wrong line in sh.metal (stops before
+the first step with the stage named, no checkpoint written)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import demo_runs
+import torch
+from cli_helpers import checkpoints, cli_env, demo_args, run_cli
+
+from splat_metal_method import self_check
+from splat_metal_method.ops.metal import kernels, runtime
+from splat_metal_method.ops.metal.emulator import compile_library
+
+PACKAGE = Path(self_check.__file__).resolve().parent
+RIGHT = "basis[2] = 0.48860251190292f * z;"
+WRONG = "basis[2] = 0.5f * z;"  # a plausible typo: SH degree 1 off by 2 %
+
+
+def _install_copy(root: Path) -> Path:
+    shutil.copytree(PACKAGE, root / "splat_metal_method", ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def _train(scene: Path, out: Path, env: dict, *extra: str):
+    return run_cli(
+        "ns-train", "splat-metal", *demo_args(max_num_iterations=2, steps_per_eval_all_images=100000),
+        "--data", scene, "--output-dir", out, "--timestamp", "run", "--machine.device-type", "cpu",
+        "--pipeline.model.backend", "metal", *extra, timeout=600, env=env, cwd=out.parent,
+    )  # fmt: skip
+
+
+def test_ns_train_checks_metal_kernels_first_and_stops_on_a_wrong_one(tmp_path, tmp_path_factory):
+    scene = demo_runs.demo_scene(tmp_path_factory)
+    install = _install_copy(tmp_path / "Jos\u00e9 install")
+    cache = tmp_path / "cache"
+    env = cli_env(extra={"PYTHONPATH": str(install), "XDG_CACHE_HOME": str(cache)})
+
+    # The copy's own runtime.py (its KERNEL_DIR is under the non-ASCII path) assembles ASCII sources with
+    # package-relative #line names, which the emulator compiles.
+    spec = importlib.util.spec_from_file_location("copied_runtime", install / "splat_metal_method/ops/metal/runtime.py")
+    copied = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copied)
+    assert "\u00e9" in str(copied.KERNEL_DIR)
+    src = copied.load_source("common.h", "sh.metal", defines={**kernels._base_defines(16)})
+    assert src.isascii() and '#line 1 "splat_metal_method/ops/metal/sh.metal"' in src
+    assert "sh_fwd" in dir(compile_library(src, "sh"))
+
+    right = _train(scene, tmp_path / "right", env)
+    assert right.returncode == 0, right.tail()
+    assert "Metal self-check passed" in right.output, right.tail()
+    run_dir = tmp_path / "right" / scene.name / "splat-metal" / "run"
+    assert [p.name for p in checkpoints(run_dir)] == ["step-000000001.ckpt"]
+    verdicts = json.loads((cache / "splat_metal" / "self_check.json").read_text())
+    (verdict,) = verdicts.values()
+    assert verdict["passed"] and verdict["run"] == {"tile_size": 16, "channels": [3, 4], "rasterize_mode": "classic",
+                                                    "absgrad": True, "sh_degree": 3}  # fmt: skip
+    print(f"self-check on the emulator: {verdict['checks']} checks in {verdict['seconds']} s; "
+          f"ns-train (2 steps) {right.seconds:.1f} s")
+
+    sh = install / "splat_metal_method" / "ops" / "metal" / "sh.metal"
+    assert sh.read_text().count(RIGHT) == 1
+    sh.write_text(sh.read_text().replace(RIGHT, WRONG))
+    wrong = _train(scene, tmp_path / "wrong", env)
+    assert wrong.returncode == 1, wrong.tail()
+    assert "the Metal kernels failed their self-check" in wrong.stderr, wrong.tail()
+    assert "sh (degree 1) forward: max abs error" in wrong.stderr, wrong.tail()
+    assert "sh (degree 0)" not in wrong.stderr  # only the failing stages are named
+    assert "--pipeline.model.backend reference" in wrong.stderr and "splat-metal-doctor" in wrong.stderr
+    assert "--pipeline.model.metal-self-check False" in wrong.stderr
+    assert not list((tmp_path / "wrong").rglob("*.ckpt")), "a checkpoint was written despite the failed check"
+    assert "Traceback" not in wrong.stderr, wrong.tail()
+
+
+def test_verdict_is_cached_and_the_check_runs_nothing_then(tmp_path, monkeypatch):
+    """In-process: a fresh cache runs the kernels, the same configuration again runs none."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    run = self_check.RunKernels(tile_size=16, channels=(4,), rasterize_mode="antialiased", absgrad=False, sh_degree=1)
+    runtime.reset_launch_counts()
+    assert self_check.verify(torch.device("cpu"), run) is not None
+    first = runtime.launch_counts()
+    assert {"project_fwd", "project_bwd", "sh_fwd", "sh_bwd", "isect_count", "radix_hist", "rasterize_fwd",
+            "rasterize_bwd"} <= set(first), first  # fmt: skip
+    runtime.reset_launch_counts()
+    assert self_check.verify(torch.device("cpu"), run) is None
+    assert runtime.launch_counts() == {}
+    (entry,) = json.loads(self_check.cache_path().read_text()).values()
+    assert entry["run"]["rasterize_mode"] == "antialiased" and entry["gpu"].startswith("MSL emulator")
