@@ -1,0 +1,216 @@
+"""``splat-metal-export``: a trained run as .ply, .splat and/or .spz, in one go.
+
+    splat-metal-export --load-config outputs/.../config.yml --output-dir exports/ --format ply splat spz
+
+The run is loaded as ``ns-export`` loads it (nerfstudio's ``eval_setup``: the same device choice,
+cuda if available else cpu, and the same checkpoint, the latest; splat-metal's checkpoint allow-list
+applies because importing this package installs it). Any splatfacto run works, not only splat-metal.
+
+``.ply`` is byte for byte what ``ns-export gaussian-splat`` writes (nerfstudio's own ``write_ply``
+over the same columns); ``.splat`` and ``.spz`` are described in splat_file.py and spz_file.py.
+Every requested file is first written to a hidden temporary file in the output folder; only when
+all are complete are they renamed into place (reliability.atomic_path), so a failure or Ctrl-C
+leaves no partial file and the files already there untouched. Bad input (no such config, not a
+gaussian-splatting run, no checkpoint, an unusable output folder, nothing left to export) stops
+with one message before anything is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Literal, Optional, Tuple
+
+import tyro
+
+Format = Literal["ply", "splat", "spz"]
+PROG = "splat-metal-export"
+
+
+class ExportError(SystemExit):
+    """A clear, one-line reason the export cannot run; exits with status 1 and no traceback."""
+
+    def __init__(self, message: str):
+        super().__init__(f"{PROG}: {message}")
+
+
+@dataclass
+class ExportSplats:
+    """Export a trained gaussian-splatting run (splat-metal or splatfacto) to .ply, .splat and .spz."""
+
+    load_config: Path
+    """config.yml of the run (as for ns-export)."""
+    output_dir: Path
+    """Folder for the files; created if missing."""
+    format: Tuple[Format, ...] = ("ply", "splat", "spz")
+    """One or more of: ply (3DGS .ply, as ns-export gaussian-splat), splat (antimatter15's 32 bytes per
+    gaussian, no view-dependent colour), spz (Niantic's compressed format, version 3, keeps SH)."""
+    output_name: str = "splat"
+    """File name without extension: splat.ply (ns-export's name), splat.splat, splat.spz."""
+    obb_center: Optional[Tuple[float, float, float]] = None
+    """Center of an oriented box to crop to (as ns-export gaussian-splat)."""
+    obb_rotation: Optional[Tuple[float, float, float]] = None
+    """Rotation of the box, RPY Euler angles in radians."""
+    obb_scale: Optional[Tuple[float, float, float]] = None
+    """Size of the box along each axis."""
+
+    def main(self) -> List[Path]:
+        """Writes the files; returns their paths."""
+        formats = list(dict.fromkeys(self.format))  # in order, once each
+        if not formats:
+            raise ExportError("--format needs at least one of ply, splat, spz")
+        obb_parts = (self.obb_center, self.obb_rotation, self.obb_scale)
+        if any(p is not None for p in obb_parts) and not all(p is not None for p in obb_parts):
+            raise ExportError("a crop needs all three of --obb-center, --obb-rotation and --obb-scale")
+        targets = [self.output_dir / f"{self.output_name}.{fmt}" for fmt in formats]
+        _check_config_file(self.load_config)
+        _prepare_output_dir(self.output_dir, targets)
+        _check_run(self.load_config)
+
+        from nerfstudio.models.splatfacto import SplatfactoModel
+        from nerfstudio.utils.eval_utils import eval_setup
+        from nerfstudio.utils.rich_utils import CONSOLE
+
+        from .gaussians import export_gaussians
+
+        _, pipeline, checkpoint, step = eval_setup(self.load_config, test_mode="inference")
+        model = pipeline.model
+        if not isinstance(model, SplatfactoModel):  # _check_run read the config; the checkpoint may differ
+            raise ExportError(f"{self.load_config} loads a {type(model).__name__}, not a gaussian-splatting model")
+        g = export_gaussians(model, obb=None if self.obb_center is None else obb_parts)  # type: ignore[arg-type]
+        dropped = ", ".join(
+            f"{n:,} {why}" for n, why in ((g.n_cropped, "outside the box"), (g.n_nonfinite, "with NaN/Inf"),
+                                          (g.n_low_opacity, "below opacity 1/255")) if n
+        )  # fmt: skip
+        if g.count == 0:
+            raise ExportError(
+                f"the model in {checkpoint} has no gaussians to export ({g.n_model:,} in the checkpoint"
+                f"{': ' + dropped if dropped else ''}); nothing was written."
+            )
+
+        sizes = _write_all(g, formats, targets)
+
+        CONSOLE.print(
+            f"[bold]{PROG}[/bold]: {g.count:,} gaussians (of {g.n_model:,}{'; ' + dropped if dropped else ''}), "
+            f"SH degree {g.sh_degree}, step {step}, from {checkpoint}",
+            soft_wrap=True,
+        )
+        ply = sizes.get("ply")
+        for fmt, target in zip(formats, targets):
+            size, note = sizes[fmt]
+            ratio = f", {ply[0] / size:.1f}x smaller than .ply" if ply and fmt != "ply" else ""
+            CONSOLE.print(
+                f"  {target}  {size:,} bytes  {size / g.count:.1f} bytes/gaussian{ratio}{note}",
+                highlight=False, soft_wrap=True,
+            )  # fmt: skip
+        return targets
+
+
+def _check_config_file(path: Path) -> None:
+    if not path.exists():
+        raise ExportError(
+            f"--load-config {path}: no such file. Give the config.yml of a run "
+            "(ns-train writes it to outputs/<data>/<method>/<timestamp>/config.yml)."
+        )
+    if not path.is_file():
+        raise ExportError(f"--load-config {path} is a folder; give the config.yml inside a run's folder.")
+
+
+def _prepare_output_dir(out: Path, targets: List[Path]) -> None:
+    """Creates the folder and checks a file can be created in it, before the (slow) model load."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--output-dir {out} is a file, not a folder.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".{PROG}-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ExportError(f"--output-dir {out}: cannot write there ({e.strerror or e}).") from None
+    for target in targets:
+        if target.is_dir():
+            raise ExportError(f"{target} is a folder; remove it or choose another --output-name.")
+
+
+def _check_run(config_path: Path) -> None:
+    """The config is a nerfstudio run of a gaussian-splatting method and has a checkpoint."""
+    import yaml
+    from nerfstudio.engine.trainer import TrainerConfig
+    from nerfstudio.models.splatfacto import SplatfactoModelConfig
+
+    try:
+        config = yaml.load(config_path.read_text(), Loader=yaml.Loader)
+    except Exception as e:  # YAML syntax, or a class that cannot be imported (e.g. a plugin not installed)
+        raise ExportError(f"{config_path} cannot be read as a run's config ({type(e).__name__}: {e}).") from None
+    if not isinstance(config, TrainerConfig):
+        raise ExportError(f"{config_path} is not a run's config.yml (no nerfstudio TrainerConfig in it).")
+    model = getattr(getattr(config, "pipeline", None), "model", None)
+    if not isinstance(model, SplatfactoModelConfig):
+        raise ExportError(
+            f"{config_path} is a {config.method_name} run; only gaussian-splatting runs (splat-metal, splatfacto) "
+            "can be exported."
+        )
+    ckpt_dir = config.get_checkpoint_dir()
+    if not sorted(Path(ckpt_dir).glob("step-*.ckpt")):
+        raise ExportError(
+            f"no checkpoint (step-*.ckpt) in {ckpt_dir}, where {config_path} says the run saved them"
+            + (" (a relative path: run from the folder ns-train ran in)" if not Path(ckpt_dir).is_absolute() else "")
+            + "."
+        )
+
+
+def _write_all(g, formats: List[str], targets: List[Path]) -> dict:
+    """Writes every format to a temporary file, then renames them all into place.
+    Returns {format: (bytes, note)}."""
+    from ..reliability import atomic_path
+
+    sizes = {}
+    try:
+        with contextlib.ExitStack() as stack:
+            for fmt, target in zip(formats, targets):
+                tmp = stack.enter_context(atomic_path(target))
+                sizes[fmt] = _write_one(g, fmt, tmp)
+    except KeyboardInterrupt:
+        raise ExportError("interrupted; nothing was written (files already there are untouched).") from None
+    except ValueError as e:  # the model holds values a format cannot represent
+        raise ExportError(f"{e}; nothing was written.") from None
+    except OSError as e:
+        raise ExportError(
+            f"could not write {e.filename or 'the export'} ({e.strerror or e}); nothing was written."
+        ) from None
+    return sizes
+
+
+def _write_one(g, fmt: str, path: Path) -> Tuple[int, str]:
+    if fmt == "ply":
+        from nerfstudio.scripts.exporter import ExportGaussianSplat
+
+        write_ply = ExportGaussianSplat.write_ply
+        write_ply = getattr(write_ply, "__wrapped__", write_ply)  # ours writes atomically itself
+        write_ply(str(path), g.count, g.ply_columns())
+        return path.stat().st_size, ""
+    if fmt == "splat":
+        from .splat_file import encode_splat
+
+        path.write_bytes(encode_splat(g))
+        return path.stat().st_size, ", no SH bands >= 1" if g.sh_degree > 0 else ""
+    from .spz_file import encode_spz
+
+    enc = encode_spz(g)
+    path.write_bytes(enc.data)
+    clamped = ", ".join(f"{n:,} {name}" for name, n in enc.clamped.items())
+    return len(enc.data), f", {enc.fractional_bits} fractional bits" + (
+        f"; clamped to the format's range: {clamped}" if clamped else ""
+    )
+
+
+def entrypoint() -> None:
+    """Console script ``splat-metal-export``."""
+    tyro.extras.set_accent_color("bright_yellow")
+    tyro.cli(tyro.conf.FlagConversionOff[ExportSplats], prog=PROG).main()
+
+
+if __name__ == "__main__":
+    entrypoint()

@@ -1,0 +1,96 @@
+"""Readers for .splat and .spz written from the formats' own sources, not from our writers, so that
+the tests read the files the way the viewers do.
+
+- .splat: antimatter15/splat main.js ``generateTexture``: the file viewed as float32 (f_buffer) and
+  as uint8 (u_buffer), 32 bytes = 8 floats per gaussian; position f[0:3], scale f[3:6],
+  rgba u[24:28] / 255, quaternion (w, x, y, z) = (u[28:32] - 128) / 128.
+- .spz: nianticlabs/spz load-spz.cc (legacy gzip path, versions 1-3): 16-byte header, then
+  positions (24-bit fixed point), alphas, colors, scales, rotations, sh; ``unpackGaussians``,
+  ``unpackQuaternionSmallestThree`` (v3) and ``unpackQuaternionFirstThree`` (v2).
+"""
+
+from __future__ import annotations
+
+import gzip
+import struct
+from pathlib import Path
+from typing import Dict
+
+import numpy as np
+
+SPZ_MAGIC = 0x5053474E
+
+
+def read_splat(path: Path) -> Dict[str, np.ndarray]:
+    data = Path(path).read_bytes()
+    assert len(data) % 32 == 0, f"{path}: {len(data)} bytes is not a whole number of 32-byte gaussians"
+    f = np.frombuffer(data, dtype="<f4").reshape(-1, 8)
+    u = np.frombuffer(data, dtype=np.uint8).reshape(-1, 32)
+    return {
+        "means": f[:, 0:3].copy(),  # [N, 3]
+        "scales": f[:, 3:6].copy(),  # [N, 3] activated
+        "rgba": u[:, 24:28].astype(np.float32) / 255,  # [N, 4]
+        "quats": (u[:, 28:32].astype(np.float32) - 128) / 128,  # [N, 4] wxyz
+    }
+
+
+def _sh_dim(degree: int) -> int:
+    return (degree + 1) ** 2 - 1
+
+
+def read_spz(path: Path) -> Dict[str, np.ndarray]:
+    """Header fields and decoded values; quats are returned as wxyz (the file stores xyzw)."""
+    raw = gzip.decompress(Path(path).read_bytes())
+    magic, version, n, sh_degree, frac_bits, flags, reserved = struct.unpack_from("<IIIBBBB", raw, 0)
+    assert magic == SPZ_MAGIC, f"bad magic {magic:#x}"
+    assert version in (2, 3), f"version {version}"
+    d = _sh_dim(sh_degree)
+    rot_bytes = 4 if version >= 3 else 3
+    sizes = [n * 9, n, n * 3, n * 3, n * rot_bytes, n * d * 3]
+    assert len(raw) == 16 + sum(sizes), f"payload is {len(raw)} bytes, the header implies {16 + sum(sizes)}"
+    parts, offset = [], 16
+    for size in sizes:
+        parts.append(np.frombuffer(raw, dtype=np.uint8, count=size, offset=offset))
+        offset += size
+    pos, alpha, color, scale, rot, sh = parts
+
+    p = pos.reshape(n * 3, 3).astype(np.int32)
+    fixed = p[:, 0] | (p[:, 1] << 8) | (p[:, 2] << 16)
+    fixed = np.where(fixed & 0x800000, fixed - (1 << 24), fixed)  # sign extension
+    means = (fixed.astype(np.float32) / (1 << frac_bits)).reshape(n, 3)
+
+    if version >= 3:
+        r = rot.reshape(n, 4).astype(np.uint32)
+        comp = r[:, 0] | (r[:, 1] << 8) | (r[:, 2] << 16) | (r[:, 3] << 24)
+        largest = comp >> 30
+        xyzw = np.zeros((n, 4), np.float32)
+        for i in range(3, -1, -1):  # the last stored component sits in the low bits
+            use = largest != i
+            mag = comp & 511
+            neg = (comp >> 9) & 1
+            value = np.sqrt(0.5) * mag.astype(np.float32) / 511
+            xyzw[:, i] = np.where(use, np.where(neg == 1, -value, value), 0)
+            comp = np.where(use, comp >> 10, comp)
+        rest = (xyzw**2).sum(axis=1)
+        xyzw[np.arange(n), largest] = np.sqrt(np.maximum(0, 1 - rest))
+    else:
+        xyz = rot.reshape(n, 3).astype(np.float32) / 127.5 - 1
+        xyzw = np.concatenate([xyz, np.sqrt(np.maximum(0, 1 - (xyz**2).sum(1)))[:, None]], axis=1)
+
+    with np.errstate(divide="ignore"):
+        a = alpha.astype(np.float32) / 255
+        logits = np.log(a / (1 - a))
+    return {
+        "version": version,
+        "num_points": n,
+        "sh_degree": sh_degree,
+        "fractional_bits": frac_bits,
+        "flags": flags,
+        "reserved": reserved,
+        "means": means,  # [N, 3]
+        "log_scales": (scale.reshape(n, 3).astype(np.float32) / 16 - 10),  # [N, 3]
+        "quats": np.roll(xyzw, 1, axis=1),  # [N, 4] wxyz
+        "opacity_logits": logits,  # [N]
+        "sh_dc": ((color.reshape(n, 3).astype(np.float32) / 255) - 0.5) / 0.15,  # [N, 3]
+        "sh_rest": (sh.reshape(n, d, 3).astype(np.float32) - 128) / 128,  # [N, D, 3] coefficient-major
+    }
