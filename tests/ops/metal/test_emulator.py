@@ -82,17 +82,54 @@ def test_unsupported_threadgroup_use_is_refused():
         compile_library(src, "two")
 
 
-def test_races_are_out_of_scope_but_behave_deterministically(lib):
-    # The emulator does not detect data races (see the emulator docstring). What it does guarantee:
-    # threads run in index order between barriers, so reading a HIGHER-index neighbour's shared value
-    # before a barrier sees stale memory and gives wrong results here, as it may on the GPU.
+def test_a_race_shows_as_different_results_across_schedule_seeds(lib, monkeypatch):
+    # racy_neighbour reads a neighbour's shared value without a barrier. Threads run in a seeded shuffled
+    # order between barriers, so whether the neighbour already wrote depends on the seed: the result is
+    # wrong (poison NaN) for some threads and differs from seed to seed, as it may on the GPU.
     n = 256
     x = torch.arange(n, dtype=torch.float32) + 1.0
-    lib.group_sum(torch.zeros(1), torch.full((n,), 7.0), n, threads=n, group_size=256)  # dirty shared memory
-    out = torch.zeros(n)
-    lib.racy_neighbour(out, x, threads=n, group_size=256)
+    outs = []
+    for seed in (0, 2, 4):
+        monkeypatch.setenv("SPLAT_METAL_EMU_SEED", str(seed))
+        out = torch.zeros(n)
+        lib.racy_neighbour(out, x, threads=n, group_size=256)
+        outs.append(out)
     correct = torch.roll(x, -1)
-    assert (out[:-1] != correct[:-1]).all(), "a read-before-write race should not look correct"
+    for out in outs:
+        assert torch.isnan(out).any() and (out == correct).any(), "some threads should win the race, some lose it"
+    assert not torch.equal(torch.isnan(outs[0]), torch.isnan(outs[1])), "the seed should change who wins"
+    # the same seed gives the same schedule
+    again = torch.zeros(n)
+    lib.racy_neighbour(again, x, threads=n, group_size=256)
+    assert torch.equal(torch.isnan(again), torch.isnan(outs[-1]))
+
+
+@pytest.mark.parametrize("seed, poison_f, poison_i", [(0, None, -1), (1, 3.3961514e38, 0x7F7F7F7F)])
+def test_uninitialised_threadgroup_memory_is_poisoned_in_every_group(lib, monkeypatch, seed, poison_f, poison_i):
+    # uninit_shared: thread 0 of each group reads a shared slot nobody wrote. Every group (not only the
+    # first one an OS thread runs) must see the poison: NaN / -1 (even seeds), 3.4e38 / 0x7F7F7F7F (odd).
+    monkeypatch.setenv("SPLAT_METAL_EMU_SEED", str(seed))
+    monkeypatch.setenv("SPLAT_METAL_EMU_THREADS", "1")  # one OS thread runs all groups: reuse is certain
+    n = 5 * 256
+    out, out_i = torch.zeros(n), torch.zeros(n, dtype=torch.int32)
+    lib.uninit_shared(out, out_i, threads=n, group_size=256)
+    first, first_i = out.view(5, 256)[:, 0], out_i.view(5, 256)[:, 0]
+    assert (torch.isnan(first) if poison_f is None else first == poison_f).all(), first
+    assert (first_i == poison_i).all(), first_i
+    t = torch.arange(1, 256)
+    assert (out.view(5, 256)[:, 1:] == t.float()).all() and (out_i.view(5, 256)[:, 1:] == t.int()).all()
+
+
+def test_max_total_threads_per_threadgroup_is_enforced_like_torch(lib):
+    out = torch.zeros(128)
+    lib.limited_64(out, threads=128, group_size=64)
+    lib.limited_32(out, threads=128, group_size=32)
+    assert out.tolist() == [2.0] * 128
+    assert lib.limited_32.max_total_threads_per_threadgroup == 32
+    with pytest.raises(EmulatorError, match=r"limited_64.*128 threads, more than .*max_total_threads_per_threadgroup\(64\)"):
+        lib.limited_64(out, threads=128, group_size=128)
+    with pytest.raises(EmulatorError, match=r"limited_32.*64 threads"):
+        lib.limited_32(out, threads=128, group_size=(64,))
 
 
 def _simd_expected(x, flags, n, group):

@@ -10,15 +10,19 @@ import functools
 import operator
 import hashlib
 import os
-import re
 import shutil
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
+import warnings
 from pathlib import Path
 
 import torch
+
+from . import address_spaces
+from .errors import EmulatorError, MetalCompileError
+from .msl_subset import check_msl_subset
+from .parse import DTYPES, POSITION_FIELDS, SCALAR_FIELDS, Kernel, TgDecl, parse_kernels, strip_comments, uses_fibers
 
 SHIM_DIR = Path(__file__).resolve().parent
 MAX_THREADS_PER_GROUP = 1024
@@ -30,196 +34,10 @@ _FLAGS = [
     "-Wno-attributes",  # [[buffer(0)]] and friends are unknown to g++ and ignored
     "-ffp-contract=off",  # no silent fma contraction: torch.mps.compile_shader has fast-math off
     "-U_FORTIFY_SOURCE",  # fortified longjmp refuses to jump between fiber stacks
+    "-Werror=vla",  # variable-length arrays are not MSL
 ]
+_ASAN_FLAGS = ["-fsanitize=address", "-fno-omit-frame-pointer", "-O1"]
 _GCC_ONLY_FLAGS = ["-fsingle-precision-constant"]  # `0.5` is a float literal in MSL, not a double
-
-
-class EmulatorError(RuntimeError):
-    """A kernel was launched wrongly, or misbehaved in a way Metal leaves undefined."""
-
-
-class MetalCompileError(EmulatorError):
-    """g++ rejected the kernel source; the message carries its diagnostics (file:line of the .metal)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Parsing: find kernels, their params and threadgroup arrays
-# ---------------------------------------------------------------------------------------------
-_POSITION_FIELDS = {  # attribute -> expression over `const msl_emu::Pos& p`
-    "thread_position_in_grid": "p.tpig",
-    "thread_position_in_threadgroup": "p.tpt",
-    "threadgroup_position_in_grid": "p.tgp",
-    "threads_per_threadgroup": "p.tptg",
-    "dispatch_threads_per_threadgroup": "p.dtptg",
-    "threads_per_grid": "p.tpgrid",
-    "threadgroups_per_grid": "p.tgpg",
-}
-_SCALAR_FIELDS = {
-    "thread_index_in_threadgroup": "p.tidx",
-    "thread_index_in_simdgroup": "p.lane",
-    "simdgroup_index_in_threadgroup": "p.sgidx",
-    "simdgroups_per_threadgroup": "p.nsg",
-    "threads_per_simdgroup": "32u",
-    "thread_execution_width": "32u",
-}
-_INT64_REF_TYPES = {"long", "int64_t", "ulong", "uint64_t", "bool"}
-_QUALIFIERS = {"device", "constant", "const", "volatile", "thread", "metal"}
-# pointee scalar type -> tensor dtypes allowed behind it (unknown types, e.g. structs, accept any)
-_DTYPES = {
-    "float": {torch.float32}, "int": {torch.int32}, "uint": {torch.int32, torch.uint32},
-    "long": {torch.int64}, "ulong": {torch.int64, torch.uint64}, "int64_t": {torch.int64},
-    "short": {torch.int16}, "ushort": {torch.int16, torch.uint16}, "char": {torch.int8},
-    "uchar": {torch.uint8, torch.bool}, "bool": {torch.bool, torch.uint8}, "half": {torch.float16},
-}
-
-
-@dataclass
-class Param:
-    text: str  # the declaration as written, without its attribute
-    type: str  # e.g. "device const float*"
-    name: str
-    attr: str  # "buffer", a position attribute name, or "" (none)
-    index: int | None = None  # the i of [[buffer(i)]]
-    kind: str = ""  # buffers: "tensor" | "int" | "float"
-    scalar: str | None = None  # pointee scalar type name for dtype checks ("float", "int", ...)
-
-
-@dataclass
-class Kernel:
-    name: str
-    params: list[Param]
-    buffers: list[Param]  # sorted by buffer index
-    tg_arrays: list[tuple[str, str, str]]  # (type, name, dims) of `threadgroup T name[dims];`
-
-
-def _strip_comments(src: str) -> str:
-    """Blank out comments and string literals, keeping offsets and newlines."""
-
-    def blank(m: re.Match) -> str:
-        return re.sub(r"[^\n]", " ", m.group(0))
-
-    return re.sub(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"', blank, src, flags=re.S)
-
-
-def _matching(src: str, i: int, open_c: str, close_c: str) -> int:
-    """Index of the bracket closing the one at src[i]."""
-    depth = 0
-    for j in range(i, len(src)):
-        if src[j] == open_c:
-            depth += 1
-        elif src[j] == close_c:
-            depth -= 1
-            if depth == 0:
-                return j
-    raise EmulatorError(f"unbalanced {open_c!r} at offset {i}")
-
-
-def _split_top_level(s: str) -> list[str]:
-    parts, depth, cur = [], 0, []
-    for ch in s:
-        if ch in "([<":
-            depth += 1
-        elif ch in ")]>":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    if "".join(cur).strip():
-        parts.append("".join(cur))
-    return [p.strip() for p in parts]
-
-
-def _base_type(type_text: str) -> str:
-    words = [w for w in re.findall(r"[A-Za-z_][\w:]*", type_text) if w not in _QUALIFIERS]
-    return words[-1].split("::")[-1] if words else ""
-
-
-def _scalar_of(base: str) -> str | None:
-    m = re.fullmatch(r"(?:packed_)?([a-z]+?)(?:[234](?:x[234])?)?", base)
-    if m and m.group(1) in _DTYPES:
-        return m.group(1)
-    m = re.fullmatch(r"atomic_(int|uint|float)", base)
-    return m.group(1) if m else None
-
-
-def _parse_param(kname: str, text: str) -> Param:
-    m = re.search(r"\[\[\s*(\w+)\s*(?:\(\s*(\d+)\s*\))?\s*\]\]", text)
-    attr, idx = (m.group(1), m.group(2)) if m else ("", None)
-    decl = (text[: m.start()] + text[m.end():]).strip() if m else text
-    nm = re.search(r"(\w+)\s*$", decl)
-    if not nm:
-        raise EmulatorError(f"[{kname}] cannot parse parameter {text!r}")
-    name, type_ = nm.group(1), decl[: nm.start()].strip()
-    p = Param(text=decl, type=type_, name=name, attr=attr)
-    if attr == "buffer":
-        p.index = int(idx)
-        if re.search(r"\bthreadgroup\b", type_):
-            raise EmulatorError(f"[{kname}] threadgroup pointer params are not supported: {text!r}")
-        base = _base_type(type_)
-        p.scalar = _scalar_of(base)
-        if type_.endswith("*"):
-            p.kind = "tensor"
-        elif type_.endswith("&"):
-            p.kind = "int" if base in _INT64_REF_TYPES else "float" if base == "float" else "tensor"
-        else:
-            raise EmulatorError(f"[{kname}] buffer param {name!r} must be a pointer or a reference, got {text!r}")
-    elif attr in _POSITION_FIELDS or attr in _SCALAR_FIELDS:
-        pass
-    else:
-        raise EmulatorError(f"[{kname}] unsupported kernel parameter {text!r} "
-                            "(supported: [[buffer(i)]] and the position attributes)")
-    return p
-
-
-_TG_DECL = re.compile(r"\bthreadgroup\s+((?:const\s+)?[A-Za-z_][\w:]*(?:\s*<[^;<>]*>)?)\s+(\w+)\s*"
-                      r"((?:\[[^\]]+\]\s*)*);")
-_TG_POINTER = re.compile(r"\bthreadgroup\s+(?:const\s+)?[A-Za-z_][\w:]*(?:\s*<[^;<>]*>)?\s*(?:const\s*)?[*&]")
-
-
-def parse_kernels(source: str) -> tuple[dict[str, Kernel], list[int]]:
-    """Kernels of `source`, and the offsets of the `threadgroup` keywords that declare shared arrays.
-
-    Every `threadgroup` must be either such a declaration in a kernel body (it becomes
-    `static thread_local`: shared by the group's fibers) or a pointer/reference type, e.g. a helper's
-    `threadgroup float* sh` param (the keyword then expands to nothing). Anything else is refused,
-    because it would silently become a per-thread variable.
-    """
-    clean = _strip_comments(source)
-    kernels: dict[str, Kernel] = {}
-    decl_offsets: list[int] = []
-    for m in re.finditer(r"\bkernel\s+void\s+(\w+)\s*\(", clean):
-        name = m.group(1)
-        close = _matching(clean, m.end() - 1, "(", ")")
-        params = [_parse_param(name, t) for t in _split_top_level(clean[m.end(): close])]
-        body_open = clean.index("{", close)
-        body_close = _matching(clean, body_open, "{", "}")
-        buffers = sorted((p for p in params if p.attr == "buffer"), key=lambda p: p.index)
-        if [p.index for p in buffers] != list(range(len(buffers))):
-            raise EmulatorError(f"[{name}] buffer indices must be 0..n-1 without gaps, got "
-                                f"{[p.index for p in buffers]}")
-        decls = list(_TG_DECL.finditer(clean, body_open, body_close))
-        decl_offsets += [d.start() for d in decls]
-        if name in kernels:
-            raise EmulatorError(f"kernel {name!r} is defined twice")
-        kernels[name] = Kernel(name, params, buffers, [(d.group(1), d.group(2), d.group(3).strip()) for d in decls])
-    declared = set(decl_offsets)
-    for t in re.finditer(r"\bthreadgroup\b", clean):
-        if t.start() not in declared and not _TG_POINTER.match(clean, t.start()):
-            line = clean.count("\n", 0, t.start()) + 1
-            raise EmulatorError(
-                f"unsupported use of `threadgroup` at line {line} of the assembled source: "
-                f"{clean[t.start():clean.find(chr(10), t.start())].strip()!r}. Declare shared memory as "
-                "`threadgroup T name[N];` (one array per statement) in a kernel body; elsewhere use it only "
-                "on pointer/reference types")
-    return kernels, decl_offsets
-
-
-def uses_fibers(source: str) -> bool:
-    """Kernels that never synchronise run as plain loops; anything else gets one fiber per thread."""
-    return re.search(r"\b(threadgroup_barrier|simdgroup_barrier|simd_\w+|quad_\w+)\s*\(",
-                     _strip_comments(source)) is not None
 
 
 def _wrapper(k: Kernel) -> str:
@@ -229,18 +47,30 @@ def _wrapper(k: Kernel) -> str:
             args.append(f"({p.type})a[{p.index}]")
         elif p.attr == "buffer":
             args.append(f"*(std::remove_reference_t<{p.type}>*)a[{p.index}]")
-        elif p.attr in _POSITION_FIELDS:
-            args.append(f"msl_emu::pos_as<{p.type}>({_POSITION_FIELDS[p.attr]})")
+        elif p.attr in POSITION_FIELDS:
+            args.append(f"msl_emu::pos_as<{p.type}>({POSITION_FIELDS[p.attr]})")
         else:
-            args.append(f"({p.type})({_SCALAR_FIELDS[p.attr]})")
+            args.append(f"({p.type})({SCALAR_FIELDS[p.attr]})")
     tg = " + ".join(f"sizeof({t}{d})" for t, _, d in k.tg_arrays) or "0"
     return (
         f"static void msl_body_{k.name}(void** a, const msl_emu::Pos& p) {{\n"
         f"  (void)a; (void)p;\n  {k.name}({', '.join(args)});\n}}\n"
-        f'extern "C" int launch_{k.name}(void** a, const int64_t* grid, const int64_t* group, int nt, int fib) {{\n'
-        f"  return msl_emu::dispatch(msl_body_{k.name}, a, grid, group, nt, fib);\n}}\n"
+        f'extern "C" int launch_{k.name}(void** a, const int64_t* grid, const int64_t* group, int nt, int fib,\n'
+        f"                              uint64_t seed) {{\n"
+        f"  return msl_emu::dispatch(msl_body_{k.name}, a, grid, group, nt, fib, seed);\n}}\n"
         f'extern "C" int64_t tgmem_{k.name}() {{ return int64_t({tg}); }}\n'
+        f'extern "C" int64_t maxthreads_{k.name}() {{ return int64_t({k.max_threads or 0}); }}\n'
     )
+
+
+def _shared_arrays(source: str, tg_decls: list[TgDecl]) -> str:
+    """Each `threadgroup T a[N];` of a kernel body becomes a reference to the group's poisoned storage
+    (msl_emu::tg_array), on the same line."""
+    for slot, d in sorted(enumerate(tg_decls), key=lambda e: -e[1].start):
+        t = f"msl_tg_type_{slot}"
+        source = (source[:d.start] + f"using {t} = {d.type}{d.dims}; {t}& {d.name} = "
+                  f"*static_cast<{t}*>(msl_emu::tg_array({slot}, sizeof({t})));" + source[d.end:])
+    return source
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,21 +86,64 @@ def compile_count() -> int:
     return _compile_count
 
 
+def asan_enabled() -> bool:
+    """SPLAT_METAL_EMU_ASAN=1 builds every library with AddressSanitizer (see asan_runtime)."""
+    return os.environ.get("SPLAT_METAL_EMU_ASAN", "") not in ("", "0")
+
+
+def asan_runtime() -> str:
+    """Path of the compiler's ASan runtime, which a Python process must LD_PRELOAD to load ASan builds."""
+    lib = "libclang_rt.asan-x86_64.so" if "clang" in _compiler_version() else "libasan.so"
+    path = subprocess.run([_CXX, f"-print-file-name={lib}"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(path) or not os.path.exists(path):
+        raise EmulatorError(f"cannot find {lib} of {_CXX!r} (for SPLAT_METAL_EMU_ASAN=1); install the compiler's "
+                            "AddressSanitizer runtime (Debian: it comes with g++ as libasan)")
+    return path
+
+
+def _asan_loaded() -> bool:
+    try:
+        return "libasan" in Path("/proc/self/maps").read_text() or "asan" in os.environ.get("LD_PRELOAD", "")
+    except OSError:  # no /proc (macOS): trust LD_PRELOAD / DYLD_INSERT_LIBRARIES
+        return "asan" in os.environ.get("LD_PRELOAD", "") + os.environ.get("DYLD_INSERT_LIBRARIES", "")
+
+
+def schedule_seed() -> int:
+    """The seed of the emulator's thread order (SPLAT_METAL_EMU_SEED, default 0).
+
+    Between two barriers (or simdgroup ops) the threads of a group run in an order shuffled by
+    (seed, group, round); an odd seed also changes the poison byte of threadgroup memory (0x7F
+    instead of 0xFF). A kernel without races gives the same result under every seed."""
+    env = os.environ.get("SPLAT_METAL_EMU_SEED", "").strip()
+    try:
+        return int(env or 0) & (2**64 - 1)
+    except ValueError:
+        raise EmulatorError(f"SPLAT_METAL_EMU_SEED must be an integer, got {env!r}") from None
+
+
 def cache_dir() -> Path:
     d = os.environ.get("SPLAT_METAL_CACHE_DIR") or os.path.join(Path.home(), ".cache", "splat_metal", "emulator")
     return Path(d)
 
 
 @functools.lru_cache(maxsize=None)
+def _compiler_version() -> str:
+    return subprocess.run([_CXX, "--version"], capture_output=True, text=True).stdout
+
+
 def _flags() -> list[str]:
-    out = subprocess.run([_CXX, "--version"], capture_output=True, text=True).stdout
-    return _FLAGS + (["-Wno-unknown-attributes", "-Wno-deprecated-declarations"] if "clang" in out
-                     else _GCC_ONLY_FLAGS)
+    return (_FLAGS + (["-Wno-unknown-attributes", "-Wno-deprecated-declarations"] if "clang" in _compiler_version()
+                      else _GCC_ONLY_FLAGS) + (_ASAN_FLAGS if asan_enabled() else []))
 
 
 def _shim_text() -> str:
-    return "".join(f.read_text() for f in sorted(SHIM_DIR.iterdir())
-                   if f.is_file() and (not f.suffix or f.suffix == ".h"))
+    """Everything a cached library depends on besides its source: the shim and the checks it passed."""
+    files = [f for f in sorted(SHIM_DIR.iterdir()) if f.is_file() and (not f.suffix or f.suffix == ".h")]
+    checks = [SHIM_DIR / "msl_subset.py", SHIM_DIR / "address_spaces.py", address_spaces.STANDIN_DIR / "metal_stdlib"]
+    return "".join(f.read_text() for f in files + checks)
+
+
+_warned_no_clang = False
 
 
 def compile_library(source: str, name: str = "kernels") -> "EmulatorLibrary":
@@ -278,14 +151,23 @@ def compile_library(source: str, name: str = "kernels") -> "EmulatorLibrary":
 
     `name` only labels diagnostics when the source carries no `#line` directive of its own.
     """
-    global _compile_count
+    global _compile_count, _warned_no_clang
     if shutil.which(_CXX) is None:
         raise EmulatorError(f"the MSL emulator needs a C++ compiler ({_CXX!r} not found; set $CXX)")
     kernels, tg_decls = parse_kernels(source)
+    check_msl_subset(source, strip_comments(source), kernels, name)
     fibers = uses_fibers(source)
-    for off in sorted(tg_decls, reverse=True):  # shared-array declarations become static thread_local
-        source = source[:off] + "msl_tg_shared" + source[off + len("threadgroup"):]
     flags = _flags()
+    if asan_enabled() and not _asan_loaded():
+        raise EmulatorError("SPLAT_METAL_EMU_ASAN=1: AddressSanitizer builds load only into a process started with "
+                            f"LD_PRELOAD={asan_runtime()} (and ASAN_OPTIONS=detect_leaks=0 for Python)")
+    check_spaces = address_spaces.clang() is not None
+    if not check_spaces and not _warned_no_clang:
+        _warned_no_clang = True
+        warnings.warn("clang++ not found: the MSL emulator skips its address-space check "
+                      "(scripts/setup.sh installs clang)", stacklevel=2)
+    original = source
+    source = _shared_arrays(source, tg_decls)
     prefix = "" if source.lstrip().startswith("#line") else f'#line 1 "{name}"\n'
     cpp = (
         prefix + source + "\n\n"
@@ -293,7 +175,7 @@ def compile_library(source: str, name: str = "kernels") -> "EmulatorLibrary":
         "#include <type_traits>\nusing namespace metal;\n" + "".join(_wrapper(k) for k in kernels.values())
         + 'extern "C" const char* msl_emu_last_error() { return msl_emu::last_error.c_str(); }\n'
     )
-    key = hashlib.sha256("\0".join([cpp, _shim_text(), _CXX, *flags]).encode()).hexdigest()[:24]
+    key = hashlib.sha256("\0".join([cpp, _shim_text(), _CXX, *flags, str(check_spaces)]).encode()).hexdigest()[:24]
     with _lock:
         if key in _loaded:
             return _loaded[key]
@@ -301,6 +183,8 @@ def compile_library(source: str, name: str = "kernels") -> "EmulatorLibrary":
         d.mkdir(parents=True, exist_ok=True)
         so = d / f"{key}.so"
         if not so.exists():
+            if check_spaces:
+                address_spaces.check_address_spaces(original, tg_decls, name)
             with tempfile.TemporaryDirectory(dir=d) as tmp:
                 src_path = Path(tmp) / f"{key}.cpp"
                 src_path.write_text(cpp)
@@ -343,11 +227,24 @@ class EmulatorKernel:
     def __init__(self, lib: "EmulatorLibrary", k: Kernel):
         self._lib, self._k = lib, k
         self._fn = getattr(lib._dll, f"launch_{k.name}")
-        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                             ctypes.c_uint64]
         self._fn.restype = ctypes.c_int
         tg = getattr(lib._dll, f"tgmem_{k.name}")
         tg.restype = ctypes.c_int64
         self.threadgroup_memory = int(tg())
+        mt = getattr(lib._dll, f"maxthreads_{k.name}")
+        mt.restype = ctypes.c_int64
+        # What torch.mps.compile_shader's kernels report about their pipeline. maxTotalThreadsPerThreadgroup is
+        # what the source declares ([[max_total_threads_per_threadgroup(N)]], else 1024); on a GPU it can be
+        # lower still (register use), which only the Mac-side doctor can see.
+        self.max_threads_per_threadgroup = int(mt()) or MAX_THREADS_PER_GROUP
+        self.max_total_threads_per_threadgroup = self.max_threads_per_threadgroup
+        self.thread_execution_width = 32
+        self.static_thread_group_memory_length = self.threadgroup_memory
+        if not 1 <= self.max_threads_per_threadgroup <= MAX_THREADS_PER_GROUP:
+            raise EmulatorError(f"[{k.name}] [[max_total_threads_per_threadgroup({k.max_threads})]] is "
+                                f"{self.max_threads_per_threadgroup}; Metal allows 1..{MAX_THREADS_PER_GROUP}")
 
     def __call__(self, *args, threads=None, group_size=None):
         k = self._k
@@ -362,6 +259,10 @@ class EmulatorKernel:
         if n_group > MAX_THREADS_PER_GROUP:
             raise EmulatorError(f"[{k.name}] group_size {group} has {n_group} threads; Metal allows at most "
                                 f"{MAX_THREADS_PER_GROUP} per threadgroup")
+        if n_group > self.max_threads_per_threadgroup:
+            raise EmulatorError(f"[{k.name}] group_size {group} has {n_group} threads, more than the kernel's "
+                                f"[[max_total_threads_per_threadgroup({self.max_threads_per_threadgroup})]] "
+                                "(torch.mps.compile_shader raises ValueError on a Mac)")
         if self.threadgroup_memory > MAX_THREADGROUP_MEMORY:
             raise EmulatorError(f"[{k.name}] declares {self.threadgroup_memory} bytes of threadgroup memory; "
                                 f"Metal allows at most {MAX_THREADGROUP_MEMORY}")
@@ -384,7 +285,7 @@ class EmulatorKernel:
                     raise EmulatorError(f"{where}: the emulator runs CPU tensors only, got {a.device}")
                 if not a.is_contiguous():
                     raise EmulatorError(f"{where}: tensor must be contiguous (Metal ignores strides)")
-                if p.scalar is not None and a.dtype not in _DTYPES[p.scalar]:
+                if p.scalar is not None and a.dtype not in DTYPES[p.scalar]:
                     raise EmulatorError(f"{where}: tensor dtype {a.dtype} does not match `{p.scalar}`")
                 slots[i] = a.data_ptr()  # data_ptr() already includes the storage offset
             else:
@@ -394,7 +295,7 @@ class EmulatorKernel:
         pad = (1,) * (3 - len(grid))
         g = (ctypes.c_int64 * 3)(*(grid + pad))
         gs = (ctypes.c_int64 * 3)(*(group + pad))
-        rc = self._fn(slots, g, gs, _n_os_threads(), int(self._lib._fibers))
+        rc = self._fn(slots, g, gs, _n_os_threads(), int(self._lib._fibers), schedule_seed())
         if rc != 0:
             msg = self._lib._last_error().decode(errors="replace")
             raise EmulatorError(f"[{k.name}] {msg}")

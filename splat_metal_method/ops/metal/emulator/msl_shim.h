@@ -15,6 +15,7 @@
 #include <cmath>
 #include <csetjmp>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -24,6 +25,17 @@
 #include <vector>
 #include <sys/mman.h>
 #include <ucontext.h>
+#if defined(__SANITIZE_ADDRESS__)
+#define MSL_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define MSL_EMU_ASAN 1
+#endif
+#endif
+#ifdef MSL_EMU_ASAN
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
 
 #ifndef MAP_NORESERVE
 #define MAP_NORESERVE 0
@@ -433,6 +445,31 @@ struct Fiber {
   int simd_op = 0;
   uint32_t simd_seq = 0;   // simdgroup ops done by this thread (double-buffers the lane slots)
   Pos pos;
+  void* asan_fake_stack = nullptr;  // AddressSanitizer's bookkeeping while this fiber is switched out
+};
+
+// The order threads run in between two synchronisation points is a seeded shuffle (Metal promises
+// no order at all): splitmix64 keyed by (seed, group, round), so it does not depend on which OS
+// thread runs the group.
+inline uint64_t mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+inline void shuffle_order(std::vector<uint32_t>& order, uint32_t n, uint64_t key) {
+  order.resize(n);
+  for (uint32_t i = 0; i < n; ++i) order[i] = i;
+  for (uint32_t i = n; i > 1; --i) {
+    key = mix64(key);
+    std::swap(order[i - 1], order[key % i]);
+  }
+}
+
+struct TgBlock {  // one `threadgroup T a[N];` array of a kernel, owned by one OS thread
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  uint64_t gen = ~0ull;  // the group it was last poisoned for
 };
 
 struct SimdSlots {  // lane values of one simdgroup's current op; [seq parity][lane]
@@ -448,6 +485,8 @@ struct Dispatch {
   uint32_t grid[3], group[3], ngroups[3];
   uint64_t total_groups;
   bool fibers;
+  uint64_t seed;            // schedule seed (SPLAT_METAL_EMU_SEED)
+  unsigned char poison;     // byte threadgroup memory is filled with at group start
   std::atomic<uint64_t> next{0};
   std::atomic<bool> failed{false};
   std::mutex err_mu;
@@ -466,8 +505,15 @@ struct Worker {
   jmp_buf sched;
   Fiber* cur = nullptr;
   bool in_fiber = false;
+  uint64_t group_linear = 0;     // index of the group being run (its threadgroup memory generation)
+  std::vector<uint32_t> order;   // this round's thread order
+  std::vector<TgBlock> tg;       // threadgroup arrays, by declaration slot
+  void* asan_fake_stack = nullptr;
+  const void* sched_stack_bottom = nullptr;  // the OS thread's own stack, for AddressSanitizer
+  size_t sched_stack_size = 0;
   ~Worker() {
     for (Fiber* f : fibers) { munmap(f->stack, kStackBytes + 4096); delete f; }
+    for (TgBlock& b : tg) std::free(b.ptr);
   }
 };
 
@@ -481,31 +527,70 @@ struct KernelError { std::string msg; };  // thrown only on the plain (non-fiber
                     "Call it directly in the .metal source."};
 }
 
+// AddressSanitizer must be told about every stack switch (fibers run on their own mmap'd stacks),
+// or it reports false errors on the first longjmp. No-ops in the normal build.
+inline void asan_to_fiber(Worker* w, Fiber* f) {
+#ifdef MSL_EMU_ASAN
+  __sanitizer_start_switch_fiber(&w->asan_fake_stack, f->stack + 4096, kStackBytes);
+#else
+  (void)w; (void)f;
+#endif
+}
+inline void asan_in_fiber(Worker* w, Fiber* f) {
+#ifdef MSL_EMU_ASAN
+  __sanitizer_finish_switch_fiber(f->asan_fake_stack, &w->sched_stack_bottom, &w->sched_stack_size);
+#else
+  (void)w; (void)f;
+#endif
+}
+inline void asan_to_sched(Worker* w, Fiber* f) {
+#ifdef MSL_EMU_ASAN
+  __sanitizer_start_switch_fiber(&f->asan_fake_stack, w->sched_stack_bottom, w->sched_stack_size);
+#else
+  (void)w; (void)f;
+#endif
+}
+inline void asan_in_sched(Worker* w) {
+#ifdef MSL_EMU_ASAN
+  __sanitizer_finish_switch_fiber(w->asan_fake_stack, nullptr, nullptr);
+#else
+  (void)w;
+#endif
+}
+
 // Give control back to the group scheduler until it resumes this thread.
 inline void block(State s, int op = 0) {
   Worker* w = tls_worker;
   Fiber* f = w->cur;
   f->state = s;
   f->simd_op = op;
-  if (!_setjmp(f->jb)) _longjmp(w->sched, 1);
+  if (!_setjmp(f->jb)) { asan_to_sched(w, f); _longjmp(w->sched, 1); }
+  asan_in_fiber(w, f);
 }
 
 // Every fiber runs this forever: one GPU thread per loop iteration, then park until reused.
 inline void fiber_main() {
+  asan_in_fiber(tls_worker, tls_worker->cur);
   for (;;) {
     Worker* w = tls_worker;
     Fiber* f = w->cur;
     w->d->body(w->d->args, f->pos);
     f->state = DONE;
-    if (!_setjmp(f->jb)) _longjmp(w->sched, 1);
+    if (!_setjmp(f->jb)) { asan_to_sched(w, f); _longjmp(w->sched, 1); }
+    asan_in_fiber(w, f);
   }
 }
 
 inline void resume(Worker* w, Fiber* f) {
   w->cur = f;
   if (!_setjmp(w->sched)) {
+    asan_to_fiber(w, f);
     if (f->fresh) {
       f->fresh = false;
+#ifdef MSL_EMU_ASAN
+      f->asan_fake_stack = nullptr;
+      ASAN_UNPOISON_MEMORY_REGION(f->stack + 4096, kStackBytes);  // frames of an abandoned run are gone
+#endif
       getcontext(&f->uc);
       f->uc.uc_stack.ss_sp = f->stack + 4096;
       f->uc.uc_stack.ss_size = kStackBytes;
@@ -516,6 +601,7 @@ inline void resume(Worker* w, Fiber* f) {
       _longjmp(f->jb, 1);  // fast switch: no signal-mask syscall
     }
   }
+  asan_in_sched(w);
 }
 
 inline Fiber* new_fiber() {
@@ -572,8 +658,10 @@ inline bool run_group_fibers(Worker* w, const uint32_t tg[3], const uint32_t act
     return false;
   };
   w->in_fiber = true;
-  for (;;) {
-    for (uint32_t i = 0; i < n; ++i)  // run every runnable thread until it blocks or returns
+  for (uint64_t round = 0;; ++round) {
+    // run every runnable thread, in this round's shuffled order, until it blocks or returns
+    shuffle_order(w->order, n, mix64(d.seed ^ mix64(w->group_linear * 0x100000001B3ull + round)));
+    for (uint32_t i : w->order)
       if (w->fibers[i]->state == RUNNABLE) resume(w, w->fibers[i]);
     w->in_fiber = false;
     uint32_t n_done = 0, n_bar = 0;
@@ -628,8 +716,9 @@ inline bool run_group_plain(Worker* w, const uint32_t tg[3], const uint32_t actu
   Dispatch& d = *w->d;
   uint32_t n = actual[0] * actual[1] * actual[2];
   Pos p;
+  shuffle_order(w->order, n, mix64(d.seed ^ mix64(w->group_linear * 0x100000001B3ull)));
   try {
-    for (uint32_t i = 0; i < n; ++i) { fill_pos(d, tg, actual, i, p); d.body(d.args, p); }
+    for (uint32_t i : w->order) { fill_pos(d, tg, actual, i, p); d.body(d.args, p); }
   } catch (const KernelError& e) {
     d.fail(e.msg);
     return false;
@@ -650,6 +739,7 @@ inline void worker_loop(Dispatch* d) {
                       uint32_t(g / (uint64_t(d->ngroups[0]) * d->ngroups[1]))};
     uint32_t actual[3];
     for (int k = 0; k < 3; ++k) actual[k] = std::min(d->group[k], d->grid[k] - tg[k] * d->group[k]);
+    w.group_linear = g;
     bool ok = d->fibers ? run_group_fibers(&w, tg, actual) : run_group_plain(&w, tg, actual);
     if (!ok) break;
   }
@@ -660,9 +750,10 @@ inline thread_local std::string last_error;
 
 // The entry point every generated launch_<kernel> calls. Returns 0 on success.
 inline int dispatch(Body body, void** args, const int64_t* grid, const int64_t* group, int n_os_threads,
-                    int use_fibers) {
+                    int use_fibers, uint64_t seed) {
   Dispatch d;
   d.body = body; d.args = args; d.fibers = use_fibers != 0; d.total_groups = 1;
+  d.seed = seed; d.poison = (seed & 1) ? 0x7F : 0xFF;
   for (int k = 0; k < 3; ++k) {
     d.grid[k] = uint32_t(grid[k]);
     d.group[k] = uint32_t(group[k]);
@@ -677,6 +768,27 @@ inline int dispatch(Body body, void** args, const int64_t* grid, const int64_t* 
   for (auto& t : threads) t.join();
   if (d.failed) { last_error = d.err; return 1; }
   return 0;
+}
+
+// Storage of the threadgroup array declared at `slot`, for the group this OS thread runs now. The
+// first thread of a group to reach the declaration fills it with the poison byte (0xFF: float NaN,
+// int -1; 0x7F with an odd seed: float 3.4e38, int 2139062143), so a read before any write shows.
+// Each array is its own heap block, so AddressSanitizer also catches threadgroup out-of-bounds.
+inline void* tg_array(int slot, size_t bytes) {
+  Worker* w = tls_worker;
+  if (w->tg.size() <= size_t(slot)) w->tg.resize(slot + 1);
+  TgBlock& b = w->tg[slot];
+  if (b.bytes != bytes) {
+    std::free(b.ptr);
+    if (posix_memalign(&b.ptr, 64, bytes ? bytes : 1) != 0) b.ptr = nullptr;
+    b.bytes = bytes;
+    b.gen = ~0ull;
+  }
+  if (b.gen != w->group_linear) {
+    std::memset(b.ptr, w->d->poison, bytes);
+    b.gen = w->group_linear;
+  }
+  return b.ptr;
 }
 
 // ---- the per-thread side of barriers and simd ops ----
@@ -817,14 +929,14 @@ template <class T> inline T pos_as(const uint32_t v[3]) {
 // ================================================================================================
 // Part 3: MSL keywords
 // ================================================================================================
-// The emulator's Python side rewrites each `threadgroup T a[N];` declaration of a kernel body to
-// `msl_tg_shared T a[N];`: a static thread_local array. All fibers of one threadgroup run on the same
-// OS thread, one group at a time, so they share it, and other OS threads (other groups) have their own
-// copy. It is NOT cleared between groups (Metal does not clear it either). Every other `threadgroup`
-// (pointer and reference types, e.g. a helper's `threadgroup float* sh`) expands to nothing.
+// The emulator's Python side rewrites each `threadgroup T a[N];` declaration of a kernel body to a
+// reference to msl_emu::tg_array(slot, sizeof(T[N])): all fibers of one threadgroup run on the same
+// OS thread, one group at a time, so they share it, and other OS threads (other groups) have their
+// own. It is poisoned at the start of every group (Metal leaves it undefined). Every other
+// `threadgroup` (pointer and reference types, e.g. a helper's `threadgroup float* sh`) expands to
+// nothing.
 #define kernel
 #define device
 #define constant const
 #define thread
 #define threadgroup
-#define msl_tg_shared static thread_local

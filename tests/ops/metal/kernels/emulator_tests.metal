@@ -220,3 +220,38 @@ kernel void too_much_shared(device float* out [[buffer(0)]], uint tid [[thread_i
   threadgroup_barrier(mem_flags::mem_threadgroup);
   out[tid] = big[0];
 }
+
+// BUG on purpose: thread 0 reads its shared slot before anyone wrote it (see test_uninitialised_...).
+kernel void uninit_shared(device float* out [[buffer(0)]], device int* out_i [[buffer(1)]],
+                          uint gid [[thread_position_in_grid]], uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float sh[TG_MAX];
+  threadgroup int sh_i[TG_MAX];
+  if (tid > 0) { sh[tid] = float(tid); sh_i[tid] = int(tid); }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[gid] = sh[tid];
+  out_i[gid] = sh_i[tid];
+}
+
+// BUG on purpose: the last thread reads one element past the end of x (see test_asan.py).
+kernel void read_past_end(device float* out [[buffer(0)]], device const float* x [[buffer(1)]],
+                          uint gid [[thread_position_in_grid]]) {
+  out[gid] = x[gid + 1];
+}
+
+// BUG on purpose: the last thread of a full group writes one element past a threadgroup array.
+kernel void shared_past_end(device float* out [[buffer(0)]], uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float sh[TG_MAX];
+  sh[tid + 1] = 1.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = sh[tid];
+}
+
+// Declares a smaller limit than Metal's 1024 threads per group (a literal or a constant expression).
+[[max_total_threads_per_threadgroup(64)]]
+kernel void limited_64(device float* out [[buffer(0)]], uint gid [[thread_position_in_grid]]) {
+  out[gid] = 1.0f;
+}
+[[max_total_threads_per_threadgroup(TG_MAX / 8)]] kernel void limited_32(device float* out [[buffer(0)]],
+                                                                        uint gid [[thread_position_in_grid]]) {
+  out[gid] = 2.0f;
+}
