@@ -187,7 +187,10 @@ def verify(device: torch.device, run: RunKernels, before: str = "training") -> O
 
     path = cache_path()
     key, facts = _key(device, run)
-    if _load_cache(path).get(key, {}).get("passed"):
+    cached = _load_cache(path).get(key, {})
+    if cached.get("passed"):
+        CONSOLE.print(f"splat-metal: Metal self-check passed on {facts['gpu']} (verdict of {cached.get('when')}, "
+                      f"cached in {path})", highlight=False, soft_wrap=True)  # fmt: skip
         return None
     start = time.perf_counter()
     checks = run_checks(device, run)

@@ -13,12 +13,13 @@ import shutil
 from pathlib import Path
 
 import demo_runs
+import pytest
 import torch
 from cli_helpers import checkpoints, cli_env, demo_args, run_cli
 
 from splat_metal_method import self_check
 from splat_metal_method.ops.metal import kernels, runtime
-from splat_metal_method.ops.metal.emulator import compile_library
+from splat_metal_method.ops.metal.emulator import MetalCompileError, compile_library
 
 PACKAGE = Path(self_check.__file__).resolve().parent
 RIGHT = "basis[2] = 0.48860251190292f * z;"
@@ -94,3 +95,28 @@ def test_verdict_is_cached_and_the_check_runs_nothing_then(tmp_path, monkeypatch
     assert runtime.launch_counts() == {}
     (entry,) = json.loads(self_check.cache_path().read_text()).values()
     assert entry["run"]["rasterize_mode"] == "antialiased" and entry["gpu"].startswith("MSL emulator")
+
+
+def test_fast_math_is_reported_as_torch_reads_it(monkeypatch):
+    from splat_metal_method import doctor
+
+    monkeypatch.delenv(self_check.FAST_MATH_ENV, raising=False)
+    assert not self_check.fast_math_enabled() and doctor.fast_math_fact().startswith("unset")
+    monkeypatch.setenv(self_check.FAST_MATH_ENV, "0")
+    assert not self_check.fast_math_enabled() and doctor.fast_math_fact() == "'0': off"
+    monkeypatch.setenv(self_check.FAST_MATH_ENV, "1")
+    assert self_check.fast_math_enabled() and "FAST MATH ON" in doctor.fast_math_fact()
+
+
+def test_non_ascii_path_outside_the_package_is_escaped_and_named_in_errors(tmp_path):
+    """A kernel file outside the package (tests, experiments) under a non-ASCII path: the #line name is
+    octal-escaped, so the source stays ASCII, and compiler errors still name the file and line."""
+    bad = tmp_path / "Jos\u00e9" / "broken.metal"
+    bad.parent.mkdir()
+    bad.write_text("#include <metal_stdlib>\nusing namespace metal;\n"
+                   "kernel void k(device float* o [[buffer(0)]], uint i [[thread_position_in_grid]]) {\n"
+                   "  o[i] = not_declared;\n}\n")  # fmt: skip
+    src = runtime.load_source(bad)
+    assert src.isascii() and "Jos\\303\\251/broken.metal" in src
+    with pytest.raises(MetalCompileError, match=r"broken\.metal:4:.*not_declared"):
+        compile_library(src, "broken")
