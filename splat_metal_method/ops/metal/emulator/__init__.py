@@ -12,7 +12,12 @@ Kernel-author rules (the MSL subset that runs both here and on Apple GPUs)
 Kernels
   * Include only ``<metal_stdlib>`` (then ``using namespace metal;``).
   * ``kernel void name(params) { ... }`` at file scope, one per name, written out literally
-    (not produced by a macro: the emulator finds kernels with a regex).
+    (not produced by a macro: the emulator finds kernels with a regex), optionally preceded by
+    ``[[max_total_threads_per_threadgroup(N)]]`` (N a constant expression; the only kernel attribute,
+    written before ``kernel``, where Apple's compiler is known to take it). A launch with a bigger
+    group fails, as torch's ValueError does on a Mac.
+  * At most 31 buffers; every pointer or reference parameter (kernels and helpers) names its
+    address space (``device``, ``constant``, ``threadgroup`` or ``thread``).
   * Buffer params: ``device T* p [[buffer(i)]]``, ``device const T* p``, ``constant T* p``, or a
     reference ``constant long& n [[buffer(i)]]`` / ``constant float& x [[buffer(i)]]``. Buffer
     indices are 0..n-1 and positional argument i binds to ``[[buffer(i)]]``.
@@ -27,7 +32,9 @@ Kernels
     dispatch_threads_per_threadgroup (the requested size), threads_per_grid,
     threadgroups_per_grid, thread_index_in_threadgroup (x + y*tptg.x + z*tptg.x*tptg.y),
     thread_index_in_simdgroup, simdgroup_index_in_threadgroup, simdgroups_per_threadgroup,
-    threads_per_simdgroup and thread_execution_width (both 32).
+    threads_per_simdgroup and thread_execution_width (both 32). The index/count attributes are uint or
+    ushort; the position/size ones uint, uint2, uint3 (or ushort...), the vector ones of a kernel
+    with the same number of components.
   * Always pass ``threads=`` and ``group_size=`` (same rank, 1-3 dims; at most 1024 threads per
     group). The emulator refuses to guess defaults.
 Types
@@ -59,8 +66,14 @@ Threadgroup memory
     local pointers; any other use of ``threadgroup`` (two arrays in one statement, an initialiser,
     a ``threadgroup`` kernel param) is refused. ``[[threadgroup(i)]]`` params are not supported
     (torch.mps.compile_shader cannot size them either).
-    Threadgroup memory is uninitialised at group start, as on the GPU.
+    Threadgroup memory is undefined at group start on the GPU; here it is poisoned at the start of
+    every group (0xFF bytes: float NaN, int -1; 0x7F with an odd schedule seed: 3.4e38 and
+    0x7F7F7F7F), so a read before any write shows.
 Synchronisation
+  * Between two barriers (or simdgroup ops) the threads of a group run one at a time, in an order
+    shuffled per (seed, group, round): ``SPLAT_METAL_EMU_SEED`` (an integer, default 0; the same seed
+    gives the same schedule, whichever OS thread runs the group). A correct kernel gives the same
+    result under every seed (up to the summation order of float atomics); the tests require it.
   * ``threadgroup_barrier(mem_flags::mem_threadgroup | mem_device | mem_none)`` must be reached by
     every thread of the group the same number of times: never ``return`` early before a barrier
     (mask the work instead). Violations raise EmulatorError naming the group and thread.
@@ -75,17 +88,38 @@ Synchronisation
     atomic_load/store/exchange/fetch_add/fetch_sub/compare_exchange_weak _explicit (all three);
     fetch_max/min/and/or/xor _explicit (int/uint only, as in Metal); memory_order_relaxed.
 
+Checks (every compile_library; a violation raises MetalCompileError naming the .metal file:line)
+-------------------------------------------------------------------------------------------------
+  * The MSL subset (msl_subset.py): non-ASCII bytes anywhere (torch builds the source as ASCII; a
+    ``#line`` path with a non-ASCII user name included), ``double``, ``std::``, C library calls,
+    exceptions, ``virtual``, function pointers, recursion, includes other than <metal_stdlib>, and
+    the kernel-signature rules above. Variable-length arrays: ``-Werror=vla``.
+  * Address spaces (address_spaces.py): clang++ -fsyntax-only compiles the source against a
+    declaration-only <metal_stdlib> in which device, constant and threadgroup are distinct
+    address spaces (thread the default), so a device pointer passed to a thread pointer parameter
+    or a threadgroup reference bound to a thread one fails as on Apple's compiler. Runs when clang++
+    is installed (scripts/setup.sh installs it; without it a warning says the check was skipped).
+  * ``SPLAT_METAL_EMU_ASAN=1`` builds the libraries with AddressSanitizer: an index past a tensor or
+    a threadgroup array aborts with a report instead of reading neighbouring memory. The Python
+    process must preload the runtime: ``LD_PRELOAD=$(g++ -print-file-name=libasan.so)
+    ASAN_OPTIONS=detect_leaks=0`` (``asan_runtime()`` gives the path; the tests run part of the
+    kernel suite that way in a subprocess). Fiber stack switches are annotated for ASan.
+
 What the emulator cannot see (the Mac-side doctor command and the macOS CI job cover these)
 ------------------------------------------------------------------------------------------
-  * Apple compiler errors: code that is valid C++ but not valid MSL (recursion, doubles, some
-    implicit conversions, address-space mismatches) compiles here.
+  * Apple compiler errors beyond the checks above (the stand-in <metal_stdlib> declares what the
+    shim supports, not Apple's exact overloads; implicit conversions Apple refuses may pass here).
   * GPU precision: fast paths of exp/log/rsqrt and fma contraction on the GPU differ in the last
     bits; compare with tolerances, never bit-exactly.
-  * Data races are out of scope: threads of one group run one after another between barriers
-    (in thread-index order), so a read of shared memory another thread wrote without a barrier
-    may look fine here and fail on the GPU. Atomics are real, groups run on several OS threads.
-  * Out-of-bounds reads and writes are not checked; the GPU watchdog (~2 s per command buffer)
-    and GPU memory limits do not exist here; per-thread stacks are 256 KiB.
+  * Races are found only when a schedule exposes them: threads run one at a time between
+    synchronisation points, so a race shows as a seed-dependent result (or poison), not as a torn
+    value; lanes of a simdgroup are not in lockstep here (stricter than the GPU). Races through
+    device memory between different groups are not shuffled (groups run whole, on several OS
+    threads). Atomics are real.
+  * Out-of-bounds accesses only under ``SPLAT_METAL_EMU_ASAN=1``, and only past a tensor's
+    allocation (an index into another part of the same storage is not caught). The GPU watchdog
+    (~2 s per command buffer), GPU memory limits and the register-dependent
+    maxTotalThreadsPerThreadgroup do not exist here; per-thread stacks are 256 KiB.
   * Performance: one CPU core runs a whole group; kernels are correct-not-fast here.
 
 Cache
@@ -98,16 +132,20 @@ from .library import (
     EmulatorError,
     EmulatorLibrary,
     MetalCompileError,
+    asan_runtime,
     cache_dir,
     compile_count,
     compile_library,
+    schedule_seed,
 )
 
 __all__ = [
     "EmulatorError",
     "EmulatorLibrary",
     "MetalCompileError",
+    "asan_runtime",
     "cache_dir",
     "compile_count",
     "compile_library",
+    "schedule_seed",
 ]

@@ -14,8 +14,7 @@ MetalCompileError naming the .metal file and line. Refused:
     parameter (of a kernel or a helper) without an explicit address space, position attributes of
     the wrong type (uint/ushort, or uint2/3 / ushort2/3 where Metal allows vectors; the vector ones
     of one kernel must have the same number of components), and kernel attributes other than
-    ``[[max_total_threads_per_threadgroup(N)]]`` written before ``kernel`` or between ``kernel`` and
-    ``void``.
+    ``[[max_total_threads_per_threadgroup(N)]]`` (parse.py accepts it only before ``kernel``).
 """
 
 from __future__ import annotations
