@@ -18,7 +18,7 @@ from nerfstudio.plugins.types import MethodSpecification
 
 from .dataparser import SplatMetalDataParserConfig, check_dataset
 from .model import SplatMetalModelConfig
-from .reliability import SplatMetalTrainer
+from .trainer import SplatMetalTrainer
 
 
 def default_device_type() -> str:
@@ -33,7 +33,8 @@ def default_device_type() -> str:
 @dataclass
 class SplatMetalTrainerConfig(TrainerConfig):
     """TrainerConfig that checks the dataset before ns-train saves config.yml (its first write), and
-    trains with SplatMetalTrainer (reliability.py: atomic checkpoints, clean stop on Ctrl-C/SIGTERM/NaN)."""
+    trains with SplatMetalTrainer (trainer.py: atomic checkpoints that resume exactly, clean stop on
+    Ctrl-C/SIGTERM/NaN)."""
 
     _target: Type = field(default_factory=lambda: SplatMetalTrainer)
 

@@ -1,6 +1,7 @@
-"""Training that survives imperfect numbers and impatient users.
+"""Training that survives imperfect numbers and interrupted exports (the Trainer's clean stop on
+Ctrl-C/SIGTERM and its atomic checkpoints are in trainer.py).
 
-Three mechanisms, each small:
+Two mechanisms, each small:
 
 * ``NonFiniteGuard`` (a TrainingCallback the model registers): after every training step, after the
   optimizer step and the densification strategy, it checks every parameter and gradient for NaN/Inf.
@@ -16,14 +17,6 @@ Three mechanisms, each small:
   Why after the step: NaN/Inf gradients always make the Adam update of their rows non-finite, and
   gaussians densified from a poisoned one inherit the poison, so one scan of the values after
   everything else catches all of them without re-indexing across densification.
-
-* ``SplatMetalTrainer`` (``_target`` of ``SplatMetalTrainerConfig``): nerfstudio's Trainer with
-    - atomic checkpoints: written to a hidden temporary file next to ``nerfstudio_models/`` and
-      renamed into place, so a checkpoint file is always complete (older ones are deleted only after);
-    - Ctrl-C (SIGINT) and SIGTERM: the first finishes the current step, saves a checkpoint of it,
-      prints the command that resumes (``--load-dir``) and exits with status 130; a second one exits
-      at once without saving (the last checkpoint stays intact). The viewer's "completed" wait loop
-      keeps nerfstudio's plain Ctrl-C behaviour.
 
 * ``install_atomic_ply_export``: nerfstudio's ``ns-export gaussian-splat`` opens the target .ply with
   ``open(filename, "wb")`` and writes it value by value, so an interrupted export leaves a truncated
@@ -45,25 +38,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
-import signal
 import sys
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Type
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from nerfstudio.engine.callbacks import TrainingCallback, TrainingCallbackLocation
-from nerfstudio.engine.trainer import Trainer
-from nerfstudio.utils import writer
-from nerfstudio.utils.decorators import check_main_thread
 from nerfstudio.utils.rich_utils import CONSOLE
 
 NONFINITE_MODES = ("recover", "stop")
 INJECT_NAN_ENV = "SPLAT_METAL_INJECT_NAN_AT_STEP"
-INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what shells report for a Ctrl-C'd command
 
 
 class NonFiniteError(SystemExit):
@@ -268,240 +253,6 @@ class NonFiniteGuard:
 
 
 # --------------------------------------------------------------------------------------------------
-# Trainer: atomic checkpoints, clean stop on Ctrl-C / SIGTERM, clean stop on non-finite values
-# --------------------------------------------------------------------------------------------------
-_RESUME_DROP = ("--load-dir", "--load-checkpoint", "--load-step", "--max-num-iterations", "--timestamp")
-
-
-def resume_command(argv: Sequence[str], load_dir: Path, steps: int) -> str:
-    """``argv`` (the command that was run) with --load-dir and --max-num-iterations set so that it
-    continues from ``load_dir`` for ``steps`` more steps (nerfstudio counts them from the loaded step).
-    --timestamp is dropped: the resumed run gets a folder of its own and overwrites nothing."""
-    args, skip = [], False
-    for a in list(argv)[1:]:
-        if skip:
-            skip = False
-            continue
-        if a in _RESUME_DROP:
-            skip = True
-            continue
-        if a.split("=", 1)[0] in _RESUME_DROP:
-            continue
-        args.append(a)
-    prog = Path(argv[0]).name if argv else "ns-train"
-    return shlex.join([prog, *args, "--load-dir", str(load_dir), "--max-num-iterations", str(steps)])
-
-
-class TurnTakingLock:
-    """A lock that one thread cannot monopolise. nerfstudio's training loop releases train_lock and
-    takes it again at once, every step, while the viewer's render thread waits for the same lock; a
-    plain Lock lets the releasing thread win again and again, and with a fast step (the native CPU
-    backend) a browser waited minutes for its first frame. Here a thread that wants the lock back
-    while another thread waits for it first gives the waiter up to 50 ms to take its turn."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._count = threading.Lock()
-        self._waiting = 0
-        self._last_owner: Optional[int] = None
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        me = threading.get_ident()
-        if blocking and self._last_owner == me:
-            for _ in range(50):
-                if not self._waiting:
-                    break
-                time.sleep(0.001)
-        with self._count:
-            self._waiting += 1
-        try:
-            got = self._lock.acquire(blocking, timeout)
-        finally:
-            with self._count:
-                self._waiting -= 1
-        if got:
-            self._last_owner = me
-        return got
-
-    def release(self) -> None:
-        self._lock.release()
-
-    def locked(self) -> bool:
-        return self._lock.locked()
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-class SplatMetalTrainer(Trainer):
-    """nerfstudio's Trainer with atomic checkpoints, a clean stop on Ctrl-C, SIGTERM and NaN/Inf, and a
-    train_lock the viewer gets its turn at (TurnTakingLock)."""
-
-    _stop_signal: Optional[int] = None  # the signal that asked training to stop, once one has
-    _last_done_step: Optional[int] = None  # last step whose callbacks (densification included) ran
-    _cut_short: bool = False  # the loop ended early on a signal (then the exit status is 130)
-    _saved_steps: set
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.train_lock = TurnTakingLock()  # before setup() hands it to the viewer
-
-    def setup(self, test_mode: Literal["test", "val", "inference"] = "val") -> None:
-        try:
-            super().setup(test_mode)
-        except KeyboardInterrupt:
-            CONSOLE.print("splat-metal: interrupted before training started; no checkpoint was written.")
-            raise SystemExit(INTERRUPTED_EXIT_CODE) from None
-        self._saved_steps = set()
-        self._last_done_step = self._start_step - 1 if self._start_step > 0 else None
-        self.callbacks.append(TrainingCallback([TrainingCallbackLocation.AFTER_TRAIN_ITERATION], self._step_done))
-
-    def _step_done(self, step: int) -> None:
-        self._last_done_step = step
-
-    # ---- checkpoints
-    @check_main_thread
-    def save_checkpoint(self, step: int) -> None:
-        """nerfstudio's checkpoint (same contents, same name), written atomically."""
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        ckpt_path: Path = self.checkpoint_dir / f"step-{step:09d}.ckpt"
-        state = {
-            "step": step,
-            "pipeline": self.pipeline.module.state_dict()  # type: ignore
-            if hasattr(self.pipeline, "module")
-            else self.pipeline.state_dict(),
-            "optimizers": {k: v.state_dict() for (k, v) in self.optimizers.optimizers.items()},
-            "schedulers": {k: v.state_dict() for (k, v) in self.optimizers.schedulers.items()},
-            "scalers": self.grad_scaler.state_dict(),
-        }
-        # Staged next to nerfstudio_models/, not in it: nerfstudio parses every name in that folder
-        # as step-N.ckpt when it resumes or exports.
-        with atomic_path(ckpt_path, staging_dir=self.checkpoint_dir.parent) as tmp:
-            torch.save(state, tmp)
-        self._saved_steps.add(step)
-        if self.config.save_only_latest_checkpoint:
-            for f in self.checkpoint_dir.glob("*.ckpt"):
-                if f != ckpt_path:
-                    f.unlink()
-
-    def _latest_checkpoint(self) -> Optional[Path]:
-        ckpts = sorted(self.checkpoint_dir.glob("step-*.ckpt")) if self.checkpoint_dir.is_dir() else []
-        return ckpts[-1] if ckpts else None
-
-    def _resume_hint(self, step: int) -> str:
-        remaining = self._start_step + self.config.max_num_iterations - (step + 1)
-        if remaining <= 0:
-            return ""
-        return f"\nResume with:\n  {resume_command(sys.argv, self.checkpoint_dir, remaining)}"
-
-    # ---- signals
-    def _on_signal(self, signum, frame) -> None:
-        if self._stop_signal is not None:  # the second one: stop now
-            raise KeyboardInterrupt
-        self._stop_signal = signum
-        self.stop_training = True
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        CONSOLE.print(
-            f"\nsplat-metal: {name}: finishing the current step, then saving a checkpoint and stopping "
-            f"({name} again stops at once without saving).",
-            highlight=False,
-            soft_wrap=True,
-        )
-
-    @contextlib.contextmanager
-    def _stop_on_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-
-    def _restore_signals(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-    # ---- the loop
-    def train(self) -> None:
-        try:
-            with self._stop_on_signals():
-                super().train()
-        except NonFiniteError as e:
-            self._stop(f"{e.message}{self._last_good()}", NonFiniteError)
-        except KeyboardInterrupt:
-            if self.training_state == "completed":  # Ctrl-C in the viewer's wait after training: quit
-                self._shutdown()
-                return
-            last = self._latest_checkpoint()
-            self._stop(
-                "stopped at once without saving; "
-                + (f"the last checkpoint, {last}, is intact." if last else "no checkpoint was written.")
-                + (self._resume_hint(int(last.stem.split("-")[1])) if last else ""),
-                None,
-            )
-        if self._cut_short:  # _after_train saved the checkpoint and shut the viewer down
-            raise SystemExit(INTERRUPTED_EXIT_CODE)
-        self._shutdown()  # finished: no viewer render may still be running when the process exits
-
-    def _last_good(self) -> str:
-        last = self._latest_checkpoint()
-        if last is None:
-            return "\nNo checkpoint had been written yet."
-        return f"\nThe last good checkpoint is kept: {last}{self._resume_hint(int(last.stem.split('-')[1]))}"
-
-    def _shutdown(self, timeout: float = 60.0) -> None:
-        """Waits for the viewer's render threads to finish the render they are in, then nerfstudio's
-        shutdown (stops the viewer's server). The render threads are daemons: one still inside torch
-        when the interpreter exits is killed mid-C++ and aborts the process ("terminate called without
-        an active exception", exit status -6), as happened when Ctrl-C came during a viewer render."""
-        machines = list((getattr(self.viewer_state, "render_statemachines", None) or {}).values())
-        for m in machines:
-            m.running = False  # its loop ends after the current render
-        for m in machines:
-            if isinstance(m, threading.Thread) and m.is_alive() and m is not threading.current_thread():
-                m.join(timeout)
-        self.shutdown()
-
-    def _stop(self, message: str, error: Optional[Type[SystemExit]]) -> None:
-        writer.write_out_storage()
-        self._shutdown()
-        if error is not None:
-            raise error(message) from None
-        CONSOLE.print(f"splat-metal: {message}", highlight=False, soft_wrap=True)
-        raise SystemExit(INTERRUPTED_EXIT_CODE)
-
-    def _train_complete_viewer(self) -> None:
-        self._restore_signals()  # nerfstudio's wait loop after training ("Use ctrl+c to quit")
-        return super()._train_complete_viewer()
-
-    def _after_train(self) -> None:
-        if self._stop_signal is None:
-            return super()._after_train()
-        self._cut_short = True
-        step = self._last_done_step
-        if step is None:
-            CONSOLE.print("splat-metal: stopped before the first step finished; no checkpoint was written.")
-        else:
-            if step not in self._saved_steps:
-                self.save_checkpoint(step)
-            ckpt = self.checkpoint_dir / f"step-{step:09d}.ckpt"
-            CONSOLE.print(
-                f"splat-metal: training stopped after step {step}; checkpoint saved: {ckpt}{self._resume_hint(step)}",
-                highlight=False,
-                soft_wrap=True,
-            )
-        writer.write_out_storage()
-        self._shutdown()
-
-
-# --------------------------------------------------------------------------------------------------
 # ns-export gaussian-splat: write then rename
 # --------------------------------------------------------------------------------------------------
 _ATOMIC_MARK = "_splat_metal_atomic"
@@ -541,3 +292,14 @@ def install_atomic_ply_export() -> bool:
     if not getattr(func, _ATOMIC_MARK, False):
         cls.write_ply = staticmethod(atomic_ply_writer(func))
     return True
+
+
+def __getattr__(name: str):
+    """The Trainer lived here until it moved to trainer.py; the config.yml of runs trained before
+    that names ``splat_metal_method.reliability.SplatMetalTrainer`` (ns-export, ns-viewer and
+    --load-config read it)."""
+    if name == "SplatMetalTrainer":
+        from .trainer import SplatMetalTrainer
+
+        return SplatMetalTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

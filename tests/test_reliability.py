@@ -1,12 +1,10 @@
 """In-process tests of splat_metal_method/reliability.py: the NaN/Inf guard on a small gaussian model
-with real Adam optimizers and gsplat's strategy state, atomic writes (checkpoints and nerfstudio's
-PLY writer) under failures mid-write, the resume command and the signal handler. The same
-mechanisms are driven through the real command lines in test_reliability_cli.py."""
+with real Adam optimizers and gsplat's strategy state, atomic writes (files and nerfstudio's PLY
+writer) under failures mid-write. The same mechanisms are driven through the real command lines in
+test_reliability_cli.py; the Trainer's parts (checkpoints, signals) are in test_trainer.py."""
 
 from __future__ import annotations
 
-import signal
-import types
 from collections import OrderedDict
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import pytest
 import torch
 
 from splat_metal_method import reliability
-from splat_metal_method.reliability import NonFiniteError, NonFiniteGuard, atomic_path, resume_command
+from splat_metal_method.reliability import NonFiniteError, NonFiniteGuard, atomic_path
 
 N = 10
 SHAPES = {
@@ -200,44 +198,6 @@ def test_atomic_path_keeps_the_old_file_when_writing_fails(tmp_path, error):
     assert _listing(tmp_path) == {"out.bin": b"new"}
 
 
-def _fake_trainer(tmp_path: Path):
-    from torch.cuda.amp import GradScaler
-
-    pipeline = torch.nn.Linear(3, 2)
-    return types.SimpleNamespace(
-        checkpoint_dir=tmp_path / "run" / "nerfstudio_models",
-        pipeline=pipeline,
-        optimizers=types.SimpleNamespace(optimizers={"a": torch.optim.Adam(pipeline.parameters())}, schedulers={}),
-        grad_scaler=GradScaler(enabled=False),
-        config=types.SimpleNamespace(save_only_latest_checkpoint=True),
-        _saved_steps=set(),
-    )
-
-
-def test_checkpoint_interrupted_mid_write_leaves_the_previous_one(tmp_path, monkeypatch):
-    trainer = _fake_trainer(tmp_path)
-    save = reliability.SplatMetalTrainer.save_checkpoint
-    save(trainer, 10)
-    first = trainer.checkpoint_dir / "step-000000010.ckpt"
-    good = first.read_bytes()
-    real_save = torch.save
-
-    def dying_save(obj, f, *args, **kwargs):  # writes half a checkpoint, then Ctrl-C arrives
-        real_save(obj, f, *args, **kwargs)
-        Path(f).write_bytes(Path(f).read_bytes()[:100])
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(torch, "save", dying_save)
-    with pytest.raises(KeyboardInterrupt):
-        save(trainer, 20)
-    assert _listing(trainer.checkpoint_dir) == {first.name: good}
-    assert sorted(p.name for p in trainer.checkpoint_dir.parent.iterdir()) == ["nerfstudio_models"]  # no temp
-    monkeypatch.setattr(torch, "save", real_save)
-    save(trainer, 20)
-    assert [p.name for p in trainer.checkpoint_dir.iterdir()] == ["step-000000020.ckpt"]  # older one removed after
-    assert torch.load(trainer.checkpoint_dir / "step-000000020.ckpt")["step"] == 20  # weights_only default
-
-
 class _DyingColumn(np.ndarray):
     """A float column whose element reads fail after ``limit`` of them (the writer reads one per value)."""
 
@@ -294,60 +254,3 @@ def test_install_wraps_the_loaded_exporter_once(monkeypatch):
     assert reliability.install_atomic_ply_export() and cls.__dict__["write_ply"] is wrapped  # idempotent
     monkeypatch.delitem(__import__("sys").modules, "nerfstudio.scripts.exporter")
     assert not reliability.install_atomic_ply_export()  # not in ns-export: nothing to do
-
-
-# --------------------------------------------------------------------------------------------------
-# Resume command and signals
-# --------------------------------------------------------------------------------------------------
-def test_resume_command_replaces_load_and_length_options():
-    argv = ["/venv/bin/ns-train", "splat-metal", "--data", "my scene", "--max-num-iterations", "3000",
-            "--load-dir=old", "--timestamp", "t1", "--vis", "viewer"]  # fmt: skip
-    cmd = resume_command(argv, Path("outputs/x/nerfstudio_models"), 1234)
-    assert cmd == (
-        "ns-train splat-metal --data 'my scene' --vis viewer "
-        "--load-dir outputs/x/nerfstudio_models --max-num-iterations 1234"
-    )
-
-
-def test_first_signal_asks_to_stop_second_stops_at_once():
-    trainer = types.SimpleNamespace(stop_training=False, _stop_signal=None)
-    handler = reliability.SplatMetalTrainer._on_signal.__get__(trainer)
-    handler(signal.SIGINT, None)
-    assert trainer.stop_training and trainer._stop_signal == signal.SIGINT
-    with pytest.raises(KeyboardInterrupt):
-        handler(signal.SIGINT, None)
-
-
-def _turn_order(lock) -> list:
-    """The training thread (here: this one) releases the lock and takes it straight back while a
-    render thread waits for it: who gets it first?"""
-    import threading
-    import time
-
-    order = []
-
-    def render():
-        with lock:
-            order.append("render")
-
-    lock.acquire()
-    thread = threading.Thread(target=render)
-    thread.start()
-    time.sleep(0.2)  # the render thread is now blocked on the lock
-    lock.release()
-    with lock:  # nerfstudio's next training step
-        order.append("train")
-    thread.join()
-    return order
-
-
-def test_train_lock_gives_a_waiting_render_its_turn():
-    """nerfstudio's training loop re-takes train_lock right after releasing it; with a plain Lock the
-    releasing thread usually wins again, and with fast steps a browser waited minutes for a frame."""
-    import threading
-
-    from splat_metal_method.reliability import TurnTakingLock
-
-    assert [_turn_order(TurnTakingLock()) for _ in range(5)] == [["render", "train"]] * 5
-    plain = [_turn_order(threading.Lock()) for _ in range(5)]
-    print("plain Lock turn orders:", plain)  # shows the problem the TurnTakingLock fixes
