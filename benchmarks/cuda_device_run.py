@@ -68,14 +68,23 @@ STAGES = ("env", "build", "parity", "overhead", "training")
 # Inputs whose gradients are compared. Ks is left out: gsplat 1.4 returns no gradient for it.
 GRAD_INPUTS = ("means", "quats", "scales", "opacities", "colors", "viewmats", "backgrounds")
 FORWARD = ("colors", "alphas")
+PARITY_COLUMNS = ("quantity", "shape", "max_abs", "scale", "rel_max", "rel_l2", "differing", "tol", "ok", "note")
 # Tolerances relative to the largest entry of each quantity: forward as the doctor's 1e-4, gradients
 # as its 1e-3 (GPU float atomics reorder the sums, and gsplat builds with --use_fast_math).
 FWD_RTOL, BWD_RTOL = 1e-4, 1e-3
 OVERHEAD_GOAL = 1.02
 # What splatfacto passes to rasterization (nerfstudio 1.1.5 splatfacto.get_outputs); it adds the
 # background itself, after rendering.
-SPLATFACTO_CALL = dict(packed=False, near_plane=0.01, far_plane=1e10, render_mode="RGB+ED", sh_degree=3,
-                       sparse_grad=False, absgrad=True, rasterize_mode="classic")  # fmt: skip
+SPLATFACTO_CALL = dict(
+    packed=False,
+    near_plane=0.01,
+    far_plane=1e10,
+    render_mode="RGB+ED",
+    sh_degree=3,
+    sparse_grad=False,
+    absgrad=True,
+    rasterize_mode="classic",
+)
 
 
 class StageTimeout(Exception):
@@ -88,9 +97,13 @@ class Results:
 
     def __init__(self, out: Path, mode: str):
         self.out = out
-        self.data = {"script": "benchmarks/cuda_device_run.py", "mode": mode, "argv": sys.argv[1:],
-                     "started_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                     "stages": {}}  # fmt: skip
+        self.data = {
+            "script": "benchmarks/cuda_device_run.py",
+            "mode": mode,
+            "argv": sys.argv[1:],
+            "started_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "stages": {},
+        }
         self._csv: Dict[str, tuple] = {}
 
     def stage(self, name: str) -> dict:
@@ -130,22 +143,36 @@ def _command(cmd: List[str]) -> Optional[str]:
 
 def stage_env(ctx) -> dict:
     info = {
-        "python": platform.python_version(), "os": f"{platform.system()} {platform.release()}",
-        "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(), "numpy": _version("numpy"), "gsplat": _version("gsplat"),
-        "nerfstudio": _version("nerfstudio"), "open3d": _version("open3d"),
+        "python": platform.python_version(),
+        "os": f"{platform.system()} {platform.release()}",
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "numpy": _version("numpy"),
+        "gsplat": _version("gsplat"),
+        "nerfstudio": _version("nerfstudio"),
+        "open3d": _version("open3d"),
         "splat_metal": __import__("splat_metal_method").__version__,
         "gsplat_path": str(Path(importlib.util.find_spec("gsplat").origin).parent)
-        if importlib.util.find_spec("gsplat") else None,
+        if importlib.util.find_spec("gsplat")
+        else None,
         "commit": _command(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]),
-    }  # fmt: skip
+    }
     nvcc = _command(["nvcc", "--version"])
     info["nvcc"] = nvcc.splitlines()[-1] if nvcc else None
     if ctx.cuda:
         props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                    multiprocessors=props.multi_processor_count)  # fmt: skip
-        info["nvidia_smi"] = _command(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
+        info.update(
+            gpu=props.name,
+            capability=f"{props.major}.{props.minor}",
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            multiprocessors=props.multi_processor_count,
+        )
+        info["nvidia_smi"] = _command(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+        )
     return info
 
 
@@ -162,8 +189,12 @@ def stage_build(ctx) -> dict:
     if _C is None:
         raise RuntimeError("gsplat found no CUDA toolkit (nvcc not on PATH): its CUDA kernels are unavailable")
     ctx.gsplat_ok = True
-    return {"build_seconds": round(seconds, 1), "max_jobs": os.environ["MAX_JOBS"],
-            "torch_cuda_arch_list": os.environ["TORCH_CUDA_ARCH_LIST"], "module": getattr(_C, "__file__", None)}  # fmt: skip
+    return {
+        "build_seconds": round(seconds, 1),
+        "max_jobs": os.environ["MAX_JOBS"],
+        "torch_cuda_arch_list": os.environ["TORCH_CUDA_ARCH_LIST"],
+        "module": getattr(_C, "__file__", None),
+    }
 
 
 # -------------------------------------------------------------------------------------------- parity
@@ -179,28 +210,67 @@ def parity_cases(small: bool, garden: Optional[dict]) -> List[tuple]:
     """(name, scene, rasterization kwargs): random scenes, then the real garden cameras."""
     n = (lambda k: max(k // 10, 50)) if small else (lambda k: k)
     cases = [
-        ("random 61x37 RGB classic", random_scene(n(400), C=2, width=61, height=37, seed=1, backgrounds=True),
-         dict(render_mode="RGB")),
-        ("random 61x37 SH3 RGB+ED classic", sh_scene(random_scene(n(400), C=2, width=61, height=37, seed=2,
-                                                                   backgrounds=True), 3), dict(render_mode="RGB+ED")),
-        ("random 61x37 SH3 RGB+ED antialiased", sh_scene(random_scene(n(400), C=2, width=61, height=37, seed=3,
-                                                                       backgrounds=True), 3),
-         dict(render_mode="RGB+ED", rasterize_mode="antialiased")),
-        ("random 23x41 SH1 RGB antialiased", sh_scene(random_scene(n(300), C=2, width=23, height=41, seed=4), 1),
-         dict(render_mode="RGB", rasterize_mode="antialiased")),
-        ("random 16x16 SH2 RGB+ED classic", sh_scene(random_scene(n(200), C=1, width=16, height=16, seed=5), 2),
-         dict(render_mode="RGB+ED")),
-        ("random 64x40 dense (stop rule) RGB classic",
-         random_scene(n(600), C=1, width=64, height=40, seed=6, opacity_range=(0.9, 1.0), scale_range=(0.2, 0.6),
-                      backgrounds=True), dict(render_mode="RGB")),
-        ("random 200x120 5k SH3 RGB+ED antialiased",
-         sh_scene(random_scene(n(5000), C=2, width=200 // (4 if small else 1), height=120 // (4 if small else 1),
-                               seed=7, scale_range=(0.01, 0.1), backgrounds=True), 3),
-         dict(render_mode="RGB+ED", rasterize_mode="antialiased")),
-    ]  # fmt: skip
+        (
+            "random 61x37 RGB classic",
+            random_scene(n(400), C=2, width=61, height=37, seed=1, backgrounds=True),
+            dict(render_mode="RGB"),
+        ),
+        (
+            "random 61x37 SH3 RGB+ED classic",
+            sh_scene(random_scene(n(400), C=2, width=61, height=37, seed=2, backgrounds=True), 3),
+            dict(render_mode="RGB+ED"),
+        ),
+        (
+            "random 61x37 SH3 RGB+ED antialiased",
+            sh_scene(random_scene(n(400), C=2, width=61, height=37, seed=3, backgrounds=True), 3),
+            dict(render_mode="RGB+ED", rasterize_mode="antialiased"),
+        ),
+        (
+            "random 23x41 SH1 RGB antialiased",
+            sh_scene(random_scene(n(300), C=2, width=23, height=41, seed=4), 1),
+            dict(render_mode="RGB", rasterize_mode="antialiased"),
+        ),
+        (
+            "random 16x16 SH2 RGB+ED classic",
+            sh_scene(random_scene(n(200), C=1, width=16, height=16, seed=5), 2),
+            dict(render_mode="RGB+ED"),
+        ),
+        (
+            "random 64x40 dense (stop rule) RGB classic",
+            random_scene(
+                n(600),
+                C=1,
+                width=64,
+                height=40,
+                seed=6,
+                opacity_range=(0.9, 1.0),
+                scale_range=(0.2, 0.6),
+                backgrounds=True,
+            ),
+            dict(render_mode="RGB"),
+        ),
+        (
+            "random 200x120 5k SH3 RGB+ED antialiased",
+            sh_scene(
+                random_scene(
+                    n(5000),
+                    C=2,
+                    width=200 // (4 if small else 1),
+                    height=120 // (4 if small else 1),
+                    seed=7,
+                    scale_range=(0.01, 0.1),
+                    backgrounds=True,
+                ),
+                3,
+            ),
+            dict(render_mode="RGB+ED", rasterize_mode="antialiased"),
+        ),
+    ]
     if garden is not None:
-        for name, degree, kw in (("RGB RGB+ED classic", None, dict(render_mode="RGB+ED")),
-                                 ("SH3 RGB+ED antialiased", 3, dict(render_mode="RGB+ED", rasterize_mode="antialiased"))):  # fmt: skip
+        for name, degree, kw in (
+            ("RGB RGB+ED classic", None, dict(render_mode="RGB+ED")),
+            ("SH3 RGB+ED antialiased", 3, dict(render_mode="RGB+ED", rasterize_mode="antialiased")),
+        ):
             scene = garden_scene(garden, n=1000 if small else 50_000, seed=1)
             if small:  # 1/8 resolution, one camera: seconds on a laptop
                 scene.Ks = scene.Ks.clone()  # garden_scene's Ks share memory with the loaded arrays
@@ -223,8 +293,13 @@ def render(scene: Scene, backend: str, device: str, **kw) -> dict:
     g = torch.Generator().manual_seed(3)
     weights = torch.randn(colors.shape, generator=g).to(device), torch.rand(alphas.shape, generator=g).to(device)
     ((colors * weights[0]).sum() + (alphas * weights[1]).sum()).backward()
-    out = {"colors": colors, "alphas": alphas, "radii": meta["radii"], "means2d.grad": meta["means2d"].grad,
-           "absgrad": getattr(meta["means2d"], "absgrad", None)}  # fmt: skip
+    out = {
+        "colors": colors,
+        "alphas": alphas,
+        "radii": meta["radii"],
+        "means2d.grad": meta["means2d"].grad,
+        "absgrad": getattr(meta["means2d"], "absgrad", None),
+    }
     out.update({f"{k}.grad": v.grad for k, v in inputs.items() if v.requires_grad})
     if device == "cuda":
         torch.cuda.synchronize()
@@ -237,11 +312,18 @@ def compare(got: dict, want: dict) -> List[dict]:
     for k in want:
         row = {"quantity": k, "shape": "x".join(map(str, want[k].shape)) if want[k] is not None else ""}
         if want[k] is None or got.get(k) is None:
-            row.update(ok=want[k] is None and got.get(k) is None, note="missing on one side")
+            both = want[k] is None and got.get(k) is None
+            row.update(ok=both, note="absent on both sides" if both else "missing on one side")
+        elif got[k].shape != want[k].shape:
+            row.update(ok=False, note=f"shape {'x'.join(map(str, got[k].shape))} here")
         elif k == "radii":  # integers: how many differ (a pixel's rounding at the cull edge), by how much
             diff = (got[k] - want[k]).abs()
-            row.update(max_abs=float(diff.max()) if diff.numel() else 0.0, differing=int((diff > 0).sum()),
-                       rel_max=float((diff > 0).double().mean()) if diff.numel() else 0.0, ok=True)  # fmt: skip
+            row.update(
+                max_abs=float(diff.max()) if diff.numel() else 0.0,
+                differing=int((diff > 0).sum()),
+                rel_max=float((diff > 0).double().mean()) if diff.numel() else 0.0,
+                ok=True,
+            )
         else:
             diff = got[k] - want[k]
             scale = float(want[k].abs().max()) if want[k].numel() else 0.0
@@ -249,14 +331,26 @@ def compare(got: dict, want: dict) -> List[dict]:
             rel_max = max_abs / scale if scale > 0 else max_abs
             rel_l2 = float(diff.norm() / want[k].norm()) if float(want[k].norm()) > 0 else float(diff.norm())
             tol = FWD_RTOL if k in FORWARD else BWD_RTOL
-            row.update(max_abs=max_abs, scale=scale, rel_max=rel_max, rel_l2=rel_l2, tol=tol,
-                       finite=bool(torch.isfinite(got[k]).all()), ok=bool(torch.isfinite(got[k]).all()) and rel_max <= tol)  # fmt: skip
+            row.update(
+                max_abs=max_abs,
+                scale=scale,
+                rel_max=rel_max,
+                rel_l2=rel_l2,
+                tol=tol,
+                finite=bool(torch.isfinite(got[k]).all()),
+                ok=bool(torch.isfinite(got[k]).all()) and rel_max <= tol,
+            )
         rows.append(row)
     return rows
 
 
+def garden_file(args) -> Path:
+    """--garden, else ../shared/data's file, else the copy `cuda_device_run.sh --prepare` carries."""
+    return args.garden or next((p for p in (GARDEN_PATH, CARRY / GARDEN_PATH.name) if p.exists()), GARDEN_PATH)
+
+
 def stage_parity(ctx) -> dict:
-    garden_path = ctx.args.garden or next((p for p in (GARDEN_PATH, CARRY / GARDEN_PATH.name) if p.exists()), GARDEN_PATH)
+    garden_path = garden_file(ctx.args)
     garden = load_garden(garden_path)
     backends = [("reference", "cpu"), ("cpu", "cpu")]
     if ctx.cuda:
@@ -264,18 +358,32 @@ def stage_parity(ctx) -> dict:
         if ctx.gsplat_ok:
             backends.append(("gsplat", "cuda"))
     target = "gsplat/cuda" if ctx.gsplat_ok else "reference/cpu"  # what every other backend is compared with
-    result = {"target": target, "backends": [f"{b}/{d}" for b, d in backends], "tolerances": {"forward": FWD_RTOL, "backward": BWD_RTOL},
-              "garden": str(garden_path) if garden else f"not found at {garden_path}: garden cases skipped",
-              "cases": [], "not_run": []}  # fmt: skip
-    ctx.results.stage("parity").update(result)
+    result = ctx.results.stage("parity")  # filled in as the cases run
+    result.update(
+        {
+            "target": target,
+            "backends": [f"{b}/{d}" for b, d in backends],
+            "tolerances": {"forward": FWD_RTOL, "backward": BWD_RTOL},
+            "garden": str(garden_path) if garden else f"not found at {garden_path}: garden cases skipped",
+            "cases": [],
+            "not_run": [],
+        }
+    )
     cases = parity_cases(ctx.args.cpu_dry_run, garden)
     for i, (name, scene, kw) in enumerate(cases):
         if time.monotonic() > ctx.stage_deadline:
             result["not_run"] = [c[0] for c in cases[i:]]
             raise StageTimeout(f"parity cap reached: {len(cases) - i} of {len(cases)} cases not run")
         outs, seconds = {}, {}
-        case = {"case": name, "gaussians": scene.N, "cameras": scene.C, "size": f"{scene.width}x{scene.height}", "kwargs": kw,
-                "seconds": seconds, "comparisons": {}}  # fmt: skip
+        case = {
+            "case": name,
+            "gaussians": scene.N,
+            "cameras": scene.C,
+            "size": f"{scene.width}x{scene.height}",
+            "kwargs": kw,
+            "seconds": seconds,
+            "comparisons": {},
+        }
         for backend, device in backends:
             label = f"{backend}/{device}"
             t0 = time.perf_counter()
@@ -283,17 +391,26 @@ def stage_parity(ctx) -> dict:
                 outs[label] = render(scene, backend, device, **kw)
             except BackendUnavailable as e:
                 case.setdefault("unavailable", {})[label] = str(e)
+            except Exception:  # noqa: BLE001  (a backend that breaks on this device is a finding: record it, go on)
+                case.setdefault("errors", {})[label] = traceback.format_exc()[-3000:]
+                print(f"[parity] {name}: {label} failed:\n{case['errors'][label]}", flush=True)
             seconds[label] = round(time.perf_counter() - t0, 3)
-        pairs = [(b, target) for b in outs if b != target] + ([("cpu/cpu", "reference/cpu")] if target != "reference/cpu" else [])
+        pairs = [(b, target) for b in outs if b != target] + (
+            [("cpu/cpu", "reference/cpu")] if target != "reference/cpu" else []
+        )
         for got, want in pairs:
             if got not in outs or want not in outs:
                 continue
             rows = compare(outs[got], outs[want])
             for row in rows:
-                ctx.results.csv_row("parity", {"case": name, "backend": got, "against": want, **{k: row.get(k, "") for k in (
-                    "quantity", "shape", "max_abs", "scale", "rel_max", "rel_l2", "differing", "tol", "ok", "note")}})  # fmt: skip
+                ctx.results.csv_row(
+                    "parity",
+                    {"case": name, "backend": got, "against": want, **{k: row.get(k, "") for k in PARITY_COLUMNS}},
+                )
             graded = [r for r in rows if "tol" in r]
-            worst = max(graded, key=lambda r: r["rel_max"] / r["tol"], default={"quantity": "-", "rel_max": 0.0, "tol": 1.0})
+            worst = max(
+                graded, key=lambda r: r["rel_max"] / r["tol"], default={"quantity": "-", "rel_max": 0.0, "tol": 1.0}
+            )
             case["comparisons"][f"{got} vs {want}"] = {
                 "ok": all(r["ok"] for r in rows),
                 "worst": {k: worst[k] for k in ("quantity", "rel_max", "tol")},
@@ -302,10 +419,18 @@ def stage_parity(ctx) -> dict:
             }
         result["cases"].append(case)
         ctx.results.write()
-        print(f"[parity] {name}: " + "; ".join(f"{k}: {'ok' if v['ok'] else 'MISMATCH ' + ','.join(v['failing'])} "
-                                             f"(worst {v['worst']['quantity']} {v['worst']['rel_max']:.1e})"
-                                             for k, v in case["comparisons"].items()), flush=True)  # fmt: skip
-    result["all_ok"] = all(c["ok"] for case in result["cases"] for c in case["comparisons"].values())
+        print(
+            f"[parity] {name}: "
+            + "; ".join(
+                f"{k}: {'ok' if v['ok'] else 'MISMATCH ' + ','.join(v['failing'])} "
+                f"(worst {v['worst']['quantity']} {v['worst']['rel_max']:.1e})"
+                for k, v in case["comparisons"].items()
+            ),
+            flush=True,
+        )
+    result["all_ok"] = all(c["ok"] for case in result["cases"] for c in case["comparisons"].values()) and not any(
+        case.get("errors") for case in result["cases"]
+    )
     return result
 
 
@@ -327,33 +452,51 @@ def stage_overhead(ctx) -> dict:
     if ctx.gsplat_ok:
         from gsplat.rendering import rasterization as gsplat_rasterization  # noqa: PLC0415
 
-        device, impls = "cuda", {"op layer (auto)": lambda **kw: rasterization(**kw, backend="auto"),
-                                 "gsplat direct": gsplat_rasterization}  # fmt: skip
+        device, impls = (
+            "cuda",
+            {
+                "op layer (auto)": lambda **kw: rasterization(**kw, backend="auto"),
+                "gsplat direct": gsplat_rasterization,
+            },
+        )
         sync = torch.cuda.synchronize
         note = "the same call to splat-metal's op layer and to gsplat.rendering.rasterization"
     elif ctx.args.cpu_dry_run:
-        device, impls = "cpu", {"op layer (cpu)": lambda **kw: rasterization(**kw, backend="cpu"),
-                                "op layer (reference)": lambda **kw: rasterization(**kw, backend="reference")}  # fmt: skip
+        device, impls = (
+            "cpu",
+            {
+                "op layer (cpu)": lambda **kw: rasterization(**kw, backend="cpu"),
+                "op layer (reference)": lambda **kw: rasterization(**kw, backend="reference"),
+            },
+        )
         sync = lambda: None  # noqa: E731
         note = "dry run: the timing harness on the cpu backend vs the reference; NOT the overhead figure"
     else:
         raise RuntimeError("needs gsplat's CUDA kernels (the build stage did not succeed)")
-    garden = load_garden(ctx.args.garden or next((p for p in (GARDEN_PATH, CARRY / GARDEN_PATH.name) if p.exists()), GARDEN_PATH))
+    garden = load_garden(garden_file(ctx.args))
     if ctx.args.cpu_dry_run:  # the harness only, on a scene the reference renders in a blink
-        scenes = {"tiny 300 48x32": with_sh(random_scene(n=300, C=1, width=48, height=32, seed=0, scale_range=(0.01, 0.08)))}
+        scenes = {
+            "tiny 300 48x32": with_sh(random_scene(n=300, C=1, width=48, height=32, seed=0, scale_range=(0.01, 0.08)))
+        }
     else:
-        scenes = {"demo-like 2k 96x72": with_sh(random_scene(n=2000, C=1, width=96, height=72, seed=0, scale_range=(0.01, 0.08)))}
+        scenes = {
+            "demo-like 2k 96x72": with_sh(
+                random_scene(n=2000, C=1, width=96, height=72, seed=0, scale_range=(0.01, 0.08))
+            )
+        }
         if garden is not None:
             scenes["garden 648x420 all 138k"] = with_sh(garden_scene(garden, n=None, seed=0))
-    result = {"note": note, "impls": list(impls), "goal_ratio": OVERHEAD_GOAL, "scenes": {}}
-    ctx.results.stage("overhead").update(result)
+    result = ctx.results.stage("overhead")
+    result.update({"note": note, "impls": list(impls), "goal_ratio": OVERHEAD_GOAL, "scenes": {}})
     max_reps = 3 if ctx.args.cpu_dry_run else ctx.args.overhead_reps
     per_scene = (ctx.stage_deadline - time.monotonic()) / len(scenes)
     (ours, ours_fn), (direct, direct_fn) = impls.items()
     for name, scene in scenes.items():
         deadline = time.monotonic() + per_scene
-        leaves = {k: getattr(scene, k).detach().to(device, copy=True).requires_grad_()
-                  for k in ("means", "quats", "scales", "opacities", "colors")}
+        leaves = {
+            k: getattr(scene, k).detach().to(device, copy=True).requires_grad_()
+            for k in ("means", "quats", "scales", "opacities", "colors")
+        }
         leaves["viewmats"] = scene.viewmats[:1].to(device, copy=True).requires_grad_()  # the camera optimizer's path
         fixed = dict(Ks=scene.Ks[:1].to(device), width=scene.width, height=scene.height)
         for _ in range(1 if ctx.args.cpu_dry_run else 10):  # warm-up: caches, the allocator, cuBLAS
@@ -370,15 +513,24 @@ def stage_overhead(ctx) -> dict:
         paired = [a / b for a, b in zip(times[ours], times[direct])]
         med = {k: statistics.median(v) for k, v in times.items()}
         result["scenes"][name] = {
-            "gaussians": scene.N, "size": f"{scene.width}x{scene.height}", "reps": len(paired),
-            f"median_ms {ours}": round(med[ours] * 1e3, 4), f"median_ms {direct}": round(med[direct] * 1e3, 4),
-            "ratio_of_medians": round(med[ours] / med[direct], 4), "median_paired_ratio": round(statistics.median(paired), 4),
-            "paired_ratio_p10_p90": [round(q, 4) for q in statistics.quantiles(paired, n=10)[:: 8]] if len(paired) > 1 else None,
+            "gaussians": scene.N,
+            "size": f"{scene.width}x{scene.height}",
+            "reps": len(paired),
+            f"median_ms {ours}": round(med[ours] * 1e3, 4),
+            f"median_ms {direct}": round(med[direct] * 1e3, 4),
+            "ratio_of_medians": round(med[ours] / med[direct], 4),
+            "median_paired_ratio": round(statistics.median(paired), 4),
+            "paired_ratio_p10_p90": [round(q, 4) for q in statistics.quantiles(paired, n=10)[::8]]
+            if len(paired) > 1
+            else None,
             "meets_goal": med[ours] / med[direct] <= OVERHEAD_GOAL if ctx.gsplat_ok else None,
-        }  # fmt: skip
+        }
         ctx.results.write()
-        print(f"[overhead] {name}: {ours} {med[ours] * 1e3:.3f} ms, {direct} {med[direct] * 1e3:.3f} ms, "
-              f"ratio {med[ours] / med[direct]:.4f} over {len(paired)} pairs", flush=True)  # fmt: skip
+        print(
+            f"[overhead] {name}: {ours} {med[ours] * 1e3:.3f} ms, {direct} {med[direct] * 1e3:.3f} ms, "
+            f"ratio {med[ours] / med[direct]:.4f} over {len(paired)} pairs",
+            flush=True,
+        )
     return result
 
 
@@ -391,7 +543,9 @@ def _subprocess(ctx, name: str, cmd: List[str], timeout: float, env: dict) -> di
         log.write(f"\n===== {name}: {' '.join(cmd)}\n")
         log.flush()
         try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, env=env, cwd=ROOT).returncode
+            rc = subprocess.run(
+                cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, env=env, cwd=ROOT
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     return {"rc": rc, "seconds": round(time.perf_counter() - t0, 1)}
@@ -399,25 +553,51 @@ def _subprocess(ctx, name: str, cmd: List[str], timeout: float, env: dict) -> di
 
 def stage_training(ctx) -> dict:
     device = "cuda" if ctx.cuda else "cpu"
-    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))  # fmt: skip
+    env = dict(
+        os.environ,
+        WANDB_MODE="disabled",
+        HF_HUB_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    )
     if not any(ep.name == "splat-metal" for ep in importlib.metadata.entry_points(group="nerfstudio.method_configs")):
-        env["NERFSTUDIO_METHOD_CONFIGS"] = "splat-metal=splat_metal_method.config:splat_metal_method"  # not pip-installed
+        env["NERFSTUDIO_METHOD_CONFIGS"] = (
+            "splat-metal=splat_metal_method.config:splat_metal_method"  # not pip-installed
+        )
     # nerfstudio reads seed points with open3d (~900 MB, cannot travel): without it both methods start
     # from splatfacto's random initialisation instead.
     seed = [] if importlib.util.find_spec("open3d") else ["--no-seed-points"]
-    result = {"device": device, "seed_points": not seed, "runs": {}}
-    ctx.results.stage("training").update(result)
+    result = ctx.results.stage("training")
+    result.update({"device": device, "seed_points": not seed, "runs": {}})
     py, bench = sys.executable, ROOT / "benchmarks"
     tmp = Path(tempfile.mkdtemp(prefix="cuda_device_run_"))
     remaining = lambda: ctx.stage_deadline - time.monotonic()  # noqa: E731
     small = ctx.args.cpu_dry_run
-    runs = [("cuda_vs_splatfacto", 0.45,
-             [py, str(bench / "cuda_vs_splatfacto.py"), "--steps", "40" if small else "300", "--block", "10" if small else "25"] + seed),
-            ("bench_memory hooks on", 0.5,
-             [py, str(bench / "bench_memory.py"), "--device", device, "--hooks", "on"] + seed),
-            ("bench_memory hooks off", 1.0,
-             [py, str(bench / "bench_memory.py"), "--device", device, "--hooks", "off"] + seed)]  # fmt: skip
+    runs = [
+        (
+            "cuda_vs_splatfacto",
+            0.45,
+            [
+                py,
+                str(bench / "cuda_vs_splatfacto.py"),
+                "--steps",
+                "40" if small else "300",
+                "--block",
+                "10" if small else "25",
+            ]
+            + seed,
+        ),
+        (
+            "bench_memory hooks on",
+            0.5,
+            [py, str(bench / "bench_memory.py"), "--device", device, "--hooks", "on"] + seed,
+        ),
+        (
+            "bench_memory hooks off",
+            1.0,
+            [py, str(bench / "bench_memory.py"), "--device", device, "--hooks", "off"] + seed,
+        ),
+    ]
     for name, share, cmd in runs:
         timeout = remaining() * share
         if timeout < 20:
@@ -453,8 +633,24 @@ def summary(data: dict) -> str:
     lines = [f"# splat-metal on CUDA: {data['mode']} run, started {data['started_utc']}", ""]
     env = st.get("env", {})
     if env:
-        lines += [f"- {k}: {env.get(k)}" for k in ("gpu", "nvidia_smi", "capability", "nvcc", "torch", "torch_cuda", "gsplat",
-                                                   "numpy", "python", "cpu", "cores", "commit") if k in env]  # fmt: skip
+        lines += [
+            f"- {k}: {env.get(k)}"
+            for k in (
+                "gpu",
+                "nvidia_smi",
+                "capability",
+                "nvcc",
+                "torch",
+                "torch_cuda",
+                "gsplat",
+                "numpy",
+                "python",
+                "cpu",
+                "cores",
+                "commit",
+            )
+            if k in env
+        ]
     lines.append("")
     for name in STAGES:
         s = st.get(name)
@@ -464,16 +660,29 @@ def summary(data: dict) -> str:
         if s.get("error"):
             lines += ["```", s["error"][-3000:], "```"]
         if name == "build" and "max_jobs" in s:
-            lines.append(f"gsplat CUDA extension in {s.get('build_seconds', '?')} s with MAX_JOBS={s['max_jobs']}, "
-                         f"TORCH_CUDA_ARCH_LIST={s['torch_cuda_arch_list']}")  # fmt: skip
+            lines.append(
+                f"gsplat CUDA extension in {s.get('build_seconds', '?')} s with MAX_JOBS={s['max_jobs']}, "
+                f"TORCH_CUDA_ARCH_LIST={s['torch_cuda_arch_list']}"
+            )
         if name == "parity":
-            lines.append(f"target {s.get('target')}; backends {', '.join(s.get('backends', []))}; garden: {s.get('garden')}")
-            lines += ["", "| case | comparison | result | worst quantity | rel. to max | radii differing |", "|---|---|---|---|---|---|"]
+            lines.append(
+                f"target {s.get('target')}; backends {', '.join(s.get('backends', []))}; garden: {s.get('garden')}"
+            )
+            lines += [
+                "",
+                "| case | comparison | result | worst quantity | rel. to max | radii differing |",
+                "|---|---|---|---|---|---|",
+            ]
             for case in s.get("cases", []):
                 for comp, c in case["comparisons"].items():
                     verdict = "ok" if c["ok"] else "MISMATCH: " + ", ".join(c["failing"])
-                    lines.append(f"| {case['case']} | {comp} | {verdict} | {c['worst']['quantity']} | "
-                                 f"{c['worst']['rel_max']:.1e} (tol {c['worst']['tol']:.0e}) | {c['radii_differing']} |")  # fmt: skip
+                    lines.append(
+                        f"| {case['case']} | {comp} | {verdict} | {c['worst']['quantity']} | "
+                        f"{c['worst']['rel_max']:.1e} (tol {c['worst']['tol']:.0e}) | {c['radii_differing']} |"
+                    )
+            for case in s.get("cases", []):
+                for label, err in {**case.get("unavailable", {}), **case.get("errors", {})}.items():
+                    lines.append(f"\n{case['case']}: {label} did not run: {err.strip().splitlines()[-1]}")
             if s.get("not_run"):
                 lines.append(f"\nnot run (time): {', '.join(s['not_run'])}")
         if name == "overhead":
@@ -482,8 +691,10 @@ def summary(data: dict) -> str:
                 lines.append(f"- {scene}: " + ", ".join(f"{k} {v}" for k, v in r.items()))
         if name == "training":
             for run, r in s.get("runs", {}).items():
-                lines.append(f"- {run}: rc {r.get('rc')}, {r.get('seconds', '?')} s" +
-                             (f": {json.dumps(r['result'])}" if r.get("result") else ""))  # fmt: skip
+                lines.append(
+                    f"- {run}: rc {r.get('rc')}, {r.get('seconds', '?')} s"
+                    + (f": {json.dumps(r['result'])}" if r.get("result") else "")
+                )
         lines.append("")
     return "\n".join(lines)
 
@@ -505,15 +716,23 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results" / "cuda"))
     p.add_argument("--cpu-dry-run", action="store_true", help="no CUDA: small cases, cpu vs reference")
-    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)} (env always runs)")
+    p.add_argument(
+        "--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)} (env always runs)"
+    )
     p.add_argument("--with-training", action="store_true", help="run the training stage in a dry run too (slow)")
-    p.add_argument("--budget-s", type=float, default=540,
-                   help="the whole run's seconds: stages end by then, none starts with < 15 s left (default 540)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=540,
+        help="the whole run's seconds: stages end by then, none starts with < 15 s left (default 540)",
+    )
     p.add_argument("--parity-s", type=float, default=150, help="parity stage cap (default 150 s)")
     p.add_argument("--overhead-s", type=float, default=60, help="overhead stage cap (default 60 s)")
-    p.add_argument("--overhead-reps", type=int, default=300, help="alternating pairs per overhead scene at most")
+    p.add_argument("--overhead-reps", type=int, default=1000, help="alternating pairs per overhead scene at most")
     p.add_argument("--training-s", type=float, default=240, help="training stage cap (default 240 s)")
-    p.add_argument("--garden", type=Path, default=None, help=f"garden_points.npz (default {GARDEN_PATH} or .cuda-carry/)")
+    p.add_argument(
+        "--garden", type=Path, default=None, help=f"garden_points.npz (default {GARDEN_PATH} or .cuda-carry/)"
+    )
     return p.parse_args(argv)
 
 
@@ -538,7 +757,9 @@ def main(argv=None) -> int:
     for name in STAGES:
         stage = results.stage(name)
         if name not in wanted:
-            stage["status"] = "skipped" + (" (cpu dry run)" if args.cpu_dry_run and name in ("build", "training") else "")
+            stage["status"] = "skipped" + (
+                " (cpu dry run)" if args.cpu_dry_run and name in ("build", "training") else ""
+            )
             continue
         if name not in ("env", "build") and start + args.budget_s - time.monotonic() < 15:
             stage["status"] = f"not run: the {args.budget_s:.0f} s budget was used up"
