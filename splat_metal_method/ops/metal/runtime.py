@@ -91,11 +91,8 @@ def pipeline_limits(kernel) -> dict[str, int | None]:
     torch.mps.compile_shader's kernels have max_threads_per_threadgroup (the pipeline's
     maxTotalThreadsPerThreadgroup: register-dependent, can be < 1024), thread_execution_width and
     static_thread_group_memory_length; the emulator reports what it enforces."""
-    limits = {a: getattr(kernel, a, None) for a in
-              ("max_threads_per_threadgroup", "thread_execution_width", "static_thread_group_memory_length")}
-    if limits["max_threads_per_threadgroup"] is None:  # the emulator names it as MTLComputePipelineState does
-        limits["max_threads_per_threadgroup"] = getattr(kernel, "max_total_threads_per_threadgroup", None)
-    return limits
+    return {a: getattr(kernel, a, None) for a in
+            ("max_threads_per_threadgroup", "thread_execution_width", "static_thread_group_memory_length")}
 
 
 def fitted_group(group_size, limits: dict[str, int | None]) -> tuple[int]:
