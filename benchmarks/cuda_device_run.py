@@ -271,7 +271,7 @@ def parity_cases(small: bool, garden: Optional[dict]) -> List[tuple]:
             ("RGB RGB+ED classic", None, dict(render_mode="RGB+ED")),
             ("SH3 RGB+ED antialiased", 3, dict(render_mode="RGB+ED", rasterize_mode="antialiased")),
         ):
-            scene = garden_scene(garden, n=1000 if small else 50_000, seed=1)
+            scene = garden_scene(garden, n=1000 if small else 30_000, seed=1)
             if small:  # 1/8 resolution, one camera: seconds on a laptop
                 scene.Ks = scene.Ks.clone()  # garden_scene's Ks share memory with the loaded arrays
                 scene.Ks[:, :2] /= 8
