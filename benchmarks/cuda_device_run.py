@@ -500,7 +500,8 @@ def stage_overhead(ctx) -> dict:
         leaves["viewmats"] = scene.viewmats[:1].to(device, copy=True).requires_grad_()  # the camera optimizer's path
         fixed = dict(Ks=scene.Ks[:1].to(device), width=scene.width, height=scene.height)
         for _ in range(1 if ctx.args.cpu_dry_run else 10):  # warm-up: caches, the allocator, cuBLAS
-            _step(ours_fn, leaves, fixed, sync), _step(direct_fn, leaves, fixed, sync)
+            _step(ours_fn, leaves, fixed, sync)
+            _step(direct_fn, leaves, fixed, sync)
         times = {ours: [], direct: []}
         for rep in range(max_reps):
             order = [(ours, ours_fn), (direct, direct_fn)][:: 1 if rep % 2 == 0 else -1]  # ABBA: drift hits both alike
