@@ -126,6 +126,15 @@ def checkpoint_step(path: Path) -> int:
     return int(Path(path).stem.split("-")[1])
 
 
+def tensorboard_scalars(run_dir: Path, tag: str) -> Dict[int, float]:
+    """{step: value} of a scalar a run logged to tensorboard (``--vis tensorboard``); {} if none."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)} if tag in events.Tags()["scalars"] else {}
+
+
 def demo_args(**overrides: Union[str, int, float]) -> List[str]:
     """configs/demo.args as an argument list (comments dropped), with options replaced or added:
     ``demo_args(max_num_iterations=100)`` replaces ``--max-num-iterations``; keys map ``_`` to
