@@ -10,6 +10,25 @@ cd "$(dirname "$0")/.."
 VENV=${SPLAT_METAL_VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 
+# Supported Pythons (= pyproject.toml's requires-python; 3.13: nerfstudio 1.1.5 needs numpy<2, which
+# has no cp313 wheels). Checked first, so nothing is half-installed; `--check-python` stops after it.
+SUPPORTED_PYTHONS="3.10 3.11 3.12"
+py=$PYTHON; [ -x "$VENV/bin/python" ] && py=$VENV/bin/python
+version=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || version=""
+case " $SUPPORTED_PYTHONS " in
+  *" ${version:-none} "*) ;;
+  *) echo "[setup] $py is ${version:+Python }${version:-not a working Python}; splat-metal supports Python ${SUPPORTED_PYTHONS// /, }." >&2
+     echo "[setup] Run again with one of them, e.g. PYTHON=python3.12 bash scripts/setup.sh${version:+ (after removing $VENV if it was made with $py)}" >&2
+     exit 1 ;;
+esac
+[ "${1:-}" = --check-python ] && { echo "[setup] Python $version ($py): supported"; exit 0; }
+
+if [ "$(uname -s)" = Darwin ]; then
+  [ "$(uname -m)" = arm64 ] || { echo "[setup] splat-metal needs an Apple Silicon Mac: PyTorch has no Intel-Mac wheels of torch >= 2.7" >&2; exit 1; }
+  macos=$(sw_vers -productVersion)
+  [ "${macos%%.*}" -ge 13 ] || { echo "[setup] splat-metal needs macOS 13 or later (this is $macos)" >&2; exit 1; }
+fi
+
 if [ "$(uname -s)" = Linux ] && command -v apt-get >/dev/null 2>&1; then
   missing=()
   for pkg in g++ libusb-1.0-0 chromium chromium-driver ffmpeg "$@"; do
@@ -26,20 +45,25 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 
+# torch builds known to work with nerfstudio 1.1.5 and torchvision on each platform (DESIGN.md).
+pinfile=constraints.txt
+case "$(uname -s)-$(uname -m)" in
+  Linux-x86_64) torch_pkgs="torch==2.14.1 torchvision==0.29.1"; pins="-c constraints.txt" ;;
+  Linux-aarch64) torch_pkgs="torch==2.9.1 torchvision==0.24.1"; pins="-c constraints.txt" ;;
+  # Apple Silicon: wheels only (no compiler, no source builds); torch and everything else pinned in
+  # constraints-macos-arm64.txt, which scripts/resolve_macos.py generates.
+  Darwin-arm64) torch_pkgs=""; pinfile=constraints-macos-arm64.txt; pins="--only-binary=:all: -c $pinfile" ;;
+  *) torch_pkgs="torch>=2.7 torchvision"; pins="" ;;
+esac
+
 # Re-install only when the dependency description changed.
 stamp="$VENV/.splat-metal-installed"
-want=$(cat pyproject.toml constraints.txt scripts/setup.sh | cksum)
+want=$(cat pyproject.toml "$pinfile" scripts/setup.sh | cksum)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q --upgrade pip
-  # torch builds known to work with nerfstudio 1.1.5 and torchvision on each platform (DESIGN.md).
-  case "$(uname -s)-$(uname -m)" in
-    Linux-x86_64) torch_pkgs="torch==2.14.1 torchvision==0.29.1"; pins="-c constraints.txt" ;;
-    Linux-aarch64) torch_pkgs="torch==2.9.1 torchvision==0.24.1"; pins="-c constraints.txt" ;;
-    *) torch_pkgs="torch>=2.7 torchvision"; pins="" ;;  # macOS arm64: PyPI's MPS-enabled builds
-  esac
-  echo "[setup] pip install $torch_pkgs, nerfstudio and splat-metal (a few minutes the first time)"
+  echo "[setup] pip install ${torch_pkgs:-torch (versions in $pinfile)}, nerfstudio and splat-metal (a few minutes the first time)"
   # shellcheck disable=SC2086
-  python -m pip install -q $torch_pkgs
+  [ -z "$torch_pkgs" ] || python -m pip install -q $torch_pkgs
   # shellcheck disable=SC2086
   python -m pip install -q -e ".[test]" $pins
   echo "$want" > "$stamp"
