@@ -55,8 +55,10 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_expected_files(tmp_path):
     assert {r["quantity"] for r in rows} == {"colors", "alphas", "radii", "means2d.grad", "absgrad"} | grads
     assert all(r["ok"] == "True" and r["backend"] == "cpu/cpu" and r["against"] == "reference/cpu" for r in rows)
     graded = [r for r in rows if r["tol"]]
-    assert all(float(r["scale"]) > 0 for r in graded if r["quantity"] != "backgrounds.grad")  # nothing compared is all zero
-    assert max(float(r["rel_max"]) for r in graded) > 0  # two backends, not one compared with itself
+    # Nothing compared is all zero (a background may be hidden entirely), and the two sides differ a
+    # little: two backends were compared, not one with itself.
+    assert all(float(r["scale"]) > 0 for r in graded if r["quantity"] != "backgrounds.grad")
+    assert max(float(r["rel_max"]) for r in graded) > 0
 
     overhead = stages["overhead"]
     assert overhead["status"] == "ok" and "NOT the overhead figure" in overhead["note"]
