@@ -119,8 +119,10 @@ def cli_exports(edited_run, tmp_path_factory):
     result = run_cli("splat-metal-export", "--load-config", edited_run, "--output-dir", out / "ours",
                      "--format", "ply", "splat", "spz", timeout=600)  # fmt: skip
     assert result.returncode == 0, result.tail()
-    demo_runs.run_tool([demo_runs.tool("ns-export"), "gaussian-splat", "--load-config", edited_run,
-                        "--output-dir", out / "ns"], out, "ns-export")  # fmt: skip
+    # nerfstudio's own exporter, in this process (its command line is tested in test_export_roundtrip.py)
+    from nerfstudio.scripts.exporter import ExportGaussianSplat
+
+    ExportGaussianSplat(load_config=edited_run, output_dir=out / "ns").main()
     pipeline, _, _ = demo_runs.load_pipeline(edited_run)
     return out, result, pipeline
 
@@ -194,10 +196,10 @@ def test_spz_keeps_sh_in_the_render(cli_exports):
     wrong_rest = np.ascontiguousarray(params["features_rest"].reshape(n, 3, k).transpose(0, 2, 1))
     wrong = _psnr(reference, _render(model_from_ply(model, dict(params, features_rest=wrong_rest)), cameras))
     dropped = _psnr(reference, _render(model_from_ply(model, dict(params, features_rest=0 * wrong_rest)), cameras))
-    # 4-5 bit SH of random coefficients is coarse (steps of 1/16 and 1/8): a lower bound than for trained
-    # SH, but well clear of what the wrong order or no SH at all give.
-    assert right >= 28.0, f"spz with random SH renders at {right:.1f} dB"
-    assert wrong < right - 6 and dropped < right - 6, f"right {right:.1f} dB, wrong order {wrong:.1f}, no SH {dropped:.1f}"
+    # Measured: 48.9 dB; the wrong order 28.1 dB, no SH 30.2 dB. SH steps of 1/16 and 1/8 per coefficient
+    # are coarse, but their errors average out over a pixel's many gaussians: the .spz bound holds.
+    assert right >= SPZ_PSNR, f"spz with random SH renders at {right:.1f} dB (< {SPZ_PSNR})"
+    assert max(wrong, dropped) < SPZ_PSNR - 5, f"right {right:.1f} dB, wrong order {wrong:.1f}, no SH {dropped:.1f}"
 
 
 # ---------------------------------------------------------------------------------------------
