@@ -198,8 +198,12 @@ def rasterization(
 
         # gsplat normalises with rsqrt(|q|^2): a zero quaternion becomes NaN. The other backends (like
         # F.normalize) give it the identity rotation and a zero gradient; so does this.
+        # The identity is made on the device: new_tensor([1, 0, 0, 0]) would be a host-to-device copy,
+        # which PyTorch follows with a stream synchronize, stalling every training step.
         zero_quat = (quats.detach() * quats.detach()).sum(dim=-1, keepdim=True) == 0  # [N, 1]
-        quats = torch.where(zero_quat, quats.new_tensor([1.0, 0.0, 0.0, 0.0]), quats)
+        identity = torch.zeros_like(quats[:1])  # [1, 4]
+        identity[:, 0] = 1.0
+        quats = torch.where(zero_quat, identity, quats)
         return gsplat_rasterization(
             means, quats, scales, opacities, colors, viewmats, Ks, width, height,
             near_plane=near_plane, far_plane=far_plane, radius_clip=radius_clip, eps2d=eps2d,
