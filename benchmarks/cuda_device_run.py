@@ -488,7 +488,7 @@ def stage_overhead(ctx) -> dict:
             scenes["garden 648x420 all 138k"] = with_sh(garden_scene(garden, n=None, seed=0))
     result = ctx.results.stage("overhead")
     result.update({"note": note, "impls": list(impls), "goal_ratio": OVERHEAD_GOAL, "scenes": {}})
-    max_reps = 3 if ctx.args.cpu_dry_run else ctx.args.overhead_reps
+    max_reps = 2 if ctx.args.cpu_dry_run else ctx.args.overhead_reps
     per_scene = (ctx.stage_deadline - time.monotonic()) / len(scenes)
     (ours, ours_fn), (direct, direct_fn) = impls.items()
     for name, scene in scenes.items():
