@@ -3,6 +3,7 @@ CPU: the Metal kernels under the emulator, plus the native cpu backend), exit st
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -10,7 +11,8 @@ import subprocess
 def test_doctor_passes_on_cpu():
     exe = shutil.which("splat-metal-doctor")
     assert exe, "the splat-metal-doctor console script is not installed (pip install -e .)"
-    res = subprocess.run([exe, "--device", "cpu", "--size", "45x29"], capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "COLUMNS": "200"}  # rich wraps table cells at the terminal width
+    res = subprocess.run([exe, "--device", "cpu", "--size", "45x29"], capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "auto backend here: cpu" in res.stdout
     assert "rasterization (cpu)" in res.stdout and "MISMATCH" not in res.stdout
