@@ -296,7 +296,7 @@ def _print_table(checks: Sequence[Check]) -> None:
 
     table = Table(title="kernels vs reference")
     for col in ("stage", "pass", "max abs err", "rel err", "ms", "result"):
-        table.add_column(col, no_wrap=col == "stage")
+        table.add_column(col, no_wrap=col != "stage")  # numbers stay whole in a narrow terminal; names wrap
     for c in checks:
         table.add_row(c.stage, c.direction, f"{c.max_abs:.2e}", f"{c.rel:.2e}", f"{c.ms:.1f}",
                       "[green]ok[/green]" if c.ok else "[red]MISMATCH[/red]")  # fmt: skip
