@@ -33,7 +33,7 @@ def _install_copy(root: Path) -> Path:
 
 def _train(scene: Path, out: Path, env: dict, *extra: str):
     return run_cli(
-        "ns-train", "splat-metal", *demo_args(max_num_iterations=2, steps_per_eval_all_images=100000),
+        "ns-train", "splat-metal", *demo_args(max_num_iterations=1, steps_per_eval_all_images=100000),
         "--data", scene, "--output-dir", out, "--timestamp", "run", "--machine.device-type", "cpu",
         "--pipeline.model.backend", "metal", *extra, timeout=600, env=env, cwd=out.parent,
     )  # fmt: skip
@@ -59,13 +59,13 @@ def test_ns_train_checks_metal_kernels_first_and_stops_on_a_wrong_one(tmp_path, 
     assert right.returncode == 0, right.tail()
     assert "Metal self-check passed" in right.output, right.tail()
     run_dir = tmp_path / "right" / scene.name / "splat-metal" / "run"
-    assert [p.name for p in checkpoints(run_dir)] == ["step-000000001.ckpt"]
+    assert [p.name for p in checkpoints(run_dir)] == ["step-000000000.ckpt"]
     verdicts = json.loads((cache / "splat_metal" / "self_check.json").read_text())
     (verdict,) = verdicts.values()
     assert verdict["passed"] and verdict["run"] == {"tile_size": 16, "channels": [3, 4], "rasterize_mode": "classic",
                                                     "absgrad": True, "sh_degree": 3}  # fmt: skip
     print(f"self-check on the emulator: {verdict['checks']} checks in {verdict['seconds']} s; "
-          f"ns-train (2 steps) {right.seconds:.1f} s")
+          f"ns-train (1 step) {right.seconds:.1f} s")
 
     sh = install / "splat_metal_method" / "ops" / "metal" / "sh.metal"
     assert sh.read_text().count(RIGHT) == 1
@@ -120,3 +120,22 @@ def test_non_ascii_path_outside_the_package_is_escaped_and_named_in_errors(tmp_p
     assert src.isascii() and "Jos\\303\\251/broken.metal" in src
     with pytest.raises(MetalCompileError, match=r"broken\.metal:4:.*not_declared"):
         compile_library(src, "broken")
+
+
+def test_first_render_of_a_metal_model_checks_first(tmp_path, monkeypatch):
+    """The viewer's path (get_outputs_for_camera, model not training): the check runs before the first
+    render, once per process, and writes its verdict."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(self_check, "_verified", set())  # a fresh process, as far as the check knows
+    model = demo_runs.small_model("black")
+    model.config.backend = "metal"
+    model.eval()
+    runtime.reset_launch_counts()
+    out = model.get_outputs_for_camera(demo_runs.camera(demo_runs.facing_origin()))
+    assert out["rgb"].shape == (30, 40, 3) and model.info["backend"] == "metal"
+    checked = runtime.launch_counts()
+    assert checked["project_bwd"] >= 1 and checked["rasterize_bwd"] >= 2  # the check's backward passes
+    assert json.loads(self_check.cache_path().read_text())  # the verdict
+    runtime.reset_launch_counts()
+    model.get_outputs_for_camera(demo_runs.camera(demo_runs.facing_origin()))
+    assert "rasterize_bwd" not in runtime.launch_counts()  # checked once
