@@ -307,6 +307,9 @@ def test_wrong_configs(tmp_path, tmp_path_factory):
     moved = tmp_path / "moved.yml"
     moved.write_text(yaml.dump(cfg))
     assert "no checkpoint (step-*.ckpt) in" in _export(moved, out)
+    cfg.method_name = "splat-metal-from-the-future"
+    moved.write_text(yaml.dump(cfg))
+    assert "a method not installed here" in _export(moved, out)
     assert not any(out.iterdir())
 
 

@@ -152,6 +152,13 @@ def _check_run(config_path: Path) -> None:
             f"{config_path} is a {config.method_name} run; only gaussian-splatting runs (splat-metal, splatfacto) "
             "can be exported."
         )
+    from nerfstudio.configs.method_configs import all_methods
+
+    if config.method_name not in all_methods:  # eval_setup looks its datamanager up there
+        raise ExportError(
+            f"{config_path} is a {config.method_name!r} run, a method not installed here "
+            f"(installed: {', '.join(sorted(all_methods))})."
+        )
     ckpt_dir = config.get_checkpoint_dir()
     if not sorted(Path(ckpt_dir).glob("step-*.ckpt")):
         raise ExportError(
