@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Dict, List
 
@@ -88,6 +91,14 @@ def _spz_params(z: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in p.items()}
 
 
+def _console_script() -> str:
+    """The installed console script (next to this Python, else on PATH), as users run it."""
+    search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    found = shutil.which("splat-metal-export", path=search)
+    assert found, "the splat-metal-export console script is not installed: `pip install -e .` (setup.sh) adds it"
+    return found
+
+
 def _reference_model(pipeline):
     model = copy.deepcopy(pipeline.model)
     model.config.backend = "reference"
@@ -116,7 +127,7 @@ def edited_run(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def cli_exports(edited_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("formats_exports")
-    result = run_cli("splat-metal-export", "--load-config", edited_run, "--output-dir", out / "ours",
+    result = run_cli([_console_script()], "--load-config", edited_run, "--output-dir", out / "ours",
                      "--format", "ply", "splat", "spz", timeout=600)  # fmt: skip
     assert result.returncode == 0, result.tail()
     # nerfstudio's own exporter, in this process (its command line is tested in test_export_roundtrip.py)
@@ -278,7 +289,7 @@ def _export(config, out, **kw):
 
 
 def test_cli_missing_config_one_line_no_traceback(tmp_path):
-    result = run_cli("splat-metal-export", "--load-config", tmp_path / "nope" / "config.yml",
+    result = run_cli([_console_script()], "--load-config", tmp_path / "nope" / "config.yml",
                      "--output-dir", tmp_path / "out", timeout=300)  # fmt: skip
     assert result.returncode == 1, result.tail()
     assert "no such file" in result.stderr and "Traceback" not in result.output, result.tail()
