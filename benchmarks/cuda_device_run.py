@@ -775,7 +775,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         try:
             stage.update(globals()[f"stage_{name}"](ctx))
-            stage["status"] = "ok"
+            stage["status"] = "ok" if stage.get("all_ok", True) else "done, NOT all ok (see below)"
         except StageTimeout as e:
             stage["status"] = f"partial: {e}"
         except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001  (recorded; the next stages still run)
