@@ -193,33 +193,54 @@ def stage_checks(
     return checks
 
 
-def full_op_checks(device: torch.device, backend: str, width: int, height: int) -> List[Check]:
-    """The whole public op `backend` vs "reference" (used for gsplat on CUDA, which has no stage API)."""
+def full_op_checks(
+    device: torch.device, backend: str, width: int, height: int, *, depth_chunks: int = 0, n: int = 300,
+    cameras: int = 2, absgrad: bool = False, rasterize_mode: str = "classic",
+) -> List[Check]:
+    """The whole public op `backend` vs "reference" (used for gsplat on CUDA, which has no stage API).
+    With `depth_chunks`, `backend` renders with an intersection budget of about 1/depth_chunks of the
+    scene's intersections (ops/chunked.py: resumed compositing), the reference without one."""
     from .ops import rasterization
     from .ops import reference
+    from .ops.chunked import count_intersections
 
-    scene, W, H = random_scene(device, width=width, height=height)
+    scene, W, H = random_scene(device, n=n, width=width, height=height, cameras=cameras)
+    budget = None
+    if depth_chunks:
+        radii, means2d, *_ = reference.project(scene["means"], scene["quats"], scene["scales"], scene["viewmats"],
+                                               scene["Ks"], W, H)  # fmt: skip
+        total = int(count_intersections(means2d, radii, 16, -(-W // 16), -(-H // 16)).sum())
+        budget = max(1, total // depth_chunks)
 
-    def run(backend_name):
+    def run(backend_name, max_intersections):
         leaves = {k: v.detach().clone().requires_grad_(True) for k, v in scene.items() if k != "Ks"}
         out, ms = _timed(
             lambda: rasterization(
                 leaves["means"], leaves["quats"], leaves["scales"], leaves["opacities"], leaves["coeffs"],
                 leaves["viewmats"], scene["Ks"], W, H, sh_degree=3, render_mode="RGB+ED", backend=backend_name,
+                absgrad=absgrad, rasterize_mode=rasterize_mode, max_intersections=max_intersections,
             ),
             device,
         )  # fmt: skip
-        colors, alphas, _ = out
+        colors, alphas, meta = out
         (colors[..., :3].sum() + alphas.sum()).backward()
-        return colors, alphas, leaves, ms
+        grads = {k: v.grad for k, v in leaves.items()}
+        if absgrad:
+            grads["means2d.absgrad"] = meta["means2d"].absgrad
+        return colors, alphas, grads, ms, meta["depth_chunks"]
 
-    del reference
-    cf, af, lf, ms = run(backend)
-    cr, ar, lr, _ = run("reference")
+    label = f"rasterization ({backend})"
+    try:
+        cf, af, gf, ms, chunks = run(backend, budget)
+        cr, ar, gr, _, _ = run("reference", None)
+    except Exception as e:
+        return [Check(label, "forward+backward", float("inf"), float("inf"), 0.0, False, f"{type(e).__name__}: {e}")]
+    if depth_chunks:
+        label = f"rasterization ({backend}, {chunks} depth chunks)"
     err = max(_max_abs(cf[..., :3], cr[..., :3]), _max_abs(af, ar))
-    checks = [Check(f"rasterization ({backend})", "forward", err, _rel(cf[..., :3], cr[..., :3]), ms, err <= FWD_ATOL)]
-    rel = max(_rel(lf[k].grad, lr[k].grad) for k in lf)
-    checks.append(Check(f"rasterization ({backend})", "backward", 0.0, rel, 0.0, rel <= BWD_RTOL))
+    checks = [Check(label, "forward", err, _rel(cf[..., :3], cr[..., :3]), ms, err <= FWD_ATOL)]
+    rel = max(_rel(gf[k], gr[k]) for k in gr)
+    checks.append(Check(label, "backward", 0.0, rel, 0.0, rel <= BWD_RTOL))
     return checks
 
 

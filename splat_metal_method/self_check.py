@@ -62,6 +62,7 @@ class RunKernels:
     rasterize_mode: str  # "classic" | "antialiased"
     absgrad: bool
     sh_degree: int  # 0: colours without SH (no SH stage)
+    depth_chunks: bool = False  # an intersection budget may split a render into depth chunks (ops/chunked.py)
 
     @classmethod
     def of(cls, model) -> "RunKernels":
@@ -72,6 +73,7 @@ class RunKernels:
             rasterize_mode=model.config.rasterize_mode,
             absgrad=bool(getattr(model.strategy, "absgrad", False)),
             sh_degree=int(model.config.sh_degree),
+            depth_chunks=bool(getattr(getattr(model, "memory", None), "max_intersections", None)),
         )
 
 
@@ -155,17 +157,23 @@ def _store(path: Path, key: str, entry: dict) -> None:
 
 
 def run_checks(device: torch.device, run: RunKernels):
-    """doctor.stage_checks restricted to what `run` uses, Metal vs reference on `device`."""
-    from .doctor import stage_checks
+    """doctor.stage_checks restricted to what `run` uses, Metal vs reference on `device`; with depth
+    chunks, also the whole op cut into about 3 chunks (resumed compositing) vs the unchunked reference."""
+    from .doctor import full_op_checks, stage_checks
     from .ops import metal, reference
 
     with torch.inference_mode(False), torch.enable_grad():  # renders run under no_grad; the check needs grads
-        return stage_checks(
+        checks = stage_checks(
             device, metal, reference, SCENE["width"], SCENE["height"], tile_size=run.tile_size,
             channels=run.channels, sh_degrees=range(run.sh_degree + 1) if run.sh_degree > 0 else (),
             modes=(run.rasterize_mode,), absgrad=run.absgrad, backgrounds=False, cameras=SCENE["cameras"],
             n=SCENE["n"],
         )  # fmt: skip
+        if run.depth_chunks:
+            checks += full_op_checks(device, "metal", SCENE["width"], SCENE["height"], depth_chunks=3, n=SCENE["n"],
+                                     cameras=SCENE["cameras"], absgrad=run.absgrad,
+                                     rasterize_mode=run.rasterize_mode)  # fmt: skip
+        return checks
 
 
 def failure_message(bad: List, device: torch.device, before: str) -> str:

@@ -63,7 +63,7 @@ def test_ns_train_checks_metal_kernels_first_and_stops_on_a_wrong_one(tmp_path, 
     verdicts = json.loads((cache / "splat_metal" / "self_check.json").read_text())
     (verdict,) = verdicts.values()
     assert verdict["passed"] and verdict["run"] == {"tile_size": 16, "channels": [3, 4], "rasterize_mode": "classic",
-                                                    "absgrad": True, "sh_degree": 3}  # fmt: skip
+                                                    "absgrad": True, "sh_degree": 3, "depth_chunks": True}  # fmt: skip
     print(f"self-check on the emulator: {verdict['checks']} checks in {verdict['seconds']} s; "
           f"ns-train (1 step) {right.seconds:.1f} s")
 
