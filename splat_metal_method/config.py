@@ -17,6 +17,7 @@ from nerfstudio.pipelines.base_pipeline import VanillaPipelineConfig
 from nerfstudio.plugins.types import MethodSpecification
 
 from .dataparser import SplatMetalDataParserConfig, check_dataset
+from .mcmc import SplatMetalMCMCModelConfig
 from .model import SplatMetalModelConfig
 from .trainer import SplatMetalTrainer
 
@@ -100,4 +101,19 @@ def splat_metal_trainer_config() -> TrainerConfig:
 splat_metal_method = MethodSpecification(
     config=splat_metal_trainer_config(),
     description="Gaussian splatting (splatfacto) with Metal kernels on Apple GPUs, gsplat on NVIDIA, PyTorch on CPU.",
+)
+
+
+def splat_metal_mcmc_trainer_config() -> TrainerConfig:
+    """splat-metal's recipe (same schedule, learning rates, devices) with gsplat's MCMC strategy
+    instead of splatfacto's densification (mcmc.py)."""
+    config = splat_metal_trainer_config()
+    config.method_name = "splat-metal-mcmc"
+    config.pipeline.model = SplatMetalMCMCModelConfig()
+    return config
+
+
+splat_metal_mcmc_method = MethodSpecification(
+    config=splat_metal_mcmc_trainer_config(),
+    description="splat-metal with 3DGS-MCMC (gsplat's MCMCStrategy on every device): a fixed gaussian budget (cap-max).",
 )

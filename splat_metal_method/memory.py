@@ -431,7 +431,8 @@ class MemoryManager:
 
     def after_iteration(self, step: int) -> None:
         reasons = []
-        events = self.strategy.pop_events() if isinstance(self.strategy, BudgetedStrategy) else []
+        pop_events = getattr(self.strategy, "pop_events", None)  # BudgetedStrategy, SplatMetalMCMCStrategy
+        events = pop_events() if pop_events is not None else []
         if self.empty_cache_after_refine:
             reasons += sorted({kind for _, kind in events})
         if self.empty_cache_every > 0 and step % self.empty_cache_every == 0:
@@ -490,15 +491,19 @@ class MemoryManager:
         return scalars
 
 
-def setup_model_memory(model) -> MemoryManager:
+def setup_model_memory(model, max_gaussians: Optional[Tuple[int, str]] = None) -> MemoryManager:
     """For a SplatMetalModel after splatfacto's populate_modules: caps its strategy and returns the
     MemoryManager built from its config (empty_cache_*, memory_log_every, max_gaussians,
-    max_intersections)."""
+    max_intersections). A strategy with a cap of its own (MCMC's cap_max) passes it as
+    ``max_gaussians`` = (cap, how it was chosen) and is kept as it is."""
     config = model.config
     device = torch.device(model.kwargs.get("device") or "cpu")
-    max_gaussians, g_source = resolve_budget(config.max_gaussians, default_max_gaussians, device)
     max_isects, i_source = resolve_budget(config.max_intersections, default_max_intersections, device)
-    model.strategy = BudgetedStrategy.from_strategy(model.strategy, max_gaussians)
+    if max_gaussians is None:
+        max_gaussians, g_source = resolve_budget(config.max_gaussians, default_max_gaussians, device)
+        model.strategy = BudgetedStrategy.from_strategy(model.strategy, max_gaussians)
+    else:
+        max_gaussians, g_source = max_gaussians
     return MemoryManager(
         device,
         strategy=model.strategy,

@@ -221,8 +221,11 @@ class NonFiniteGuard:
             )
         from gsplat.strategy import ops
 
-        with torch.no_grad():
-            ops.remove(self.model.gauss_params, self.optimizers, self.model.strategy_state, report.bad_rows)
+        state = self.model.strategy_state
+        per_gaussian = {k: v for k, v in state.items() if k != "binoms"}  # MCMC's binomial table is not
+        with torch.no_grad():  # per gaussian, and gsplat's remove slices every tensor it is given
+            ops.remove(self.model.gauss_params, self.optimizers, per_gaussian, report.bad_rows)
+        state.update(per_gaussian)
         self.dropped += report.n_bad
         CONSOLE.print(
             f"splat-metal: {what}. Dropped those {report.n_bad:,} of {report.n_gaussians:,} gaussians and "

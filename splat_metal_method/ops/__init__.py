@@ -1,5 +1,14 @@
 """Device-aware op layer: one public API, backends behind it with identical stage signatures."""
 
+from .mcmc import compute_relocation, quat_scale_to_covar_preci
 from .rasterization import BACKENDS, BackendUnavailable, backend_module, rasterization, resolve_backend
 
-__all__ = ["BACKENDS", "BackendUnavailable", "backend_module", "rasterization", "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailable",
+    "backend_module",
+    "compute_relocation",
+    "quat_scale_to_covar_preci",
+    "rasterization",
+    "resolve_backend",
+]

@@ -7,7 +7,8 @@ by compositing tiles in chunks (recomputed in backward when the work is large).
 
 Every backend module exposes the same five stages with the same signatures:
 ``project``, ``spherical_harmonics``, ``isect_tiles``, ``isect_offset_encode``,
-``rasterize_to_pixels``.
+``rasterize_to_pixels``. At the end: the two ops of gsplat's MCMC strategy (``compute_relocation``,
+``quat_scale_to_covar_preci``), which every non-CUDA device runs from here (ops/mcmc.py).
 """
 
 from __future__ import annotations
@@ -447,3 +448,58 @@ def _rasterize(
         return x.reshape(C, tile_height * tile_size, tile_width * tile_size, -1)[:, :height, :width]
 
     return to_image(image), to_image(trans_all[..., None])[..., 0], to_image(stopped_all[..., None])[..., 0]
+
+
+# ------------------------------------------------------------------------------------------------
+# The ops of the MCMC strategy (gsplat.relocation.compute_relocation, gsplat.quat_scale_to_covar_preci)
+# ------------------------------------------------------------------------------------------------
+def compute_relocation(
+    opacities: Tensor,  # [N] opacities of the sampled gaussians
+    scales: Tensor,  # [N, 3]
+    ratios: Tensor,  # [N] int: how many gaussians each one becomes (itself included)
+    binoms: Tensor,  # [n_max, n_max] binomial coefficients, binoms[n, k] = C(n, k)
+) -> Tuple[Tensor, Tensor]:
+    """Opacity and scale of each of the ``ratios`` gaussians one gaussian is split into, so that they
+    render like the original (3DGS as MCMC, Kheradmand et al. 2024, eq. 9):
+
+        o' = 1 - (1 - o)^(1/n)
+        s' = s * o / sum_{i=1..n} sum_{k=0..i-1} C(i-1, k) (-1)^k o'^(k+1) / sqrt(k+1)
+
+    As gsplat: n is ``ratios`` clamped to [1, n_max]. The alternating sum loses digits in float32
+    (gsplat's kernel: up to 3e-4 relative at o ~ 1, n ~ 50), so it is summed in float64 where the
+    device has it (not mps); then only the rounding of the table remains (gsplat's float32
+    table, 8e-5). Returns [N], [N, 3] in the dtype of the inputs."""
+    n_max = binoms.shape[0]
+    n = ratios.clamp(1, n_max).long()  # [N]
+    work = torch.float32 if opacities.device.type == "mps" else torch.float64
+    o = opacities.to(work)
+    new_opacities = -torch.expm1(torch.log1p(-o) / n)  # 1 - (1-o)^(1/n), accurate for small o
+    # Swap the sums: sum_k (sum_{i=k+1..n} C(i-1, k)) (-1)^k o'^(k+1) / sqrt(k+1); the inner sum is a
+    # column sum of rows 0..n-1 of the table (C(i-1, k) = 0 for i-1 < k).
+    k = torch.arange(n_max, device=o.device, dtype=work)  # [n_max]
+    coeffs = binoms.to(work).cumsum(dim=0)[n - 1]  # [N, n_max]
+    signs = 1.0 - 2.0 * (k % 2)  # (-1)^k
+    terms = coeffs * (signs / torch.sqrt(k + 1)) * new_opacities[:, None] ** (k + 1)  # [N, n_max]
+    new_scales = scales * (o / terms.sum(dim=-1)).to(scales.dtype)[:, None]  # [N, 3]
+    return new_opacities.to(opacities.dtype), new_scales
+
+
+def quat_scale_to_covar_preci(
+    quats: Tensor,  # [N, 4] wxyz, not necessarily normalised
+    scales: Tensor,  # [N, 3]
+    compute_covar: bool = True,
+    compute_preci: bool = True,
+    triu: bool = False,
+) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """Covariance R S S^T R^T and precision R S^-1 S^-1 R^T of each gaussian, R from the normalised
+    quaternion, S = diag(scales): [N, 3, 3] each, or their upper triangles [N, 6] (xx, xy, xz, yy,
+    yz, zz) with ``triu``; None for the one not asked for (gsplat 1.4 semantics)."""
+    R = quat_to_rotmat(quats)  # [N, 3, 3]
+
+    def outer(M: Tensor) -> Tensor:  # M M^T: [N, 3, 3], or its upper triangle [N, 6]
+        out = M @ M.transpose(-1, -2)
+        return out.flatten(-2)[..., [0, 1, 2, 4, 5, 8]] if triu else out
+
+    covars = outer(R * scales[:, None, :]) if compute_covar else None
+    precis = outer(R / scales[:, None, :]) if compute_preci else None
+    return covars, precis
