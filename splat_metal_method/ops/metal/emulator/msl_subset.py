@@ -6,7 +6,8 @@ MetalCompileError naming the .metal file and line. Refused:
   * any non-ASCII byte (torch builds the shader string as ASCII: one byte >= 0x80, in a comment or
     in a ``#line`` path such as ``/Users/José/...``, makes the whole library fail to build);
   * ``double``, ``std::``, C library calls (printf, malloc, ...), exceptions (throw/try/catch),
-    ``virtual``, function pointers, recursion (direct or through other functions of the source),
+    ``virtual``, function pointers, recursion (direct or through other functions of the source;
+    the call graph is by name, so overloads of one name that call each other count as recursion),
     ``#include`` of anything but <metal_stdlib>; variable-length arrays are refused by the compilers
     (``-Werror=vla`` for g++ and the address-space check's clang);
   * kernel signatures Metal rejects: a buffer index above 30 (Metal binds at most 31 buffers), a
