@@ -150,7 +150,9 @@ _warned_no_clang = False
 def compile_library(source: str, name: str = "kernels") -> "EmulatorLibrary":
     """Compile `source` (MSL) to a cached shared library and return its kernels.
 
-    `name` only labels diagnostics when the source carries no `#line` directive of its own.
+    Runs the MSL subset check first and, when the library is not cached yet, the address-space check
+    (clang); both raise MetalCompileError. `name` only labels diagnostics when the source carries no
+    `#line` directive of its own.
     """
     global _compile_count, _warned_no_clang
     if shutil.which(_CXX) is None:
