@@ -20,6 +20,7 @@ from typing import Dict, List, Literal, Type, Union
 import torch
 from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.models.splatfacto import RGB2SH, SplatfactoModel, SplatfactoModelConfig, get_viewmat
+from nerfstudio.utils.rich_utils import CONSOLE
 
 from . import memory, reliability, render_device, self_check
 from .ops import rasterization
@@ -88,10 +89,27 @@ class SplatMetalModelConfig(SplatfactoModelConfig):
     """When a gaussian parameter or gradient becomes NaN/Inf (checked after every step, reported with the
     step and parameter): "recover" drops the affected gaussians and continues; "stop" ends training
     before that step is saved, keeping the last good checkpoint (splat_metal_method/reliability.py)."""
+    min_train_size: int = 128
+    """Training never renders an image smaller than this many pixels on its longer side: splatfacto's
+    resolution schedule (num_downscales) is clamped for small images (said once at start); 0: no
+    minimum. Why: gsplat's radii are at least 2 px and its screen-size rule splits every gaussian wider
+    than split_screen_size (0.05) of the image, so at 24x16 every gaussian split at every refine."""
+
+
+def max_downscale(width: int, height: int, min_size: int) -> int:
+    """The largest power-of-two downscale keeping the image's longer side >= ``min_size`` pixels (1 for
+    an image already smaller; no limit for 0). nerfstudio truncates a downscaled size like ``//``."""
+    if min_size <= 0:
+        return 1 << 30
+    factor = 1
+    while max(width, height) // (2 * factor) >= min_size:
+        factor *= 2
+    return factor
 
 
 class SplatMetalModel(SplatfactoModel):
     config: SplatMetalModelConfig
+    _downscale_limit: int = 1 << 30  # max_downscale of the current training camera (get_outputs)
 
     def populate_modules(self):
         seed_colors = None
@@ -128,7 +146,26 @@ class SplatMetalModel(SplatfactoModel):
             param.data = torch.zeros((n, *param.shape[1:]), device=param.device, dtype=param.dtype)
         return torch.nn.Module.load_state_dict(self, dict, **kwargs)
 
+    def _get_downscale_factor(self):
+        """splatfacto's resolution schedule, never below min_train_size."""
+        return min(super()._get_downscale_factor(), self._downscale_limit)
+
+    def _note_min_train_size(self, pipeline) -> None:
+        cameras = pipeline.datamanager.train_dataset.cameras
+        W, H = int(cameras.width.max()), int(cameras.height.max())
+        start, limit = 2**self.config.num_downscales, max_downscale(W, H, self.config.min_train_size)
+        if start > limit:
+            CONSOLE.print(
+                f"splat-metal: training starts at {W // limit}x{H // limit}, not {W // start}x{H // start} "
+                f"(num_downscales {self.config.num_downscales} of {W}x{H}): images are not downscaled below "
+                f"{self.config.min_train_size} px (--pipeline.model.min-train-size; 0 allows it).",
+                highlight=False,
+                soft_wrap=True,
+            )
+
     def get_training_callbacks(self, training_callback_attributes):
+        if training_callback_attributes.pipeline is not None:
+            self._note_min_train_size(training_callback_attributes.pipeline)
         self_check.ensure_verified(self, self.device, self.config.backend)  # before the first step
         # The NaN/Inf check goes last: after the strategy's densification and the memory hooks.
         self.nonfinite_guard = reliability.NonFiniteGuard(
@@ -161,6 +198,9 @@ class SplatMetalModel(SplatfactoModel):
             params = {k: v[crop_ids] for k, v in params.items()}
         colors = torch.cat((params["features_dc"][:, None, :], params["features_rest"]), dim=1)  # [N, K, 3]
 
+        if self.training:
+            width, height = int(camera.width.max()), int(camera.height.max())
+            self._downscale_limit = max_downscale(width, height, self.config.min_train_size)
         scale = self._get_downscale_factor()
         camera.rescale_output_resolution(1 / scale)
         viewmat = get_viewmat(camera_to_world)  # [1, 4, 4]
