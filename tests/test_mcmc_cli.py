@@ -1,0 +1,149 @@
+"""`ns-train splat-metal-mcmc` as a user runs it (demo preset, CPU): trains within cap-max and says
+so at start, `ns-export gaussian-splat` exports it, `--load-dir` resumes it with MCMC's state."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli_helpers import checkpoints, demo_args, tensorboard_scalars
+from demo_runs import demo_scene, run_tool, tool, tool_env
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+METHOD, TARGET = "splat-metal-mcmc", "splat_metal_method.config:splat_metal_mcmc_method"
+CAP, STEPS, RESUME_STEPS = 1600, 30, 10
+
+
+def method_env():
+    """The tools' environment. An install older than this method (a checkout updated without
+    `pip install -e .`) lacks the entry point; nerfstudio's NERFSTUDIO_METHOD_CONFIGS registers it
+    the same way then (test_entry_point_is_declared checks the declaration itself)."""
+    installed = METHOD in entry_points(group="nerfstudio.method_configs").names
+    return tool_env() if installed else tool_env(NERFSTUDIO_METHOD_CONFIGS=f"{METHOD}={TARGET}")
+
+
+def test_entry_point_is_declared():
+    from nerfstudio.plugins.types import MethodSpecification
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
+    target = declared["nerfstudio.method_configs"][METHOD]
+    assert target == TARGET
+    module, name = target.split(":")
+    spec = getattr(importlib.import_module(module), name)
+    assert isinstance(spec, MethodSpecification) and spec.config.method_name == METHOD
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    scene = demo_scene(tmp_path_factory)
+    out = tmp_path_factory.mktemp("mcmc_cli")
+    args = [tool("ns-train"), METHOD, *demo_args(
+        max_num_iterations=STEPS, steps_per_save=STEPS, steps_per_eval_all_images=10**6, steps_per_eval_image=10**6,
+        pipeline__model__warmup_length=5, pipeline__model__refine_every=5, pipeline__model__cap_max=CAP,
+    ), "--data", scene, "--output-dir", out, "--timestamp", "run", "--machine.device-type", "cpu"]  # fmt: skip
+    log = run_tool(args, out, "train", env=method_env())
+    return {"out": out, "scene": scene, "log": log, "run_dir": out / scene.name / METHOD / "run"}
+
+
+def gauss_params(ckpt: Path) -> dict:
+    state = torch.load(ckpt, map_location="cpu")  # weights_only: checkpoints.py allow-lists what it needs
+    prefix = "_model.gauss_params."
+    return {k[len(prefix):]: v for k, v in state["pipeline"].items() if k.startswith(prefix)}
+
+
+def test_trains_within_cap_max_and_prints_it(run):
+    log = re.sub(r"\s+", " ", run["log"])
+    assert f"max gaussians {CAP:,} (cap-max: set in the config)" in log, run["log"][-3000:]
+    (ckpt,) = checkpoints(run["run_dir"])
+    assert gauss_params(ckpt)["means"].shape[0] == CAP  # 1,500 seed points, +5% per refine, stopped at the cap
+    loss = tensorboard_scalars(run["run_dir"], "Train Loss")
+    assert loss[max(loss)] < 0.7 * loss[min(loss)], loss
+
+
+def test_export_gaussian_splat(run, tmp_path):
+    from plyfile import PlyData
+
+    run_tool([tool("ns-export"), "gaussian-splat", "--load-config", run["run_dir"] / "config.yml",
+              "--output-dir", tmp_path], tmp_path, "export", env=method_env())  # fmt: skip
+    vertex = PlyData.read(str(tmp_path / "splat.ply"))["vertex"]
+    p = gauss_params(checkpoints(run["run_dir"])[-1])
+    exportable = int((p["opacities"][:, 0] >= torch.logit(torch.tensor(1 / 255))).sum())  # ns-export's rule
+    assert vertex.count == exportable > 0.9 * CAP
+
+
+def test_resume_continues_with_the_mcmc_state(run):
+    (ckpt,) = checkpoints(run["run_dir"])
+    args = [tool("ns-train"), METHOD, *demo_args(
+        max_num_iterations=RESUME_STEPS, steps_per_save=RESUME_STEPS, steps_per_eval_all_images=10**6,
+        steps_per_eval_image=10**6, pipeline__model__warmup_length=5, pipeline__model__refine_every=5,
+        pipeline__model__cap_max=CAP,
+    ), "--data", run["scene"], "--output-dir", run["out"], "--timestamp", "resumed", "--machine.device-type", "cpu",
+        "--load-dir", ckpt.parent]  # fmt: skip
+    log = run_tool(args, run["out"], "resume", env=method_env())
+    assert f"Done loading Nerfstudio checkpoint from {ckpt}" in " ".join(log.split()), log[-3000:]
+    (resumed,) = checkpoints(run["run_dir"].parent / "resumed")
+    state = torch.load(resumed, map_location="cpu")
+    assert state["step"] == STEPS - 1 + RESUME_STEPS
+    assert state["splat_metal_resume"]["strategy"]["class"] == "SplatMetalMCMCStrategy"
+    assert state["splat_metal_resume"]["strategy"]["state"]["binoms"].shape == (51, 51)
+    assert gauss_params(resumed)["means"].shape[0] == CAP
+
+
+# ------------------------------------------------------------------------------------------------
+# Exact resume (the resume state of trainer.py / resume_state.py carries MCMC's strategy state)
+# ------------------------------------------------------------------------------------------------
+TOTAL, FIRST = 40, 20  # refines at steps 10, 15, ..., 35: 300 seed points grow 5% each, to the cap 400 at 35
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_continued_run_is_bit_identical_to_the_uninterrupted_one(tmp_path_factory):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from splat_metal_method import demo_scene as generator
+
+    out = tmp_path_factory.mktemp("mcmc_resume")
+    scene = out / "scene"
+    generator.generate(scene, width=40, height=30, views=12, seed=0)
+    xyz, rgb = generator.read_ply(scene / generator.PLY_NAME)
+    generator.write_ply(scene / generator.PLY_NAME, xyz[:300], rgb[:300])
+
+    def train(timestamp, steps, *extra):
+        args = [tool("ns-train"), METHOD, *demo_args(
+            max_num_iterations=steps, steps_per_save=10**6, steps_per_eval_all_images=10**6, steps_per_eval_image=10**6,
+            pipeline__model__warmup_length=5, pipeline__model__refine_every=5, pipeline__model__cap_max=400,
+            machine__seed=7, machine__device_type="cpu",
+        ), "--data", scene, "--output-dir", out, "--timestamp", timestamp, *extra]  # fmt: skip
+        run_tool(args, out, timestamp, env=method_env())
+        (ckpt,) = checkpoints(out / "scene" / METHOD / timestamp)
+        return ckpt
+
+    with ThreadPoolExecutor(2) as pool:
+        whole, first = pool.submit(train, "whole", TOTAL), pool.submit(train, "first", FIRST)
+        whole, first = whole.result(), first.result()
+    continued = train("continued", TOTAL - FIRST, "--load-dir", first.parent)
+    a, b = torch.load(whole, map_location="cpu"), torch.load(continued, map_location="cpu")
+    assert a["step"] == b["step"] == TOTAL - 1
+    assert a["pipeline"]["_model.gauss_params.means"].shape[0] == 400  # grew after the resume point
+    assert torch.load(first, map_location="cpu")["pipeline"]["_model.gauss_params.means"].shape[0] < 400
+    for part in ("pipeline", "optimizers", "schedulers"):
+        assert _same(a[part], b[part]), part
