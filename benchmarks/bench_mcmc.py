@@ -164,7 +164,8 @@ def main(argv=None):
             default = result_of(launch("default", data, args))
             mcmc = result_of(launch("mcmc", data, args, cap_max=default["gaussians"]))
             for r in (default, mcmc):
-                r.update(scene=f"{scene} {width}x{height}", device=args.device, eval_views=len(demo_scene.eval_indices(views)))
+                held_out = len(demo_scene.eval_indices(views))
+                r.update(scene=f"{scene} {width}x{height}", device=args.device, eval_views=held_out)
                 r["peak_mb"] = r["peak_device_mb"] if r["peak_device_mb"] is not None else r["peak_rss_mb"]
                 rows.append(r)
             print(f"{scene}: default {default['psnr']:.2f} dB / {default['gaussians']:,}; "

@@ -132,7 +132,9 @@ class SplatMetalMCMCModel(SplatMetalModel):
     def populate_modules(self):
         cfg = self.config
         if not 0 < cfg.init_opacity < 1 or cfg.init_scale <= 0:
-            raise ValueError(f"init-opacity must be in (0, 1) and init-scale > 0; got {cfg.init_opacity}, {cfg.init_scale}")
+            raise ValueError(
+                f"init-opacity must be in (0, 1) and init-scale > 0; got {cfg.init_opacity}, {cfg.init_scale}"
+            )
         super().populate_modules()  # splatfacto's gaussians (seed points or random init), on our ops
         device = torch.device(self.kwargs.get("device") or "cpu")
         cap, source = resolve_cap_max(cfg.cap_max, device)

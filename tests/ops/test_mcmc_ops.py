@@ -36,7 +36,9 @@ COUNTS = [1, 2, 3, 7, 20, 50, 51]
 # With gsplat's float32 table, C(50, 25) ~ 1.3e14 is rounded and the alternating sum magnifies that to
 # 8e-5 relative at o ~ 1, n = 51 (gsplat's float32 kernel: 3e-4); with exact (float64) coefficients
 # the reference is exact to float32.
-@pytest.mark.parametrize("table, rel", [(torch.float64, 1e-6), (torch.float32, 1e-4)], ids=["exact-table", "gsplat-table"])
+@pytest.mark.parametrize(
+    "table, rel", [(torch.float64, 1e-6), (torch.float32, 1e-4)], ids=["exact-table", "gsplat-table"]
+)
 def test_relocation_matches_the_paper_formula(table, rel):
     o = torch.tensor([a for a in OPACITIES for _ in COUNTS])
     n = torch.tensor([b for _ in OPACITIES for b in COUNTS], dtype=torch.int32)
@@ -87,7 +89,8 @@ def test_relocation_keeps_the_opacity_shape():
 
 
 def test_relocation_of_nothing():
-    new_o, new_s = ops.compute_relocation(torch.zeros(0), torch.zeros(0, 3), torch.zeros(0, dtype=torch.int32), binoms_table())
+    empty = torch.zeros(0, dtype=torch.int32)
+    new_o, new_s = ops.compute_relocation(torch.zeros(0), torch.zeros(0, 3), empty, binoms_table())
     assert new_o.shape == (0,) and new_s.shape == (0, 3)
 
 
