@@ -116,10 +116,43 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def test_continued_run_is_bit_identical_to_the_uninterrupted_one(tmp_path_factory):
+def _interrupt(args, out, run_dir, after):
+    """ns-train `args` in its own process group, Ctrl-C'd (SIGINT to the group, as a terminal sends
+    it) once the checkpoint of step `after` exists; returns (exit code, output)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from cli_helpers import checkpoint_step
+
+    with open(out / "interrupted.log", "w+") as log:
+        proc = subprocess.Popen([str(a) for a in args], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=method_env(), start_new_session=True)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 600
+            while not any(checkpoint_step(c) >= after for c in checkpoints(run_dir)):
+                assert proc.poll() is None and time.monotonic() < deadline, "ns-train ended before the Ctrl-C"
+                time.sleep(0.02)
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.seek(0)
+        return proc.returncode, log.read()
+
+
+@pytest.mark.timeout(1800)
+def test_continued_and_ctrl_c_resumed_runs_are_bit_identical_to_the_uninterrupted_one(tmp_path_factory):
+    """A plain continue (FIRST steps, then --load-dir for the rest) and a Ctrl-C'd run resumed with
+    the command splat-metal prints both end with the uninterrupted run's bits."""
+    import shlex
     from concurrent.futures import ThreadPoolExecutor
 
     from splat_metal_method import demo_scene as generator
+    from splat_metal_method.trainer import INTERRUPTED_EXIT_CODE
 
     out = tmp_path_factory.mktemp("mcmc_resume")
     scene = out / "scene"
@@ -127,23 +160,40 @@ def test_continued_run_is_bit_identical_to_the_uninterrupted_one(tmp_path_factor
     xyz, rgb = generator.read_ply(scene / generator.PLY_NAME)
     generator.write_ply(scene / generator.PLY_NAME, xyz[:300], rgb[:300])
 
+    def args(timestamp, steps, save_every=10**6):
+        return [tool("ns-train"), METHOD, *demo_args(
+            max_num_iterations=steps, steps_per_save=save_every, steps_per_eval_all_images=10**6,
+            steps_per_eval_image=10**6, pipeline__model__warmup_length=5, pipeline__model__refine_every=5,
+            pipeline__model__cap_max=400, machine__seed=7, machine__device_type="cpu",
+        ), "--data", scene, "--output-dir", out, "--timestamp", timestamp]  # fmt: skip
+
     def train(timestamp, steps, *extra):
-        args = [tool("ns-train"), METHOD, *demo_args(
-            max_num_iterations=steps, steps_per_save=10**6, steps_per_eval_all_images=10**6, steps_per_eval_image=10**6,
-            pipeline__model__warmup_length=5, pipeline__model__refine_every=5, pipeline__model__cap_max=400,
-            machine__seed=7, machine__device_type="cpu",
-        ), "--data", scene, "--output-dir", out, "--timestamp", timestamp, *extra]  # fmt: skip
-        run_tool(args, out, timestamp, env=method_env())
-        (ckpt,) = checkpoints(out / "scene" / METHOD / timestamp)
-        return ckpt
+        run_tool([*args(timestamp, steps), *extra], out, timestamp, env=method_env())
+        return checkpoints(out / "scene" / METHOD / timestamp)[-1]
+
+    interrupted_dir = out / "scene" / METHOD / "interrupted"
+    with ThreadPoolExecutor(3) as pool:
+        whole, first = pool.submit(train, "whole", TOTAL), pool.submit(train, "first", FIRST)
+        interrupted = pool.submit(_interrupt, args("interrupted", TOTAL, save_every=1), out, interrupted_dir, 12)
+        whole, first, (code, text) = whole.result(), first.result(), interrupted.result()
+    assert code == INTERRUPTED_EXIT_CODE, text[-3000:]
+    match = re.search(r"Resume with: (\S*ns-train .*?--max-num-iterations \d+)", " ".join(text.split()))
+    assert match, text[-3000:]
+    printed = shlex.split(match.group(1))
+    stopped = int(checkpoints(interrupted_dir)[-1].stem.split("-")[1])
+    assert stopped < 35, f"interrupted at step {stopped}: no refine left after the resume point"
 
     with ThreadPoolExecutor(2) as pool:
-        whole, first = pool.submit(train, "whole", TOTAL), pool.submit(train, "first", FIRST)
-        whole, first = whole.result(), first.result()
-    continued = train("continued", TOTAL - FIRST, "--load-dir", first.parent)
-    a, b = torch.load(whole, map_location="cpu"), torch.load(continued, map_location="cpu")
-    assert a["step"] == b["step"] == TOTAL - 1
-    assert a["pipeline"]["_model.gauss_params.means"].shape[0] == 400  # grew after the resume point
+        continued = pool.submit(train, "continued", TOTAL - FIRST, "--load-dir", first.parent)
+        resumed = pool.submit(lambda: run_tool([*printed, "--timestamp", "resumed"], out, "resumed", env=method_env()))
+        continued = continued.result()
+        resumed.result()
+    resumed = checkpoints(out / "scene" / METHOD / "resumed")[-1]
+    a = torch.load(whole, map_location="cpu")
+    assert a["pipeline"]["_model.gauss_params.means"].shape[0] == 400  # grew after the resume points
     assert torch.load(first, map_location="cpu")["pipeline"]["_model.gauss_params.means"].shape[0] < 400
-    for part in ("pipeline", "optimizers", "schedulers"):
-        assert _same(a[part], b[part]), part
+    for name, path in (("continued", continued), ("Ctrl-C resumed", resumed)):
+        b = torch.load(path, map_location="cpu")
+        assert a["step"] == b["step"] == TOTAL - 1, name
+        for part in ("pipeline", "optimizers", "schedulers"):
+            assert _same(a[part], b[part]), f"{name}: {part}"
