@@ -159,3 +159,26 @@ def snapshot(root: Path) -> Dict[str, tuple]:
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
+
+
+def interrupt_after_checkpoint(args, log_path: Path, env, run_dir: Path, after: int, timeout: float = 600):
+    """Runs ``args`` (an ns-train command) in its own process group and Ctrl-C's it (SIGINT to the
+    group, as a terminal sends it) once the checkpoint of step ``after`` exists in ``run_dir``.
+    Returns (exit code, output); the output is also kept in ``log_path``."""
+
+    with open(log_path, "w+") as log:
+        proc = subprocess.Popen([str(a) for a in args], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)  # fmt: skip
+        try:
+            deadline = time.monotonic() + timeout
+            while not any(checkpoint_step(c) >= after for c in checkpoints(run_dir)):
+                assert proc.poll() is None and time.monotonic() < deadline, "ns-train ended before the Ctrl-C"
+                time.sleep(0.02)
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.seek(0)
+        return proc.returncode, log.read()

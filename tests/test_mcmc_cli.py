@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_helpers import checkpoints, demo_args, tensorboard_scalars
+from cli_helpers import checkpoints, demo_args, interrupt_after_checkpoint, tensorboard_scalars
 from demo_runs import demo_scene, run_tool, tool, tool_env
 
 if sys.version_info >= (3, 11):
@@ -116,34 +116,6 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _interrupt(args, out, run_dir, after):
-    """ns-train `args` in its own process group, Ctrl-C'd (SIGINT to the group, as a terminal sends
-    it) once the checkpoint of step `after` exists; returns (exit code, output)."""
-    import os
-    import signal
-    import subprocess
-    import time
-
-    from cli_helpers import checkpoint_step
-
-    with open(out / "interrupted.log", "w+") as log:
-        proc = subprocess.Popen([str(a) for a in args], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=method_env(), start_new_session=True)  # fmt: skip
-        try:
-            deadline = time.monotonic() + 600
-            while not any(checkpoint_step(c) >= after for c in checkpoints(run_dir)):
-                assert proc.poll() is None and time.monotonic() < deadline, "ns-train ended before the Ctrl-C"
-                time.sleep(0.02)
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(timeout=300)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.seek(0)
-        return proc.returncode, log.read()
-
-
 @pytest.mark.timeout(1800)
 def test_continued_and_ctrl_c_resumed_runs_are_bit_identical_to_the_uninterrupted_one(tmp_path_factory):
     """A plain continue (FIRST steps, then --load-dir for the rest) and a Ctrl-C'd run resumed with
@@ -174,7 +146,8 @@ def test_continued_and_ctrl_c_resumed_runs_are_bit_identical_to_the_uninterrupte
     interrupted_dir = out / "scene" / METHOD / "interrupted"
     with ThreadPoolExecutor(3) as pool:
         whole, first = pool.submit(train, "whole", TOTAL), pool.submit(train, "first", FIRST)
-        interrupted = pool.submit(_interrupt, args("interrupted", TOTAL, save_every=1), out, interrupted_dir, 12)
+        interrupted = pool.submit(interrupt_after_checkpoint, args("interrupted", TOTAL, save_every=1),
+                                  out / "interrupted.log", method_env(), interrupted_dir, 12)
         whole, first, (code, text) = whole.result(), first.result(), interrupted.result()
     assert code == INTERRUPTED_EXIT_CODE, text[-3000:]
     match = re.search(r"Resume with: (\S*ns-train .*?--max-num-iterations \d+)", " ".join(text.split()))

@@ -14,19 +14,16 @@ Scene: 40x30, 12 views, 300 seed points.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import signal
-import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from cli_helpers import checkpoint_step, checkpoints, cli_env, demo_args, executable, run_cli, tensorboard_scalars
+from cli_helpers import (checkpoint_step, checkpoints, cli_env, demo_args, executable, interrupt_after_checkpoint,
+                         run_cli, tensorboard_scalars)
 from splat_metal_method import demo_scene, resume_state
 from splat_metal_method.trainer import INTERRUPTED_EXIT_CODE
 
@@ -61,25 +58,10 @@ def _run_dir(out: Path, timestamp: str) -> Path:
 
 
 def _interrupted(scene: Path, out: Path) -> tuple:
-    """Ctrl-C (SIGINT to the process group, as a terminal sends it) once step INTERRUPT_AFTER is saved."""
-    run_dir = _run_dir(out, "interrupted")
-    args = [executable("ns-train"), *map(str, _args(scene, out, "interrupted", steps_per_save=1))]
-    with open(out / "interrupted.log", "w+") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=cli_env(out / "torch_home"), start_new_session=True)  # fmt: skip
-        try:
-            deadline = time.monotonic() + 600
-            while not any(checkpoint_step(c) >= INTERRUPT_AFTER for c in checkpoints(run_dir)):
-                assert proc.poll() is None and time.monotonic() < deadline, "ns-train ended before the Ctrl-C"
-                time.sleep(0.02)
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(timeout=300)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.seek(0)
-        return proc.returncode, log.read()
+    """Ctrl-C once step INTERRUPT_AFTER is saved."""
+    args = [executable("ns-train"), *_args(scene, out, "interrupted", steps_per_save=1)]
+    return interrupt_after_checkpoint(args, out / "interrupted.log", cli_env(out / "torch_home"),
+                                      _run_dir(out, "interrupted"), INTERRUPT_AFTER)
 
 
 def _train(scene: Path, out: Path, timestamp: str, *extra, **options):
