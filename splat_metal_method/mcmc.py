@@ -6,9 +6,10 @@ gsplat 1.4's ``MCMCStrategy`` does the work, unchanged: every ``refine_every`` s
 ``min_opacity`` onto live ones (sampled by opacity), adds 5% more the same way up to ``cap_max``, and
 after every step it moves each gaussian by noise shaped by its covariance and scaled by the means'
 learning rate (so the noise follows the learning-rate schedule) times ``noise_lr``. Its two CUDA-only
-ops are routed to our op layer (ops/mcmc.py: gsplat on CUDA, PyTorch elsewhere) for the duration of
-its step. The gaussian count never exceeds ``cap_max``: growth stops there, relocation keeps the
-count, and initial gaussians beyond the cap are subsampled.
+ops are routed to our op layer (ops/mcmc.py, on the model's backend: gsplat on CUDA, the native or
+Metal covariance on cpu and mps, relocation in PyTorch) for the duration of its step. The gaussian
+count never exceeds ``cap_max``: growth stops there, relocation keeps the count, and initial
+gaussians beyond the cap are subsampled.
 
 What differs from splatfacto besides the strategy: gsplat's MCMC recipe (examples/simple_trainer.py
 "mcmc"): initial opacity 0.5 and scales x0.1, the opacity and scale regularisers (0.01 each), and
@@ -56,7 +57,7 @@ class SplatMetalMCMCStrategy(MCMCStrategy):
     steps for the memory hooks (``events``, read through ``pop_events`` as BudgetedStrategy's)."""
 
     absgrad: bool = False  # read by SplatMetalModel.get_outputs; MCMC needs no image-plane gradients
-    backend: str = "auto"  # ops/mcmc.py backend: "auto", "gsplat" or "reference"
+    backend: str = "auto"  # ops/mcmc.py backend: the model's (auto, reference, gsplat, metal, cpu)
     events: Deque[Tuple[int, str]] = field(
         default_factory=lambda: collections.deque(maxlen=64), repr=False, compare=False
     )
@@ -154,7 +155,7 @@ class SplatMetalMCMCModel(SplatMetalModel):
             refine_stop_iter=cfg.stop_split_at,
             refine_every=cfg.refine_every,
             min_opacity=cfg.cull_alpha_thresh,
-            backend={"gsplat": "gsplat", "reference": "reference"}.get(cfg.backend, "auto"),
+            backend=cfg.backend,  # as rasterization: "auto" picks by device, an explicit one is kept
         )
         self.strategy_state = self.strategy.initialize_state()
         self.memory = memory.setup_model_memory(self, max_gaussians=(cap, f"cap-max: {source}"))

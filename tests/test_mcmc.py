@@ -186,10 +186,14 @@ def test_trains_on_every_backend_relocating_and_growing_within_the_cap(tiny_scen
     """metal: the Metal kernels under the MSL emulator. (gsplat: CUDA only, see the skipped test below.)"""
     from pipelines import train_step
 
+    from splat_metal_method.ops.metal import runtime
+
     cap = 1560
     pipeline, optimizers, callbacks = mcmc_pipeline(tiny_scene, 7, cap, backend=backend)
     model = pipeline.model
     assert isinstance(model.strategy, SplatMetalMCMCStrategy) and model.memory.strategy is model.strategy
+    assert model.strategy.backend == backend  # its covariance (position noise) runs on the model's backend
+    runtime.reset_launch_counts()
     assert model.memory.max_gaussians == cap and model.num_points == 1500
     assert float(torch.sigmoid(model.opacities).mean()) == pytest.approx(0.5)  # gsplat's MCMC init
     counts = []
@@ -205,6 +209,7 @@ def test_trains_on_every_backend_relocating_and_growing_within_the_cap(tiny_scen
     assert not torch.isclose(model.means[::40].detach(), dead_means).all(dim=-1).any()  # teleported
     assert float(torch.sigmoid(model.opacities).min()) > model.strategy.min_opacity
     assert [r for _, r in model.memory.releases] == ["refine"] * 2  # steps 3 and 6: the memory hooks
+    assert runtime.launch_counts().get("quat_scale_to_covar_preci_fwd", 0) == (7 if backend == "metal" else 0)
 
 
 def test_nan_guard_drops_gaussians_and_keeps_the_binomial_table(tiny_scene, monkeypatch):

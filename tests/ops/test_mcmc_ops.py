@@ -1,6 +1,7 @@
 """The MCMC strategy's ops (splat_metal_method/ops/mcmc.py) against their formulas, written out here
 independently: relocation (3DGS as MCMC, eq. 9) evaluated term by term in float64 with math.comb,
-and covariances built by rotating the axes with quaternion products (not a rotation matrix)."""
+and covariances built by rotating the axes with quaternion products (not a rotation matrix), on every
+backend (reference, native cpu, metal under the MSL emulator)."""
 
 from __future__ import annotations
 
@@ -111,35 +112,148 @@ def rotate(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return mul(mul(q, torch.cat([torch.zeros_like(v[:, :1]), v], dim=-1)), conj)[:, 1:]
 
 
-def covariance_formula(quats: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """sum_i s_i^2 r_i r_i^T with r_i the i-th axis rotated by the normalised quaternion: [N, 3, 3]."""
-    q = quats.double() / quats.double().norm(dim=-1, keepdim=True)
-    s = scales.double()
+def axes_formula(quats: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_i w_i r_i r_i^T with r_i the i-th axis rotated by the normalised quaternion (a zero
+    quaternion: no rotation), in float64: [N, 3, 3]. w = s^2 is the covariance, w = s^-2 the precision."""
+    q = quats.double()
+    norm = q.norm(dim=-1, keepdim=True)
+    q = torch.where(norm > 0, q / norm, torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64))
     cov = torch.zeros(len(q), 3, 3, dtype=torch.float64)
     for i in range(3):
         axis = torch.zeros(len(q), 3, dtype=torch.float64)
         axis[:, i] = 1
         r = rotate(q, axis)
-        cov += s[:, i, None, None] ** 2 * r[:, :, None] * r[:, None, :]
+        cov += weights[:, i, None, None].double() * r[:, :, None] * r[:, None, :]
     return cov
 
 
+UPPER = [0, 1, 2, 4, 5, 8]  # gsplat's triu order: xx, xy, xz, yy, yz, zz
+COVAR_BACKENDS = ["reference", "cpu", "metal"]  # metal: the kernel under the MSL emulator
+FLAGS = [(True, True), (True, False), (False, True)]  # (compute_covar, compute_preci)
+
+
+def covar_inputs(n: int, seed: int = 0):
+    """Unnormalised quaternions (|q| from 1e-3 to 1e3, every 7th exactly zero) and scales from 1e-4 to
+    1e4 (tiny, huge and very anisotropic gaussians), float32: quats [n, 4], scales [n, 3]."""
+    g = torch.Generator().manual_seed(seed)
+    quats = torch.randn(n, 4, generator=g) * 10.0 ** torch.randint(-3, 4, (n, 1), generator=g)
+    quats[::7] = 0.0
+    scales = 10.0 ** (torch.rand(n, 3, generator=g) * 8 - 4)
+    return quats, scales
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Worst over gaussians of max |got - want| / max |want|, rows flattened (float32 rounds relative
+    to the largest entry of a matrix: tiny entries beside huge ones carry no relative precision)."""
+    got, want = got.flatten(1).double(), want.flatten(1).double()
+    err = (got - want).abs().amax(dim=1) / want.abs().amax(dim=1)
+    return float(err.max()) if len(err) else 0.0
+
+
+@pytest.mark.parametrize("backend", COVAR_BACKENDS)
 @pytest.mark.parametrize("triu", [False, True])
-def test_covariance_and_precision_match_the_formula(triu):
-    g = torch.Generator().manual_seed(0)
-    quats = torch.randn(64, 4, generator=g) * 3  # not normalised
-    scales = torch.rand(64, 3, generator=g) * 2 + 0.05
-    covars, precis = ops.quat_scale_to_covar_preci(quats, scales, triu=triu)
-    want_cov = covariance_formula(quats, scales)
-    want_pre = torch.linalg.inv(want_cov)
-    if triu:
-        assert covars.shape == precis.shape == (64, 6)
-        upper = [0, 1, 2, 4, 5, 8]  # xx, xy, xz, yy, yz, zz
-        want_cov, want_pre = want_cov.flatten(1)[:, upper], want_pre.flatten(1)[:, upper]
-    else:
-        assert covars.shape == precis.shape == (64, 3, 3)
-    torch.testing.assert_close(covars.double(), want_cov, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(precis.double(), want_pre, rtol=1e-4, atol=1e-4)
+def test_covariance_and_precision_match_the_formula(backend, triu):
+    """Every backend and flag combination, N from 0 to 1000+, against the rotated-axes formula."""
+    for n in (0, 1, 37, 1029):
+        quats, scales = covar_inputs(n, seed=n)
+        want = {"cov": axes_formula(quats, scales.double() ** 2), "pre": axes_formula(quats, scales.double() ** -2)}
+        for compute_covar, compute_preci in FLAGS:
+            outs = ops.quat_scale_to_covar_preci(quats, scales, compute_covar, compute_preci, triu, backend=backend)
+            for key, asked, out in zip(("cov", "pre"), (compute_covar, compute_preci), outs):
+                if not asked:
+                    assert out is None
+                    continue
+                assert out.dtype == torch.float32 and out.shape == ((n, 6) if triu else (n, 3, 3)), (key, n)
+                full = want[key].flatten(1)
+                assert rel_error(out, full[:, UPPER] if triu else full) < 2e-6, (key, n)
+                if not triu:
+                    assert torch.equal(out, out.transpose(1, 2))  # exactly symmetric
+
+
+def test_precision_is_the_inverse_of_the_covariance():
+    quats, scales = torch.randn(64, 4) * 3, torch.rand(64, 3) * 2 + 0.05
+    for backend in COVAR_BACKENDS:
+        covars, precis = ops.quat_scale_to_covar_preci(quats, scales, backend=backend)
+        torch.testing.assert_close(precis.double(), torch.linalg.inv(covariance_formula(quats, scales)),
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+        torch.testing.assert_close(covars @ precis, torch.eye(3).expand(64, 3, 3), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", COVAR_BACKENDS)
+def test_zero_and_unnormalised_quaternions(backend):
+    """A zero quaternion is the identity rotation (covariance exactly diag(s^2)); a quaternion's length
+    does not matter."""
+    scales = torch.tensor([[0.5, 2.0, 3.0], [1e-4, 1.0, 1e4]])
+    covars, precis = ops.quat_scale_to_covar_preci(torch.zeros(2, 4), scales, backend=backend)
+    assert torch.equal(covars, torch.diag_embed(scales**2)) and torch.equal(precis, torch.diag_embed((1 / scales) ** 2))
+    q, s = torch.randn(5, 4), torch.rand(5, 3) + 0.5
+    unit = ops.quat_scale_to_covar_preci(q / q.norm(dim=-1, keepdim=True), s, backend=backend)
+    for length in (1e-3, 7.0, 1e3):
+        for a, b in zip(ops.quat_scale_to_covar_preci(q * length, s, backend=backend), unit):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "metal"])
+def test_native_covariance_matches_the_reference(backend):
+    quats, scales = covar_inputs(1029, seed=3)
+    for triu in (False, True):
+        for flags in FLAGS:
+            got = ops.quat_scale_to_covar_preci(quats, scales, *flags, triu=triu, backend=backend)
+            want = ops.quat_scale_to_covar_preci(quats, scales, *flags, triu=triu, backend="reference")
+            for a, b in zip(got, want):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert rel_error(a, b) < 1e-6
+
+
+@pytest.mark.parametrize("backend", ["cpu", "metal"])
+def test_native_covariance_backward_matches_the_reference(backend):
+    """The native forward is wrapped in an autograd.Function: its gradients to quats and scales are the
+    reference's (which is gradchecked in float64: test_covariance_is_differentiable)."""
+    g = torch.Generator().manual_seed(1)
+    quats = torch.randn(37, 4, generator=g)
+    quats[5] = 0.0
+    scales = torch.rand(37, 3, generator=g) * 2 + 0.05
+    for triu in (False, True):
+        for flags in FLAGS:
+            grads = []
+            for b in (backend, "reference"):
+                q, s = quats.clone().requires_grad_(), scales.clone().requires_grad_()
+                outs = ops.quat_scale_to_covar_preci(q, s, *flags, triu=triu, backend=b)
+                weights = torch.Generator().manual_seed(2)
+                loss = sum((o * torch.randn(o.shape, generator=weights)).sum() for o in outs if o is not None)
+                grads.append(torch.autograd.grad(loss, [q, s]))
+            for got, want in zip(*grads):
+                assert got.abs().max() > 0
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    q = quats.clone().requires_grad_()  # only one input needs a gradient
+    covars, _ = ops.quat_scale_to_covar_preci(q, scales, compute_preci=False, backend=backend)
+    covars.sum().backward()
+    assert q.grad.shape == (37, 4) and q.grad.abs().max() > 0
+
+
+def test_covariance_routing(monkeypatch):
+    """auto runs the native CPU kernel on float32 CPU tensors and the reference on other dtypes; the
+    metal backend launches its kernel."""
+    from splat_metal_method.ops.cpu import covar as cpu_covar
+    from splat_metal_method.ops.metal import runtime
+
+    calls = []
+    native = cpu_covar.quat_scale_to_covar_preci_fwd
+    monkeypatch.setattr(cpu_covar, "quat_scale_to_covar_preci_fwd", lambda *a: calls.append(a[2:]) or native(*a))
+    quats, scales = covar_inputs(10)
+    ops.quat_scale_to_covar_preci(quats, scales, compute_preci=False)
+    assert calls == [(True, False, False)]
+    covars, _ = ops.quat_scale_to_covar_preci(quats.double(), scales.double())
+    assert len(calls) == 1 and covars.dtype == torch.float64
+    runtime.reset_launch_counts()
+    ops.quat_scale_to_covar_preci(quats, scales, backend="metal")
+    assert runtime.launch_counts() == {"quat_scale_to_covar_preci_fwd": 1}
+
+
+def covariance_formula(quats: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """sum_i s_i^2 r_i r_i^T with r_i the i-th axis rotated by the normalised quaternion: [N, 3, 3]."""
+    return axes_formula(quats, scales.double() ** 2)
 
 
 def test_covariance_flags_and_gsplat_torch_oracle():
@@ -168,7 +282,7 @@ def test_bad_input_names_the_op_and_the_backend():
     with pytest.raises(ValueError, match="backend 'gsplat' needs CUDA tensors"):
         ops.quat_scale_to_covar_preci(torch.rand(4, 4), torch.rand(4, 3), backend="gsplat")
     with pytest.raises(ValueError, match="backend must be one of"):
-        ops.compute_relocation(torch.rand(4), torch.rand(4, 3), torch.ones(4), binoms_table(), backend="metal")
+        ops.compute_relocation(torch.rand(4), torch.rand(4, 3), torch.ones(4), binoms_table(), backend="vulkan")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="gsplat's CUDA kernels need an NVIDIA GPU")

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Optional
 
 SOURCES = sorted(Path(__file__).resolve().parent.glob("*.cpp"))
-HEADERS = sorted(Path(__file__).resolve().parent.glob("*.h"))
+# covar.h is shared with the Metal kernels (covar.cpp and project.cpp include it from ../metal).
+SHARED_HEADERS = [Path(__file__).resolve().parents[1] / "metal" / "covar.h"]
+HEADERS = sorted(Path(__file__).resolve().parent.glob("*.h")) + SHARED_HEADERS
 # -fno-trapping-math lets the compiler turn the pixel loops' selects into vector blends; it does not
 # change any result (no fast-math: no reassociation, no contraction into fma).
 FLAGS = ["-std=c++17", "-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-trapping-math"]
@@ -100,7 +102,9 @@ def _build() -> ctypes.CDLL:
     lib.splat_project_bwd.argtypes = [i64, i64, i64, i64, f32, i32, i32, i64] + [ptr] * 14 + [i32]
     lib.splat_sh_fwd.argtypes = [i64, i64, i64] + [ptr] * 4 + [i32]
     lib.splat_sh_bwd.argtypes = [i64, i64, i64] + [ptr] * 6 + [i32]
-    for name in ("splat_project_fwd", "splat_project_bwd", "splat_sh_fwd", "splat_sh_bwd"):
+    lib.splat_quat_scale_to_covar_preci_fwd.argtypes = [i64, i32, ptr, ptr, ptr, ptr, i32]
+    for name in ("splat_project_fwd", "splat_project_bwd", "splat_sh_fwd", "splat_sh_bwd",
+                 "splat_quat_scale_to_covar_preci_fwd"):
         getattr(lib, name).restype = i32
     return lib
 
