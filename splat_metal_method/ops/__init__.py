@@ -1,5 +1,6 @@
 """Device-aware op layer: one public API, backends behind it with identical stage signatures."""
 
+from .distributed import distributed_rasterization
 from .mcmc import compute_relocation, quat_scale_to_covar_preci
 from .rasterization import BACKENDS, BackendUnavailable, backend_module, rasterization, resolve_backend
 
@@ -8,6 +9,7 @@ __all__ = [
     "BackendUnavailable",
     "backend_module",
     "compute_relocation",
+    "distributed_rasterization",
     "quat_scale_to_covar_preci",
     "rasterization",
     "resolve_backend",
