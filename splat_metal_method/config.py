@@ -16,6 +16,7 @@ from nerfstudio.engine.trainer import TrainerConfig
 from nerfstudio.pipelines.base_pipeline import VanillaPipelineConfig
 from nerfstudio.plugins.types import MethodSpecification
 
+from . import distributed
 from .dataparser import SplatMetalDataParserConfig, check_dataset
 from .mcmc import SplatMetalMCMCModelConfig
 from .model import SplatMetalModelConfig
@@ -39,7 +40,28 @@ class SplatMetalTrainerConfig(TrainerConfig):
 
     _target: Type = field(default_factory=lambda: SplatMetalTrainer)
 
+    def set_timestamp(self) -> None:
+        """ns-train's first call on the config. Under torchrun (distributed.py) it also starts the process
+        group, so that every rank agrees on rank 0's timestamp (one output folder) and options before
+        anything is written."""
+        super().set_timestamp()
+        try:
+            ctx = distributed.setup(self.machine.device_type, self.machine.num_devices)
+            if ctx is not None and ctx.world_size > 1:
+                self.timestamp = distributed.broadcast_object(self.timestamp)
+                import yaml
+
+                distributed.check_same_options(yaml.dump(self))
+        except distributed.DistributedError as e:
+            raise SystemExit(f"splat-metal distributed: {e}") from None
+
+    def print_to_terminal(self) -> None:
+        if distributed.current() is None or distributed.current().is_main:  # type: ignore[union-attr]
+            super().print_to_terminal()
+
     def save_config(self) -> None:
+        if distributed.current() is not None and not distributed.current().is_main:  # type: ignore[union-attr]
+            return  # rank 0 writes the run's config
         datamanager = self.pipeline.datamanager
         dataparser = getattr(datamanager, "dataparser", None)
         if isinstance(dataparser, SplatMetalDataParserConfig):  # not when the user picked another dataparser

@@ -22,7 +22,7 @@ from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.models.splatfacto import RGB2SH, SplatfactoModel, SplatfactoModelConfig, get_viewmat
 from nerfstudio.utils.rich_utils import CONSOLE
 
-from . import memory, reliability, render_device, self_check
+from . import distributed, memory, reliability, render_device, self_check
 from .ops import rasterization
 
 # torchvision's AlexNet weights, which torchmetrics' LPIPS loads at construction.
@@ -110,6 +110,7 @@ def max_downscale(width: int, height: int, min_size: int) -> int:
 class SplatMetalModel(SplatfactoModel):
     config: SplatMetalModelConfig
     _downscale_limit: int = 1 << 30  # max_downscale of the current training camera (get_outputs)
+    gathered_params = None  # distributed runs, rank 0: every shard's gaussians, for the viewer and eval
 
     def populate_modules(self):
         seed_colors = None
@@ -192,7 +193,7 @@ class SplatMetalModel(SplatfactoModel):
         device = params["means"].device
         self_check.ensure_verified(self, device, backend, "training" if self.training else "rendering")
         if self.crop_box is not None and not self.training:
-            crop_ids = self.crop_box.within(self.means).squeeze().to(device)
+            crop_ids = self.crop_box.within(params["means"].to(self.device)).squeeze().to(device)
             if crop_ids.sum() == 0:
                 return self.get_empty_outputs(int(camera.width.item()), int(camera.height.item()), self.background_color)
             params = {k: v[crop_ids] for k, v in params.items()}
@@ -215,7 +216,11 @@ class SplatMetalModel(SplatfactoModel):
         else:
             colors, sh_degree = torch.sigmoid(colors).squeeze(1), None  # [N, 3]
 
-        render, alpha, self.info = rasterization(
+        # A distributed training step renders this rank's camera from every rank's shard (ops/distributed.py).
+        rasterize = rasterization
+        if self.training and distributed.active():
+            from .ops.distributed import distributed_rasterization as rasterize
+        render, alpha, self.info = rasterize(
             means=params["means"],
             quats=params["quats"],
             scales=torch.exp(params["scales"]),

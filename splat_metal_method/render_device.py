@@ -158,12 +158,22 @@ _mirrors: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[str, _Mirror]]" = wea
 _mirrors_lock = threading.Lock()
 
 
+def shown_params(model: torch.nn.Module) -> Dict[str, Tensor]:
+    """The gaussians a render of ``model`` shows: its parameters or, on rank 0 of a distributed run outside
+    a training step, the copy of every rank's shard gathered there (``model.gathered_params``,
+    distributed.py): the viewer and eval see the whole scene, not rank 0's shard."""
+    gathered = getattr(model, "gathered_params", None)
+    if gathered is not None and not model.training:
+        return dict(gathered)
+    return {k: v for k, v in model.gauss_params.items()}
+
+
 def mirrored_params(model: torch.nn.Module, device: torch.device) -> Dict[str, Tensor]:
-    """``model.gauss_params`` as detached tensors on ``device``, copied only when they changed."""
+    """``shown_params(model)`` as detached tensors on ``device``, copied only when they changed."""
     device = torch.device(device)
     with _mirrors_lock:
         mirror = _mirrors.setdefault(model, {}).setdefault(str(device), _Mirror())
-    source = {k: v for k, v in model.gauss_params.items()}
+    source = shown_params(model)
     with mirror.lock:
         if not mirror.current(source):
             with torch.no_grad():
@@ -201,7 +211,7 @@ def render_source(model: "SplatMetalModel") -> Tuple[Dict[str, Tensor], str]:
     redirect = _redirect.get()
     if redirect is not None and redirect.model_ref() is model:
         return dict(redirect.params), redirect.backend
-    return {k: v for k, v in model.gauss_params.items()}, model.config.backend
+    return shown_params(model), model.config.backend
 
 
 _announced: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()

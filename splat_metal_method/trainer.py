@@ -12,7 +12,10 @@
   once without saving (the last checkpoint stays intact). The viewer's "completed" wait loop keeps
   nerfstudio's plain Ctrl-C behaviour;
 * a clean stop on NaN/Inf (reliability.NonFiniteError), keeping the last good checkpoint;
-* a train_lock the viewer gets its turn at (TurnTakingLock).
+* a train_lock the viewer gets its turn at (TurnTakingLock);
+* under torchrun, one scene sharded across the processes (distributed.py's ShardedRun: rank 0 writes
+  the whole scene's checkpoints, serves the viewer and evaluates; a stop on any rank stops all of them
+  after the same step).
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ import torch
 from nerfstudio.engine.callbacks import TrainingCallback, TrainingCallbackLocation
 from nerfstudio.engine.trainer import Trainer
 from nerfstudio.utils import writer
-from nerfstudio.utils.decorators import check_main_thread
+from nerfstudio.utils import comms
+from nerfstudio.utils.decorators import check_eval_enabled
+from nerfstudio.utils.misc import step_check
 from nerfstudio.utils.rich_utils import CONSOLE
 
-from . import resume_state
+from . import distributed, resume_state
 from .reliability import NonFiniteError, atomic_path
 
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what shells report for a Ctrl-C'd command
@@ -42,10 +47,11 @@ INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what shells report for a Ctrl-C'd c
 _RESUME_DROP = ("--load-dir", "--load-checkpoint", "--load-step", "--max-num-iterations", "--timestamp")
 
 
-def resume_command(argv: Sequence[str], load_dir: Path, steps: int) -> str:
+def resume_command(argv: Sequence[str], load_dir: Path, steps: int, launcher: str = "") -> str:
     """``argv`` (the command that was run) with --load-dir and --max-num-iterations set so that it
     continues from ``load_dir`` for ``steps`` more steps (nerfstudio counts them from the loaded step).
-    --timestamp is dropped: the resumed run gets a folder of its own and overwrites nothing."""
+    --timestamp is dropped: the resumed run gets a folder of its own and overwrites nothing.
+    ``launcher`` (a distributed run: its torchrun command) goes in front of ``$(command -v ns-train)``."""
     args, skip = [], False
     for a in list(argv)[1:]:
         if skip:
@@ -58,7 +64,10 @@ def resume_command(argv: Sequence[str], load_dir: Path, steps: int) -> str:
             continue
         args.append(a)
     prog = Path(argv[0]).name if argv else "ns-train"
-    return shlex.join([prog, *args, "--load-dir", str(load_dir), "--max-num-iterations", str(steps)])
+    command = shlex.join([*args, "--load-dir", str(load_dir), "--max-num-iterations", str(steps)])
+    if launcher:
+        return f"{launcher} $(command -v {shlex.quote(prog)}) {command}"
+    return f"{shlex.quote(prog)} {command}"
 
 
 class TurnTakingLock:
@@ -115,9 +124,21 @@ class SplatMetalTrainer(Trainer):
     _saved_steps: set
     _rng_to_restore: Optional[Dict[str, Any]] = None  # the loaded checkpoint's generators, until step one
 
+    sharded: Optional[distributed.ShardedRun] = None  # a distributed run (torchrun, more than one process)
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.train_lock = TurnTakingLock()  # before setup() hands it to the viewer
+        try:  # set up already by the config's set_timestamp under ns-train; here for other callers
+            ctx = distributed.setup(self.config.machine.device_type, self.config.machine.num_devices)
+        except distributed.DistributedError as e:
+            raise SystemExit(f"splat-metal distributed: {e}") from None
+        if ctx is not None and ctx.world_size > 1:
+            self.sharded = distributed.ShardedRun(self, ctx)
+            if self.device.startswith("cuda"):
+                self.device = f"cuda:{ctx.local_rank}"
+            if not ctx.is_main:  # rank 0 serves the viewer (the other ranks' writers are nerfstudio no-ops)
+                self.config.vis = "tensorboard"
 
     def setup(self, test_mode: Literal["test", "val", "inference"] = "val") -> None:
         try:
@@ -128,6 +149,15 @@ class SplatMetalTrainer(Trainer):
         self._saved_steps = set()
         self._last_done_step = self._start_step - 1 if self._start_step > 0 else None
         self._load_resume_state()
+        if self.sharded is not None:
+            try:
+                self.sharded.check_model()
+            except distributed.DistributedError as e:
+                raise SystemExit(f"splat-metal distributed: {e}") from None
+            self._rng_to_restore = self.sharded.start(self._rng_to_restore)
+            self.callbacks.append(
+                TrainingCallback([TrainingCallbackLocation.AFTER_TRAIN_ITERATION], self.sharded.step_end)
+            )
         # First of all callbacks: the generators are put back after everything set-up draws.
         self.callbacks.insert(0, TrainingCallback([TrainingCallbackLocation.BEFORE_TRAIN_ITERATION], self._restore_rng))
         self.callbacks.append(TrainingCallback([TrainingCallbackLocation.AFTER_TRAIN_ITERATION], self._step_done))
@@ -135,22 +165,48 @@ class SplatMetalTrainer(Trainer):
     def _step_done(self, step: int) -> None:
         self._last_done_step = step
 
+    def setup_optimizers(self):
+        optimizers = super().setup_optimizers()
+        if self.sharded is not None:  # the gaussians' learning rates follow the batch of world-size images
+            self.sharded.scale_optimizers(optimizers)
+        return optimizers
+
+    @check_eval_enabled
+    def eval_iteration(self, step: int) -> None:
+        if self.sharded is None:
+            return super().eval_iteration(step)
+        c = self.config
+        if not any(step_check(step, every) for every in (c.steps_per_eval_batch, c.steps_per_eval_image,
+                                                          c.steps_per_eval_all_images)):  # fmt: skip
+            return
+        self.sharded.refresh_view()  # collective: rank 0 evaluates the whole scene, alone
+        if self.sharded.ctx.is_main:
+            super().eval_iteration(step)
+
     # ---- checkpoints
-    @check_main_thread
     def save_checkpoint(self, step: int) -> None:
-        """nerfstudio's checkpoint (same contents, same name) plus the resume state, written atomically."""
+        """nerfstudio's checkpoint (same contents, same name) plus the resume state, written atomically.
+        Distributed: every rank calls it (the shards are gathered), rank 0 writes the whole scene."""
+        if self.sharded is not None:
+            state = self.sharded.checkpoint_state(step, self._resume_state)
+            if state is None:
+                self._saved_steps.add(step)
+                return
+        elif not comms.is_main_process():
+            return
+        else:
+            state = {
+                "step": step,
+                "pipeline": self.pipeline.module.state_dict()  # type: ignore
+                if hasattr(self.pipeline, "module")
+                else self.pipeline.state_dict(),
+                "optimizers": {k: v.state_dict() for (k, v) in self.optimizers.optimizers.items()},
+                "schedulers": {k: v.state_dict() for (k, v) in self.optimizers.schedulers.items()},
+                "scalers": self.grad_scaler.state_dict(),
+                resume_state.KEY: self._resume_state(),
+            }
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         ckpt_path: Path = self.checkpoint_dir / f"step-{step:09d}.ckpt"
-        state = {
-            "step": step,
-            "pipeline": self.pipeline.module.state_dict()  # type: ignore
-            if hasattr(self.pipeline, "module")
-            else self.pipeline.state_dict(),
-            "optimizers": {k: v.state_dict() for (k, v) in self.optimizers.optimizers.items()},
-            "schedulers": {k: v.state_dict() for (k, v) in self.optimizers.schedulers.items()},
-            "scalers": self.grad_scaler.state_dict(),
-            resume_state.KEY: self._resume_state(),
-        }
         # Staged next to nerfstudio_models/, not in it: nerfstudio parses every name in that folder
         # as step-N.ckpt when it resumes or exports.
         with atomic_path(ckpt_path, staging_dir=self.checkpoint_dir.parent) as tmp:
@@ -205,21 +261,44 @@ class SplatMetalTrainer(Trainer):
         remaining = self._start_step + self.config.max_num_iterations - (step + 1)
         if remaining <= 0:
             return ""
-        return f"\nResume with:\n  {resume_command(sys.argv, self.checkpoint_dir, remaining)}"
+        launcher = self.sharded.resume_prefix() if self.sharded is not None else ""
+        return f"\nResume with:\n  {resume_command(sys.argv, self.checkpoint_dir, remaining, launcher)}"
 
     # ---- signals
     def _on_signal(self, signum, frame) -> None:
         if self._stop_signal is not None:  # the second one: stop now
+            if self.sharded is not None:  # torchrun passes a terminal's Ctrl-C on once more: the same request
+                return
             raise KeyboardInterrupt
         self._stop_signal = signum
-        self.stop_training = True
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        if self.sharded is not None:  # every rank stops after the same step (ShardedRun.step_end)
+            self.sharded.stop_requested = True
+            CONSOLE.print(
+                f"\nsplat-metal: {name}: every rank finishes the current step, then the whole scene is saved "
+                "and training stops (torchrun ends the processes 30 s after a signal of its own).",
+                highlight=False,
+                soft_wrap=True,
+            )
+            return
+        self.stop_training = True
         CONSOLE.print(
             f"\nsplat-metal: {name}: finishing the current step, then saving a checkpoint and stopping "
             f"({name} again stops at once without saving).",
             highlight=False,
             soft_wrap=True,
         )
+
+    def agree_to_stop(self, ranks: Sequence[int]) -> None:
+        """A distributed run: some rank got a stop signal; every rank stops after this step."""
+        self.stop_training = True
+        if self._stop_signal is None:
+            self._stop_signal = signal.SIGINT
+            CONSOLE.print(
+                f"splat-metal distributed: rank {', '.join(map(str, ranks))} asked to stop: saving after this step.",
+                highlight=False,
+                soft_wrap=True,
+            )
 
     @contextlib.contextmanager
     def _stop_on_signals(self) -> Iterator[None]:
@@ -245,6 +324,15 @@ class SplatMetalTrainer(Trainer):
                 super().train()
         except NonFiniteError as e:
             self._stop(f"{e.message}{self._last_good()}", NonFiniteError)
+        except RuntimeError as e:
+            if self.sharded is None or not distributed.is_collective_failure(e):
+                raise
+            self._stop(
+                f"splat-metal distributed: rank {self.sharded.ctx.rank} stopped at step {self.step}: a collective with "
+                f"the other ranks failed ({str(e).splitlines()[0][:300]}). Another rank died, hung or was stopped: "
+                f"torchrun's summary names it.{self._last_good()}",
+                distributed.CollectiveFailed,
+            )
         except KeyboardInterrupt:
             if self.training_state == "completed":  # Ctrl-C in the viewer's wait after training: quit
                 self._shutdown()
@@ -293,6 +381,8 @@ class SplatMetalTrainer(Trainer):
 
     def _after_train(self) -> None:
         if self._stop_signal is None:
+            if self.sharded is not None:  # the viewer, if it stays up, shows the finished scene
+                self.sharded.refresh_view()
             return super()._after_train()
         self._cut_short = True
         step = self._last_done_step

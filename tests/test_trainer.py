@@ -38,6 +38,7 @@ def _fake_trainer(tmp_path: Path):
         config=types.SimpleNamespace(save_only_latest_checkpoint=True),
         _saved_steps=set(),
         _resume_state=lambda: {"format": resume_state.FORMAT},
+        sharded=None,  # not a distributed run
     )
 
 
@@ -79,12 +80,24 @@ def test_resume_command_replaces_load_and_length_options():
 
 
 def test_first_signal_asks_to_stop_second_stops_at_once():
-    trainer = types.SimpleNamespace(stop_training=False, _stop_signal=None)
+    trainer = types.SimpleNamespace(stop_training=False, _stop_signal=None, sharded=None)
     handler = SplatMetalTrainer._on_signal.__get__(trainer)
     handler(signal.SIGINT, None)
     assert trainer.stop_training and trainer._stop_signal == signal.SIGINT
     with pytest.raises(KeyboardInterrupt):
         handler(signal.SIGINT, None)
+
+
+def test_distributed_signal_is_agreed_on_and_a_repeat_is_the_same_request():
+    """Under torchrun the ranks stop after the step they agree on (ShardedRun.step_end), not each on its
+    own; a terminal's Ctrl-C reaches every rank and then again through torchrun: not a second press."""
+    sharded = types.SimpleNamespace(stop_requested=False)
+    trainer = types.SimpleNamespace(stop_training=False, _stop_signal=None, sharded=sharded)
+    handler = SplatMetalTrainer._on_signal.__get__(trainer)
+    handler(signal.SIGINT, None)
+    assert sharded.stop_requested and not trainer.stop_training and trainer._stop_signal == signal.SIGINT
+    handler(signal.SIGINT, None)  # no KeyboardInterrupt
+    assert sharded.stop_requested and not trainer.stop_training
 
 
 def _turn_order(lock) -> list:
