@@ -61,7 +61,7 @@ TWO_RANKS = [
 THREE_RANKS = [
     Config("cpu-sh3-ed-empty-blind", "cpu", shards=(60, 0, 45), cameras=(1, 2, 1), sizes=((37, 23),) * 3,
            sh_degree=3, render_mode="RGB+ED", blind_rank=2, seed=5),  # rank 2 receives nothing
-    Config("reference-sh3-sizes-aa", "reference", shards=(30, 35, 25), cameras=(2, 1, 1),
+    Config("reference-sh3-sizes-aa-empty", "reference", shards=(30, 0, 40), cameras=(2, 1, 1),
            sizes=((37, 23), (16, 16), (23, 41)), sh_degree=3, rasterize_mode="antialiased", seed=6),
     Config("cpu-noabs-sh0", "cpu", shards=(1, 70, 20), cameras=(1, 1, 3), sh_degree=0, absgrad=False, seed=7),
 ]  # fmt: skip
