@@ -218,7 +218,7 @@ def distributed_rasterization(
         name = resolve_backend(backend, means.device)
     except (ValueError, BackendUnavailable) as e:
         error = e
-    options = {  # must be alike on every rank
+    options = {  # must be alike on every rank (max_intersections need not: it only bounds this rank's render)
         "backend": BACKENDS.index(name),
         "render_mode": RENDER_MODES.index(render_mode) if render_mode in RENDER_MODES else -1,
         "sh_degree": -1 if sh_degree is None else int(sh_degree),
@@ -229,7 +229,6 @@ def distributed_rasterization(
         "tile_size": int(tile_size) if isinstance(tile_size, int) else -1,
         "backgrounds (given or None)": backgrounds is not None,
         "grad mode (torch.is_grad_enabled())": torch.is_grad_enabled(),
-        "max_intersections": int(max_intersections or 0),
         "dtype": _DTYPES.index(means.dtype) if means.dtype in _DTYPES else -1,
         "near_plane": _float_bits(near_plane),
         "far_plane": _float_bits(far_plane),

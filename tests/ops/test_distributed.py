@@ -43,7 +43,7 @@ class Config:
     absgrad: bool = True
     rasterize_mode: str = "classic"
     backgrounds: bool = True
-    max_intersections: Optional[int] = None  # rank 0's render must exceed it (depth chunks)
+    max_intersections: Optional[int] = None  # the single process's and rank 0's (its render must exceed it)
     blind_rank: Optional[int] = None  # this rank's first camera looks away from every gaussian
     seed: int = 0
     kwargs: dict = field(default_factory=dict, hash=False)
@@ -144,6 +144,8 @@ def _check_config(cfg: Config, rank: int, world: int, device: str = "cpu"):
     mine = ranks[rank]
     params = _leaves({k: getattr(gaussians, k)[lo:hi] for k in ("means", "quats", "scales", "opacities", "colors")})
     cams = _leaves({k: mine[k] for k in ("viewmats", "Ks", "backgrounds")})
+    # max_intersections only bounds this rank's own render: the ranks may differ (rank 0 alone chunks here).
+    options["max_intersections"] = cfg.max_intersections if rank == 0 else None
     colors, alphas, meta = distributed_rasterization(**params, **cams, width=mine["width"], height=mine["height"],
                                                      **options)  # fmt: skip
     meta["means2d"].retain_grad()  # as DefaultStrategy does
@@ -220,6 +222,12 @@ def _worker(rank: int, world: int, init_file: str, configs, check_errors: bool):
 def _spawn(world, configs, tmp_path, check_errors=False):
     if any(cfg.backend == "cpu" for cfg in configs) and not cpu_available():  # builds it once, before the spawn
         pytest.skip("no C++ compiler here to build the native CPU backend")
+    for cfg in configs:
+        if cfg.backend == "metal":  # compile the emulated kernels once here, not in every worker at once
+            scene = random_scene(n=4, sh_degree=cfg.sh_degree, backgrounds=True)
+            leaves = _leaves(scene.tensors())
+            colors, _, _ = rasterization(**scene.kwargs(**leaves, backend="metal", absgrad=cfg.absgrad))
+            colors.sum().backward()
     mp.spawn(_worker, args=(world, str(tmp_path / "init"), configs, check_errors), nprocs=world)
 
 
