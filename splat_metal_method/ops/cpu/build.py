@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 SOURCES = sorted(Path(__file__).resolve().parent.glob("*.cpp"))
-# covar.h is shared with the Metal kernels (covar.cpp and project.cpp include it from ../metal).
+# covar.h is shared with the Metal kernels (shared.h includes it from ../metal).
 SHARED_HEADERS = [Path(__file__).resolve().parents[1] / "metal" / "covar.h"]
 HEADERS = sorted(Path(__file__).resolve().parent.glob("*.h")) + SHARED_HEADERS
 # -fno-trapping-math lets the compiler turn the pixel loops' selects into vector blends; it does not

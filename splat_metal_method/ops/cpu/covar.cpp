@@ -1,22 +1,15 @@
 // Native quat_scale_to_covar_preci forward (gsplat 1.4's op; MCMCStrategy shapes its position noise by
 // the covariance every step), one gaussian per iteration on n_threads threads. The math is
-// ../metal/covar.h, the same source the Metal kernel (covar.metal) compiles.
+// ../metal/covar.h (through shared.h), the same source the Metal kernel (covar.metal) compiles.
 //
 // Layouts (contiguous float32): quats [N,4] wxyz (normalised here), scales [N,3]; covars and precis
 // [N,9] row-major 3x3, or [N,6] upper triangles [xx,xy,xz,yy,yz,zz] with triu; either may be null
 // when not asked for.
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 
 #include "parallel.h"
-
-namespace splat_covar {  // covar.h calls sqrt and max unqualified, as MSL does
-using std::max;
-using std::sqrt;
-#include "../metal/covar.h"
-}  // namespace splat_covar
+#include "shared.h"
 
 extern "C" {
 

@@ -3,8 +3,8 @@
 //
 //   * Metal: kernels.py assembles every library as defines + common.h + this file + the stage file
 //     (torch.mps.compile_shader has no include path); sqrt and max are metal::'s.
-//   * CPU: ops/cpu/covar.cpp and project.cpp #include it inside a namespace that has `using std::sqrt;
-//     using std::max;` (this file includes nothing and names no std::, which MSL has not).
+//   * CPU: ops/cpu/shared.h #includes it inside a namespace that has `using std::sqrt; using std::max;`
+//     (this file includes nothing and names no std::, which MSL has not).
 //
 // So it is written in the subset both compile: no pointers or references (MSL would need an address
 // space on each), values in and out, plain float arithmetic in the reference's operation order

@@ -66,28 +66,12 @@ kernel void project_fwd(
     return;
   }
 
-  // Rotation from the (normalised) quaternion, then covar = (R S)(R S)^T.
-  float qw = quats[4 * g + 0], qx = quats[4 * g + 1], qy = quats[4 * g + 2], qz = quats[4 * g + 3];
-  const float qn = max(sqrt(qw * qw + qx * qx + qy * qy + qz * qz), 1e-12f);
-  qw = qw / qn;
-  qx = qx / qn;
-  qy = qy / qn;
-  qz = qz / qn;
-  const float Rq[9] = {
-      1.0f - 2.0f * (qy * qy + qz * qz), 2.0f * (qx * qy - qw * qz), 2.0f * (qx * qz + qw * qy),
-      2.0f * (qx * qy + qw * qz), 1.0f - 2.0f * (qx * qx + qz * qz), 2.0f * (qy * qz - qw * qx),
-      2.0f * (qx * qz - qw * qy), 2.0f * (qy * qz + qw * qx), 1.0f - 2.0f * (qx * qx + qy * qy)};
-  const float sx = scales[3 * g + 0], sy = scales[3 * g + 1], sz = scales[3 * g + 2];
-  float M[9];
-  for (int r = 0; r < 3; ++r) {
-    M[r * 3 + 0] = Rq[r * 3 + 0] * sx;
-    M[r * 3 + 1] = Rq[r * 3 + 1] * sy;
-    M[r * 3 + 2] = Rq[r * 3 + 2] * sz;
-  }
-  float cov[9];
-  mat3_mul_bt(M, M, cov);
+  // covar = (R S)(R S)^T, R from the normalised quaternion (covar.h, shared with the CPU backend).
+  const device float* q = quats + 4 * g;
+  const SplatMat3 cov = splat_covariance(splat_quat_to_rotmat(q[0], q[1], q[2], q[3]), scales[3 * g + 0],
+                                         scales[3 * g + 1], scales[3 * g + 2]);
   float tmp[9];
-  mat3_mul(Rv, cov, tmp);
+  mat3_mul(Rv, cov.m, tmp);
   float covc[9];  // camera-space covariance Rv cov Rv^T
   mat3_mul_bt(tmp, Rv, covc);
 
