@@ -193,6 +193,22 @@ def stage_checks(
     return checks
 
 
+def covariance_checks(device: torch.device, backend: str) -> List[Check]:
+    """quat_scale_to_covar_preci (MCMC's position noise) on ``backend`` vs the reference, forward and
+    backward, full 3x3 and upper triangles; scales near 1 so covariance and precision are both O(1)."""
+    from .ops import quat_scale_to_covar_preci
+
+    scene, _, _ = random_scene(device)
+    inputs = {"quats": scene["quats"], "scales": scene["scales"] * 10 + 0.3}
+    checks: List[Check] = []
+    for triu in (False, True):
+        checks += _compare_stage(
+            f"covariance + precision ({'triu' if triu else '3x3'}, {backend})",
+            lambda b, **x: quat_scale_to_covar_preci(**x, triu=triu, backend=b), inputs, backend, "reference", device,
+        )  # fmt: skip
+    return checks
+
+
 def full_op_checks(
     device: torch.device, backend: str, width: int, height: int, *, depth_chunks: int = 0, n: int = 300,
     cameras: int = 2, absgrad: bool = False, rasterize_mode: str = "classic",
@@ -369,11 +385,13 @@ def main(argv=None) -> int:
             progress.update(task, description="running stages forward and backward")
             # Every standard rasterizer variant (depth only, RGB, RGB+depth), with absgrad as training uses it.
             checks += stage_checks(device, metal, reference, width, height, channels=(1, 3, 4), absgrad=True)
+            checks += covariance_checks(device, "metal")
         from .ops.cpu import available
 
         if available():  # the native CPU backend (what "auto" uses for CPU tensors)
             progress.update(task, description="checking the native cpu backend")
             checks += full_op_checks(torch.device("cpu"), "cpu", width, height)
+            checks += covariance_checks(torch.device("cpu"), "cpu")
     _print_table(checks)
     if device.type != "cuda":  # the Metal kernels ran: on MPS as this GPU compiled them, else the emulator's limits
         _print_pipelines(device)
