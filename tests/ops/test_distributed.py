@@ -203,8 +203,12 @@ def _check_errors(rank: int, world: int):
     match = r"opacities must be \[8\]" if rank == 1 else r"rank\(s\) \[1\] rejected their inputs"
     with pytest.raises(ValueError, match=match):
         distributed_rasterization(**bad)
+    with torch.set_grad_enabled(rank == 0), pytest.raises(ValueError, match="same grad mode"):
+        distributed_rasterization(**kwargs)  # backward would run collectives on one rank only
     colors, _, _ = distributed_rasterization(**kwargs)  # the group still works after the errors
     assert colors.shape == (1, scene.height, scene.width, 3)
+    with torch.no_grad():  # rendering without autograd (evaluation on every rank)
+        assert torch.equal(distributed_rasterization(**kwargs)[0], colors)
 
 
 def _worker(rank: int, world: int, init_file: str, configs, check_errors: bool):
