@@ -4,8 +4,9 @@ against one process calling ops.rasterization on the concatenation of every shar
 Each worker builds the same seeded scene, takes its shard and its cameras, renders distributed and
 also renders the whole scene in one process (its own copy); the loss is a fixed random weighting of
 every render, summed over the ranks. Compared: renders, alphas, radii and the gradients of the shard
-(means, quats, scales, opacities, colours/SH), of the rank's viewmats, Ks and backgrounds, and the
-shard's rows of meta["means2d"].grad and .absgrad. Many configurations run in one spawn (a spawn costs
+(means, quats, scales, opacities, colours/SH), of the rank's viewmats, Ks and backgrounds, the
+shard's rows of meta["means2d"].grad and .absgrad, and what gsplat's DefaultStrategy accumulates from
+meta for densification (grad2d, count, radii). Many configurations run in one spawn (a spawn costs
 seconds of imports per process); the configuration is named in any failure.
 """
 
@@ -21,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gsplat.strategy import DefaultStrategy
 from scenes import look_at, random_scene
 
 from splat_metal_method.ops import distributed_rasterization, rasterization
@@ -125,7 +127,7 @@ def _single_process(cfg: Config, gaussians, ranks, options):
     means2d_grad = torch.cat([m["means2d"].grad for m in metas])  # [C_total, N, 2]
     absgrad = torch.cat([m["means2d"].absgrad for m in metas]) if cfg.absgrad else None
     radii = torch.cat([m["radii"] for m in metas])
-    return params, cams, renders, means2d_grad, absgrad, radii
+    return params, cams, renders, means2d_grad, absgrad, radii, metas
 
 
 def _check_config(cfg: Config, rank: int, world: int, device: str = "cpu"):
@@ -135,7 +137,7 @@ def _check_config(cfg: Config, rank: int, world: int, device: str = "cpu"):
     options = dict(sh_degree=cfg.sh_degree, render_mode=cfg.render_mode, absgrad=cfg.absgrad,
                    rasterize_mode=cfg.rasterize_mode, backend=cfg.backend, max_intersections=cfg.max_intersections,
                    **cfg.kwargs)  # fmt: skip
-    ref_params, ref_cams, ref_renders, ref_m2d_grad, ref_absgrad, ref_radii = _single_process(
+    ref_params, ref_cams, ref_renders, ref_m2d_grad, ref_absgrad, ref_radii, ref_metas = _single_process(
         cfg, gaussians, ranks, options
     )
 
@@ -165,6 +167,16 @@ def _check_config(cfg: Config, rank: int, world: int, device: str = "cpu"):
     _close(f"{where} means2d.grad", meta["means2d"].grad, ref_m2d_grad[:, lo:hi])
     if cfg.absgrad:
         _close(f"{where} means2d.absgrad", meta["means2d"].absgrad, ref_absgrad[:, lo:hi])
+    if len(ref_metas) == 1:  # one size everywhere: DefaultStrategy's densification statistics of this shard
+        states = []
+        for info, n in ((ref_metas[0], sum(cfg.shards)), (meta, hi - lo)):
+            strategy = DefaultStrategy(absgrad=cfg.absgrad, refine_scale2d_stop_iter=1)
+            state = strategy.initialize_state()
+            # step 1: statistics only (no refinement, no opacity reset); only len(params["means"]) is read
+            strategy.step_post_backward({"means": torch.empty(n, 3)}, {}, state, 1, info)
+            states.append(state)
+        for key in ("grad2d", "count", "radii"):
+            _close(f"{where} DefaultStrategy {key}", states[1][key], states[0][key][lo:hi])
     if cfg.max_intersections and rank == 0:
         assert meta["depth_chunks"] > 1, f"{where}: max_intersections={cfg.max_intersections} made no depth chunks"
 
