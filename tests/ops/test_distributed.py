@@ -13,9 +13,7 @@ seconds of imports per process); the configuration is named in any failure.
 from __future__ import annotations
 
 import datetime
-import math
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import pytest
@@ -48,7 +46,6 @@ class Config:
     max_intersections: Optional[int] = None  # the single process's and rank 0's (its render must exceed it)
     blind_rank: Optional[int] = None  # this rank's first camera looks away from every gaussian
     seed: int = 0
-    kwargs: dict = field(default_factory=dict, hash=False)
 
 
 TWO_RANKS = [
@@ -134,9 +131,8 @@ def _check_config(cfg: Config, rank: int, world: int, device: str = "cpu"):
     gaussians, ranks = _scene(cfg, world)
     gaussians = gaussians.to(device)
     ranks = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in d.items()} for d in ranks]
-    options = dict(sh_degree=cfg.sh_degree, render_mode=cfg.render_mode, absgrad=cfg.absgrad,
-                   rasterize_mode=cfg.rasterize_mode, backend=cfg.backend, max_intersections=cfg.max_intersections,
-                   **cfg.kwargs)  # fmt: skip
+    options = dict(sh_degree=cfg.sh_degree, render_mode=cfg.render_mode, absgrad=cfg.absgrad, backend=cfg.backend,
+                   rasterize_mode=cfg.rasterize_mode, max_intersections=cfg.max_intersections)  # fmt: skip
     ref_params, ref_cams, ref_renders, ref_m2d_grad, ref_absgrad, ref_radii, ref_metas = _single_process(
         cfg, gaussians, ranks, options
     )
