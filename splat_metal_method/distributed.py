@@ -36,6 +36,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from nerfstudio.utils.misc import step_check
 from torch import Tensor
 
 TIMEOUT_ENV = "SPLAT_METAL_COLLECTIVE_TIMEOUT"
@@ -482,6 +483,26 @@ class ShardedRun:
             self.counts = rebalance(self.model, self.optimizers, counts)
         if self.viewer_on_rank0 and step % VIEWER_SYNC_EVERY == 0:
             self.refresh_view()
+        if self.ctx.is_main and step_check(step, self.trainer.config.logging.steps_per_log):
+            self.log(step)
+
+    def log(self, step: int) -> None:
+        """Rank 0's view of the run in nerfstudio's writer (tensorboard/wandb/comet)."""
+        from nerfstudio.utils import writer
+
+        info = getattr(self.model, "info", None) or {}
+        params = self.model.gauss_params
+        row_bytes = sum(p[:1].numel() * p.element_size() for p in params.values())  # one gaussian's parameters
+        writer.put_dict(
+            name="Distributed",
+            scalar_dict={
+                "gaussians (max rank)": float(max(self.counts)),
+                "gaussians (min rank)": float(min(self.counts)),
+                "parameter MB (max rank)": max(self.counts) * row_bytes / 2**20,
+                "all_to_all MB (rank 0, forward)": float(info.get("all_to_all_bytes", 0)) / 2**20,
+            },
+            step=step,
+        )
 
     # -- rank 0's whole-scene copy (viewer, eval, the render after training)
     def refresh_view(self) -> None:

@@ -182,3 +182,19 @@ def interrupt_after_checkpoint(args, log_path: Path, env, run_dir: Path, after: 
                 proc.wait()
         log.seek(0)
         return proc.returncode, log.read()
+
+
+def checkpoint_differences(a, b, where="") -> list:
+    """Where two checkpoint trees differ (tensors compared bit for bit, with dtype and shape)."""
+    import torch
+
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        same = torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
+        return [] if same and torch.equal(a, b) else [where]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))}"]
+        return [d for k in a for d in checkpoint_differences(a[k], b[k], f"{where}/{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in checkpoint_differences(x, y, f"{where}[{i}]")]
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]

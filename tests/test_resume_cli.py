@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_helpers import (checkpoint_step, checkpoints, cli_env, demo_args, executable, interrupt_after_checkpoint,
-                         run_cli, tensorboard_scalars)
+from cli_helpers import (checkpoint_differences, checkpoint_step, checkpoints, cli_env, demo_args, executable,
+                         interrupt_after_checkpoint, run_cli, tensorboard_scalars)
 from splat_metal_method import demo_scene, resume_state
 from splat_metal_method.trainer import INTERRUPTED_EXIT_CODE
 
@@ -71,20 +71,6 @@ def _train(scene: Path, out: Path, timestamp: str, *extra, **options):
 
 def _final(run_dir: Path) -> dict:
     return torch.load(checkpoints(run_dir)[-1], map_location="cpu")  # weights_only, as --load-dir reads it
-
-
-def _differences(a, b, where="") -> list:
-    """Where two checkpoint trees differ (tensors compared bit for bit, with dtype and shape)."""
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        same = torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
-        return [] if same and torch.equal(a, b) else [where]
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return [f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))}"]
-        return [d for k in a for d in _differences(a[k], b[k], f"{where}/{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}[{i}]")]
-    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +135,7 @@ def test_resumed_run_is_bit_identical_to_the_uninterrupted_one(runs, parts):
 
     whole, resumed = _final(_run_dir(out, "whole")), _final(_run_dir(out, parts[1]))
     assert whole["step"] == resumed["step"] == TOTAL - 1
-    assert _differences(whole, resumed) == []
+    assert checkpoint_differences(whole, resumed) == []
     assert whole[resume_state.KEY]["strategy"]["state"]["grad2d"] is not None  # the comparison covered it
 
 
