@@ -177,7 +177,11 @@ def distributed_rasterization(
     Returns render_colors [C_r,H_r,W_r,D'], render_alphas [C_r,H_r,W_r,1] and meta, for the LOCAL shard:
     "means2d" [C_total, N_r, 2] (its .grad after backward -- and with absgrad its ``.absgrad`` -- are the
     single process's rows of this shard), "radii" [C_total, N_r], "depths", "conics", "opacities"
-    [C_total, N_r, ...]; "width"/"height" (this rank's), "n_cameras" C_total, "camera_offset" (index of this
+    [C_total, N_r, ...]; "width"/"height" (this rank's), "n_cameras" C_r (THIS rank's camera count, not
+    C_total: DefaultStrategy multiplies means2d gradients by it because a process's loss is the mean over its
+    own C cameras; here every rank's loss is the mean over its own C_r and the ranks' gradients are summed,
+    so each row is scaled by 1/C_r of the rank that rendered it, never by 1/C_total), "n_cameras_total"
+    C_total, "camera_offset" (index of this
     rank's first camera in the concatenation), "world_size", "backend", "depth_chunks" (of this rank's
     render) and "all_to_all_bytes": bytes of projected gaussians this rank sent to and received from OTHER
     ranks in this call's forward (its own pairs are a local copy; the camera and size gathers, a few
@@ -186,7 +190,7 @@ def distributed_rasterization(
 
     backend "gsplat" (CUDA, NCCL) passes the call to gsplat's ``rasterization(distributed=True)`` where
     that gives these semantics (same camera count and image size on every rank, no absgrad, the default
-    group; meta["n_cameras"] is then set to C_total), and otherwise runs this module's implementation with
+    group; meta["n_cameras"] is then C_r as above), and otherwise runs this module's implementation with
     the reference stages on CUDA, warning once why."""
     initialised = dist.is_available() and dist.is_initialized()
     if not initialised and group is not None:
@@ -348,7 +352,8 @@ def distributed_rasterization(
         "width": width,
         "height": height,
         "tile_size": tile_size,
-        "n_cameras": C_total,
+        "n_cameras": cams_per_rank[rank],  # not C_total: see the docstring
+        "n_cameras_total": C_total,
         "camera_offset": offsets[rank],
         "all_to_all_bytes": moved,
         "backend": name,
@@ -433,6 +438,7 @@ def _gsplat_distributed(means, quats, scales, opacities, colors, viewmats, Ks, w
     row_bytes = (7 + D) * means.element_size() + 4
     others = [r for r in range(len(n_per_rank)) if r != rank]
     moved = sum(cams_per_rank[r] * means.shape[0] + cams_per_rank[rank] * n_per_rank[r] for r in others) * row_bytes
-    meta.update(n_cameras=sum(cams_per_rank), camera_offset=sum(cams_per_rank[:rank]), all_to_all_bytes=moved,
+    meta.update(n_cameras=cams_per_rank[rank], n_cameras_total=sum(cams_per_rank),
+                camera_offset=sum(cams_per_rank[:rank]), all_to_all_bytes=moved,
                 backend="gsplat", world_size=len(n_per_rank), depth_chunks=1)  # fmt: skip
     return render_colors, render_alphas, meta

@@ -49,7 +49,7 @@ class Config:
 
 
 TWO_RANKS = [
-    Config("reference-rgb", "reference", shards=(70, 41), cameras=(1, 2)),
+    Config("reference-rgb", "reference", shards=(70, 41), cameras=(2, 2)),  # C_r = 2: DefaultStrategy's scaling
     Config("cpu-sh3-ed-aa", "cpu", shards=(0, 90), cameras=(2, 1), sh_degree=3, render_mode="RGB+ED",
            rasterize_mode="antialiased", seed=1),
     Config("cpu-sizes-noabs", "cpu", shards=(50, 60), cameras=(1, 1), sizes=((37, 23), (23, 41)), absgrad=False,
@@ -150,7 +150,8 @@ def _check_config(cfg: Config, rank: int, world: int, device: str = "cpu"):
     _loss(colors, alphas, mine).backward()
 
     where = f"[{cfg.name}, rank {rank}/{world}]"
-    assert (meta["n_cameras"], meta["camera_offset"], meta["world_size"]) == (sum(cfg.cameras), offset, world), where
+    assert (meta["n_cameras"], meta["n_cameras_total"]) == (C, sum(cfg.cameras)), where
+    assert (meta["camera_offset"], meta["world_size"]) == (offset, world), where
     assert (meta["width"], meta["height"]) == (mine["width"], mine["height"]), where
     assert torch.equal(meta["radii"], ref_radii[:, lo:hi]), f"{where} radii"
     _close(f"{where} render_colors", colors, ref_renders[rank][0])
@@ -163,9 +164,19 @@ def _check_config(cfg: Config, rank: int, world: int, device: str = "cpu"):
     _close(f"{where} means2d.grad", meta["means2d"].grad, ref_m2d_grad[:, lo:hi])
     if cfg.absgrad:
         _close(f"{where} means2d.absgrad", meta["means2d"].absgrad, ref_absgrad[:, lo:hi])
-    if len(ref_metas) == 1:  # one size everywhere: DefaultStrategy's densification statistics of this shard
+    # One size and one camera count everywhere (the trainer's case: one camera per rank): DefaultStrategy's
+    # densification statistics of this shard. With other counts per rank no one n_cameras scales every row.
+    if len(ref_metas) == 1 and len(set(cfg.cameras)) == 1:
+        # Each rank's loss is the mean over its own C_r cameras and the ranks' gradients add up, so DefaultStrategy
+        # must see the rows as a single process with a batch of C_r cameras would: the single process's rows
+        # (batch C_total) scaled by C_r / C_total.
+        factor = cfg.cameras[0] / sum(cfg.cameras)
+        expected = dict(ref_metas[0], means2d=torch.zeros_like(ref_m2d_grad))
+        expected["means2d"].grad = ref_m2d_grad * factor
+        if cfg.absgrad:
+            expected["means2d"].absgrad = ref_absgrad * factor
         states = []
-        for info, n in ((ref_metas[0], sum(cfg.shards)), (meta, hi - lo)):
+        for info, n in ((expected, sum(cfg.shards)), (meta, hi - lo)):
             strategy = DefaultStrategy(absgrad=cfg.absgrad, refine_scale2d_stop_iter=1)
             state = strategy.initialize_state()
             # step 1: statistics only (no refinement, no opacity reset); only len(params["means"]) is read
