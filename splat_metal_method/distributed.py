@@ -31,6 +31,7 @@ import datetime
 import hashlib
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -469,14 +470,20 @@ class ShardedRun:
         return None
 
     # -- every step (an AFTER_TRAIN_ITERATION callback after densification and the NaN guard)
+    def _paused(self) -> bool:
+        return self.ctx.is_main and self.trainer.training_state == "paused"  # rank 0's viewer pauses the run
+
     def step_end(self, step: int) -> None:
         device = self.model.gauss_params["means"].device
-        flags = torch.zeros(2 * self.ctx.world_size, dtype=torch.int64, device=device)
-        flags[2 * self.ctx.rank] = int(self.stop_requested)
-        flags[2 * self.ctx.rank + 1] = self.n_local()
+        flags = torch.zeros(3 * self.ctx.world_size, dtype=torch.int64, device=device)
+        flags[3 * self.ctx.rank] = int(self.stop_requested)
+        flags[3 * self.ctx.rank + 1] = self.n_local()
+        flags[3 * self.ctx.rank + 2] = int(self._paused())
         dist.all_reduce(flags)
-        stops, counts = flags[0::2].tolist(), [int(c) for c in flags[1::2].tolist()]
+        stops, counts = flags[0::3].tolist(), [int(c) for c in flags[1::3].tolist()]
         self.counts = counts
+        if flags[2] and not any(stops):
+            stops = self.wait_while_paused(device)
         if any(stops) and not self.trainer.stop_training:
             self.trainer.agree_to_stop([r for r, s in enumerate(stops) if s])
         if imbalanced(counts):
@@ -503,6 +510,26 @@ class ShardedRun:
             },
             step=step,
         )
+
+    def wait_while_paused(self, device: torch.device) -> List[int]:
+        """Rank 0's viewer paused training: every rank waits here together, checking in with a small
+        collective a few times a second (a pause longer than the collective timeout must not look like a
+        dead rank), with the train lock released so that rank 0's viewer renders meanwhile. Returns the
+        stop requests seen (a Ctrl-C while paused)."""
+        lock = self.trainer.train_lock
+        lock.release()  # step_end runs inside the training step's `with train_lock`
+        try:
+            while True:
+                time.sleep(0.25)
+                flags = torch.zeros(self.ctx.world_size + 1, dtype=torch.int64, device=device)
+                flags[self.ctx.rank] = int(self.stop_requested)
+                flags[-1] = int(self._paused())
+                dist.all_reduce(flags)
+                stops = flags[:-1].tolist()
+                if any(stops) or not flags[-1]:
+                    return stops
+        finally:
+            lock.acquire()
 
     # -- rank 0's whole-scene copy (viewer, eval, the render after training)
     def refresh_view(self) -> None:

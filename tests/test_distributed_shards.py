@@ -25,11 +25,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, result_dir: str, check) -> None:
+def _worker(rank: int, world: int, port: int, result_dir: str, check, timeout_s: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    distributed._current = distributed.Distributed(rank, world, rank, world, "gloo", 60.0)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    distributed._current = distributed.Distributed(rank, world, rank, world, "gloo", timeout_s)
     try:
         check(rank, world)
         open(os.path.join(result_dir, f"ok{rank}"), "w").close()
@@ -37,9 +37,9 @@ def _worker(rank: int, world: int, port: int, result_dir: str, check) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(world: int, check) -> None:
+def _spawn(world: int, check, timeout_s: float = 60.0) -> None:
     with tempfile.TemporaryDirectory() as result_dir:
-        mp.spawn(_worker, args=(world, _free_port(), result_dir, check), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, _free_port(), result_dir, check, timeout_s), nprocs=world, join=True)
         assert sorted(os.listdir(result_dir)) == [f"ok{r}" for r in range(world)]
 
 
@@ -157,3 +157,55 @@ def test_batch_scaled_adam_follows_gsplats_rule():
     one = torch.optim.Adam([p], lr=0.01)
     distributed.batch_scaled_adam(one, 1)
     assert one.param_groups[0]["lr"] == 0.01 and one.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+def _check_pause(rank: int, world: int) -> None:
+    """Rank 0's viewer pauses training for longer than the collective timeout (2 s here): every rank waits
+    in step_end, rank 0's train lock is free meanwhile (its viewer renders), nobody times out, and a
+    stop request during the pause ends it with the stop agreed."""
+    import threading
+    import time
+    import types
+
+    model = _Model(4)
+    stops = []
+    trainer = types.SimpleNamespace(
+        config=types.SimpleNamespace(is_viewer_enabled=lambda: False, logging=types.SimpleNamespace(steps_per_log=10**9)),
+        pipeline=types.SimpleNamespace(model=model), optimizers=types.SimpleNamespace(optimizers={}),
+        training_state="paused" if rank == 0 else "training", train_lock=threading.Lock(), stop_training=False,
+        agree_to_stop=lambda ranks: stops.append(list(ranks)),
+    )  # fmt: skip
+    run = distributed.ShardedRun(trainer, distributed.current())
+    run.counts = [4] * world
+    took_lock = []
+    if rank == 0:
+        def viewer():  # takes the lock while training is paused, then resumes training
+            time.sleep(0.5)
+            with trainer.train_lock:
+                took_lock.append(time.monotonic())
+            time.sleep(2.5)
+            trainer.training_state = "training"
+
+        threading.Thread(target=viewer, daemon=True).start()
+    trainer.train_lock.acquire()  # step_end runs inside the training step's lock
+    started = time.monotonic()
+    run.step_end(1)
+    waited = time.monotonic() - started
+    assert trainer.train_lock.locked(), "step_end must give the lock back"
+    trainer.train_lock.release()
+    assert waited > 2.5, f"rank {rank} did not wait for the pause ({waited:.2f} s)"
+    assert stops == []
+    if rank == 0:
+        assert took_lock, "the viewer could not take the train lock during the pause"
+    # a Ctrl-C on the last rank while paused: every rank leaves the pause with the stop agreed
+    trainer.training_state = "paused" if rank == 0 else "training"
+    if rank == world - 1:
+        threading.Timer(1.5, lambda: setattr(run, "stop_requested", True)).start()
+    trainer.train_lock.acquire()
+    run.step_end(2)
+    trainer.train_lock.release()
+    assert stops == [[world - 1]], stops
+
+
+def test_a_pause_longer_than_the_collective_timeout_is_waited_out_together():
+    _spawn(2, _check_pause, timeout_s=2.0)
