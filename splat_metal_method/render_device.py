@@ -270,7 +270,7 @@ def _log_render(path: str, model: "SplatMetalModel", camera: "Cameras", target: 
         "step": int(getattr(model, "step", -1)),
         "device": target.device.type,
         "backend": info.get("backend", target.backend),
-        "num_points": int(model.num_points),
+        "num_points": int(shown_params(model)["means"].shape[0]),  # what was rendered (distributed: every shard)
         "width": int(camera.width.reshape(-1)[0]),
         "height": int(camera.height.reshape(-1)[0]),
         "fx": float(camera.fx.reshape(-1)[0]),
