@@ -63,9 +63,12 @@ class RunKernels:
     absgrad: bool
     sh_degree: int  # 0: colours without SH (no SH stage)
     depth_chunks: bool = False  # an intersection budget may split a render into depth chunks (ops/chunked.py)
+    covariance: bool = False  # MCMC's position noise: quat_scale_to_covar_preci (covar.metal) every step
 
     @classmethod
     def of(cls, model) -> "RunKernels":
+        from gsplat.strategy import MCMCStrategy
+
         train_channels = 4 if model.config.output_depth_during_training else 3
         return cls(
             tile_size=TILE_SIZE,  # SplatMetalModel renders at the op layer's default tile size
@@ -74,6 +77,7 @@ class RunKernels:
             absgrad=bool(getattr(model.strategy, "absgrad", False)),
             sh_degree=int(model.config.sh_degree),
             depth_chunks=bool(getattr(getattr(model, "memory", None), "max_intersections", None)),
+            covariance=isinstance(getattr(model, "strategy", None), MCMCStrategy),
         )
 
 
@@ -158,8 +162,9 @@ def _store(path: Path, key: str, entry: dict) -> None:
 
 def run_checks(device: torch.device, run: RunKernels):
     """doctor.stage_checks restricted to what `run` uses, Metal vs reference on `device`; with depth
-    chunks, also the whole op cut into about 3 chunks (resumed compositing) vs the unchunked reference."""
-    from .doctor import full_op_checks, stage_checks
+    chunks, also the whole op cut into about 3 chunks (resumed compositing) vs the unchunked reference;
+    for MCMC, also the covariance kernel."""
+    from .doctor import covariance_checks, full_op_checks, stage_checks
     from .ops import metal, reference
 
     with torch.inference_mode(False), torch.enable_grad():  # renders run under no_grad; the check needs grads
@@ -173,6 +178,8 @@ def run_checks(device: torch.device, run: RunKernels):
             checks += full_op_checks(device, "metal", SCENE["width"], SCENE["height"], depth_chunks=3, n=SCENE["n"],
                                      cameras=SCENE["cameras"], absgrad=run.absgrad,
                                      rasterize_mode=run.rasterize_mode)  # fmt: skip
+        if run.covariance:
+            checks += covariance_checks(device, "metal")
         return checks
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from gsplat.strategy import MCMCStrategy
 
-from splat_metal_method import memory
+from splat_metal_method import memory, self_check
 from splat_metal_method.mcmc import SplatMetalMCMCStrategy, resolve_cap_max, routed_ops
 
 SH_REST = 15
@@ -193,6 +193,7 @@ def test_trains_on_every_backend_relocating_and_growing_within_the_cap(tiny_scen
     model = pipeline.model
     assert isinstance(model.strategy, SplatMetalMCMCStrategy) and model.memory.strategy is model.strategy
     assert model.strategy.backend == backend  # its covariance (position noise) runs on the model's backend
+    assert self_check.RunKernels.of(model).covariance  # so a Mac's self-check covers covar.metal
     runtime.reset_launch_counts()
     assert model.memory.max_gaussians == cap and model.num_points == 1500
     assert float(torch.sigmoid(model.opacities).mean()) == pytest.approx(0.5)  # gsplat's MCMC init

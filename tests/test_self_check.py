@@ -63,7 +63,8 @@ def test_ns_train_checks_metal_kernels_first_and_stops_on_a_wrong_one(tmp_path, 
     verdicts = json.loads((cache / "splat_metal" / "self_check.json").read_text())
     (verdict,) = verdicts.values()
     assert verdict["passed"] and verdict["run"] == {"tile_size": 16, "channels": [3, 4], "rasterize_mode": "classic",
-                                                    "absgrad": True, "sh_degree": 3, "depth_chunks": True}  # fmt: skip
+                                                    "absgrad": True, "sh_degree": 3, "depth_chunks": True,
+                                                    "covariance": False}  # fmt: skip
     print(f"self-check on the emulator: {verdict['checks']} checks in {verdict['seconds']} s; "
           f"ns-train (1 step) {right.seconds:.1f} s")
 
@@ -95,6 +96,15 @@ def test_verdict_is_cached_and_the_check_runs_nothing_then(tmp_path, monkeypatch
     assert runtime.launch_counts() == {}
     (entry,) = json.loads(self_check.cache_path().read_text()).values()
     assert entry["run"]["rasterize_mode"] == "antialiased" and entry["gpu"].startswith("MSL emulator")
+
+
+def test_an_mcmc_run_also_checks_the_covariance_kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    run = self_check.RunKernels(tile_size=16, channels=(3,), rasterize_mode="classic", absgrad=False, sh_degree=0,
+                                covariance=True)  # fmt: skip
+    runtime.reset_launch_counts()
+    assert self_check.verify(torch.device("cpu"), run) is not None
+    assert runtime.launch_counts()["quat_scale_to_covar_preci_fwd"] == 2  # full 3x3 and upper triangles
 
 
 def test_fast_math_is_reported_as_torch_reads_it(monkeypatch):
