@@ -6,10 +6,10 @@ gsplat only has CUDA kernels for them. Backends are rasterization's (resolved th
 SPLAT_METAL_BACKEND applies): "auto" is gsplat on cuda, metal on mps, cpu on cpu (the reference where
 the native library cannot be built).
 
-- ``quat_scale_to_covar_preci`` runs every step and measured 20-25% of a cpu-backend step as PyTorch
-  (README "MCMC"), so it has native versions: "cpu" (ops/cpu/covar.cpp) and "metal" (ops/metal/covar.metal;
-  CPU tensors under the MSL emulator), one source for their math (ops/metal/covar.h), float32 only
-  (other dtypes run the reference). Their forward is the kernel; a gradient, if asked for, comes from
+- ``quat_scale_to_covar_preci`` runs every step (in cpu-backend MCMC training 3-8% of the time as
+  PyTorch, 1-2% native: benchmarks/bench_covar.py, README "MCMC"), so it has native versions: "cpu"
+  (ops/cpu/covar.cpp) and "metal" (ops/metal/covar.metal; CPU tensors under the MSL emulator), one
+  source for their math (ops/metal/covar.h), float32 only (other dtypes run the reference). Their forward is the kernel; a gradient, if asked for, comes from
   the reference's autograd on a recompute (MCMC's noise needs none: it runs under no_grad).
 - ``compute_relocation`` runs once per refine on the dead gaussians only (about 1 ms per 10k
   gaussians on CPU: negligible), so every backend but "gsplat" runs the reference.
