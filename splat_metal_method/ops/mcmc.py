@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from . import reference
-from .rasterization import BACKENDS, resolve_backend
+from .rasterization import BACKENDS, resolve_backend, zero_quats_to_identity
 
 MCMC_OP_BACKENDS = BACKENDS
 
@@ -120,7 +120,7 @@ def quat_scale_to_covar_preci(
     if name == "gsplat":
         from gsplat import quat_scale_to_covar_preci as gsplat_quat_scale_to_covar_preci
 
-        return gsplat_quat_scale_to_covar_preci(quats, scales, *flags)
+        return gsplat_quat_scale_to_covar_preci(zero_quats_to_identity(quats), scales, *flags)
     if name == "reference" or quats.dtype != torch.float32 or scales.dtype != torch.float32:
         return reference.quat_scale_to_covar_preci(quats, scales, *flags)
     return _QuatScaleToCovarPreciFn.apply(_native_covar_fwd(name), quats, scales, *flags)

@@ -100,6 +100,17 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def zero_quats_to_identity(quats: Tensor) -> Tensor:  # [N, 4] -> [N, 4]
+    """For gsplat's kernels, which normalise with rsqrt(|q|^2) (a zero quaternion becomes NaN): zero
+    rows replaced by the identity, as the other backends (like F.normalize) treat them, with a zero
+    gradient. The identity is made on the device: new_tensor([1, 0, 0, 0]) would be a host-to-device
+    copy, which PyTorch follows with a stream synchronize, stalling every training step."""
+    zero_quat = (quats.detach() * quats.detach()).sum(dim=-1, keepdim=True) == 0  # [N, 1]
+    identity = torch.zeros_like(quats[:1])  # [1, 4]
+    identity[:, 0] = 1.0
+    return torch.where(zero_quat, identity, quats)
+
+
 def backend_module(name: str) -> ModuleType:
     """The module implementing the five stages for a (non-gsplat) backend."""
     if name == "reference":
@@ -196,14 +207,7 @@ def rasterization(
     if name == "gsplat":
         from gsplat.rendering import rasterization as gsplat_rasterization
 
-        # gsplat normalises with rsqrt(|q|^2): a zero quaternion becomes NaN. The other backends (like
-        # F.normalize) give it the identity rotation and a zero gradient; so does this.
-        # The identity is made on the device: new_tensor([1, 0, 0, 0]) would be a host-to-device copy,
-        # which PyTorch follows with a stream synchronize, stalling every training step.
-        zero_quat = (quats.detach() * quats.detach()).sum(dim=-1, keepdim=True) == 0  # [N, 1]
-        identity = torch.zeros_like(quats[:1])  # [1, 4]
-        identity[:, 0] = 1.0
-        quats = torch.where(zero_quat, identity, quats)
+        quats = zero_quats_to_identity(quats)
         return gsplat_rasterization(
             means, quats, scales, opacities, colors, viewmats, Ks, width, height,
             near_plane=near_plane, far_plane=far_plane, radius_clip=radius_clip, eps2d=eps2d,

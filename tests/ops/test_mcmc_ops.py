@@ -296,6 +296,7 @@ def test_gsplat_cuda_kernels_agree_with_the_reference():
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(got[1], want[1], rtol=5e-4, atol=1e-6)
     quats, scales = torch.randn(100, 4, device="cuda"), torch.rand(100, 3, device="cuda") + 0.1
+    quats[::9] = 0.0  # gsplat's kernel alone makes these NaN; the op gives them the identity like the others
     for triu in (False, True):
         got = ops.quat_scale_to_covar_preci(quats, scales, triu=triu)
         want = ops.quat_scale_to_covar_preci(quats, scales, triu=triu, backend="reference")
