@@ -13,8 +13,9 @@ scalars (rank 0) and its final checkpoint:
   - the median wall time of a training step (nerfstudio's "Train Iter (time)", a 20-step running
     mean, from step 30 on);
   - the held-out PSNR of the final model (nerfstudio's eval split).
-On a 2-core machine N > 2 processes share cores: step time there says nothing about speed-up, only
-that it runs; the bytes per rank are what scale-out buys. Writes benchmarks/results/distributed_<device>.csv.
+Every process gets one thread (OMP_NUM_THREADS=1), so N processes use N cores: images per second vs N
+is the speed-up. On a 2-core machine N > 2 processes share cores: there it says only that it runs; the
+bytes per rank are what scale-out buys. Writes benchmarks/results/distributed_<device>.csv.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def train(scene: Path, out: Path, world: int, steps: int, device: str) -> Path:
                                       steps_per_save=10**6, steps_per_eval_all_images=10**6,
                                       steps_per_eval_image=10**6),
             "--data", str(scene), "--output-dir", str(out), "--timestamp", f"n{world}"]  # fmt: skip
-    env = cli_env(out / "torch_home", extra={"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))})
+    env = cli_env(out / "torch_home", extra={"OMP_NUM_THREADS": "1"})  # one core per process, whatever N
     log = out / f"n{world}.log"
     with open(log, "w") as f:
         code = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
@@ -65,7 +66,7 @@ def measure(run: Path, world: int, steps: int) -> dict:
     times = tensorboard_scalars(run, "Train Iter (time)")
     a2a = tensorboard_scalars(run, "Distributed/all_to_all MB (rank 0, forward)")
     _, pipeline, _, _ = eval_setup(run / "config.yml", test_mode="val")
-    return {
+    row = {
         "world_size": world,
         "steps": steps,
         "images_seen": world * steps,
@@ -78,6 +79,8 @@ def measure(run: Path, world: int, steps: int) -> dict:
         if times else float("nan"),
         "held_out_psnr": round(held_out_psnr(pipeline), 2),
     }
+    row["images_per_s"] = round(world / (row["step_ms_median"] / 1000), 2)
+    return row
 
 
 def main() -> None:
@@ -97,10 +100,10 @@ def main() -> None:
     base = rows[0]
     print(f"scene {args.size[0]}x{args.size[1]}, {args.size[2]} views, {args.steps} steps, device {args.device}, "
           f"{os.cpu_count()} cores")  # fmt: skip
-    header = list(rows[0]) + ["gaussian_MB_per_rank_vs_first", "step_ms_vs_first"]
+    header = list(rows[0]) + ["gaussian_MB_per_rank_vs_first", "images_per_s_vs_first"]
     for r in rows:
         r["gaussian_MB_per_rank_vs_first"] = round(r["gaussian_MB_per_rank"] / base["gaussian_MB_per_rank"], 3)
-        r["step_ms_vs_first"] = round(r["step_ms_median"] / base["step_ms_median"], 3)
+        r["images_per_s_vs_first"] = round(r["images_per_s"] / base["images_per_s"], 3)
     print(" | ".join(header))
     for r in rows:
         print(" | ".join(str(r[h]) for h in header))
