@@ -25,6 +25,13 @@ from nerfstudio.utils.rich_utils import CONSOLE
 from . import distributed, memory, reliability, render_device, self_check
 from .ops import rasterization
 
+# splatfacto's get_viewmat without its torch.compile wrapper (same values). Compiled, it ran no faster
+# (CPU: 601 vs 589 us forward+backward) and each new mode compiled for 2.7 s, so also the first viewer
+# render. Worse, the viewer interrupts a render by raising from a sys.settrace hook at the next Python
+# line; during dynamo's compile that became InternalTorchDynamoError, which the viewer does not catch:
+# the render thread for that browser died and it never got a frame.
+viewmat_from_c2w = getattr(get_viewmat, "__wrapped__", get_viewmat)
+
 # torchvision's AlexNet weights, which torchmetrics' LPIPS loads at construction.
 ALEXNET_WEIGHTS = "alexnet-owt-7be5be79.pth"
 
@@ -204,7 +211,7 @@ class SplatMetalModel(SplatfactoModel):
             self._downscale_limit = max_downscale(width, height, self.config.min_train_size)
         scale = self._get_downscale_factor()
         camera.rescale_output_resolution(1 / scale)
-        viewmat = get_viewmat(camera_to_world)  # [1, 4, 4]
+        viewmat = viewmat_from_c2w(camera_to_world)  # [1, 4, 4]
         K = camera.get_intrinsics_matrices().to(device)  # [1, 3, 3]
         W, H = int(camera.width.item()), int(camera.height.item())
         self.last_size = (H, W)

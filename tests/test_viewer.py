@@ -301,6 +301,44 @@ def test_viewer_outputs_background_picker_depth_and_crop(run, tmp_path, monkeypa
     assert records and {r["backend"] for r in records} == {"metal" if setting == "cpu:metal" else CPU_AUTO}
 
 
+def test_a_viewer_render_interrupted_anywhere_raises_what_the_viewer_catches():
+    """nerfstudio's RenderStateMachine stops a render when the camera moves: its sys.settrace hook raises
+    IOChangeException at the render thread's next Python line, and the thread catches only that. Wherever
+    the interrupt lands in our render, from a fresh process's state, that must be what comes out, and the
+    model must render as before afterwards. (splatfacto's torch.compile'd get_viewmat on our render path
+    turned an interrupt during its first compile into dynamo's InternalTorchDynamoError: the client's
+    render thread died and the browser never got a frame.)"""
+    from nerfstudio.viewer import render_state_machine as rsm
+
+    model = demo_runs.small_model("white")
+    model.eval()
+    cam = demo_runs.camera(demo_runs.facing_origin())
+    before = model.get_outputs_for_camera(cam)["rgb"]
+    machine = rsm.RenderStateMachine(SimpleNamespace(), 10.0, client=None)
+    interrupted = []
+    for n in (2**k for k in range(26)):  # the interrupt arrives at the n-th traced line
+        torch._dynamo.reset()  # nothing compiled yet, as in a fresh ns-train or ns-viewer
+        lines = [0]
+
+        def hook(frame, event, arg, n=n):
+            if event == "line":
+                lines[0] += 1
+                machine.interrupt_render_flag = machine.interrupt_render_flag or lines[0] == n
+            machine.check_interrupt(frame, event, arg)
+            return hook
+
+        try:
+            with torch.no_grad(), rsm.viewer_utils.SetTrace(hook):
+                model.get_outputs_for_camera(cam)
+        except rsm.viewer_utils.IOChangeException:
+            interrupted.append(n)
+            continue
+        assert lines[0] < n, f"the interrupt at line {n} of {lines[0]} was swallowed"
+        break  # this render ended before line n: every earlier point has been interrupted
+    assert len(interrupted) >= 8, f"renders too short to test: interrupted at {interrupted}"
+    torch.testing.assert_close(model.get_outputs_for_camera(cam)["rgb"], before, atol=0, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Viewer renders while training runs
 
