@@ -144,11 +144,6 @@ def setup(device_type: str, num_devices: int = 1) -> Optional[Distributed]:
     return _current
 
 
-def _reset_for_tests() -> None:
-    global _current
-    _current = None
-
-
 # ---- agreement at start
 def broadcast_object(value, src: int = 0):
     box = [value]
