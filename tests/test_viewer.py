@@ -614,27 +614,32 @@ def _assert_clean_log(text: str, what: str):
 
 
 def _settled_frame(browser: Browser, trace: Path, proc, log, after: float, step: Optional[int] = None):
-    """Waits for the viewer's full-resolution render made after ``after`` (and at training step
-    ``step``) to be on screen; returns (trace record, viewport pixels)."""
+    """Waits until the viewer's latest render made after ``after`` (and at training step ``step``) is a
+    full-resolution one that nothing followed for 1.5 s, and the canvas shows it: unchanged over a
+    second and with that render's aspect ratio. Returns (trace record, viewport pixels). The records
+    are read again after the screenshots, so a render landing meanwhile (the window settling, a
+    lower-resolution pass in between) starts the wait over: the pixels and the record always belong
+    together (an earlier version took the last full-resolution record, which a later one could follow)."""
+    last_image = [None]
 
-    def high_render():
-        recs = [r for r in _records(trace) if r["time"] > after and max(r["width"], r["height"]) >= 512]
-        if step is not None:
-            recs = [r for r in recs if r["step"] == step]
-        return recs[-1] if recs and time.time() - recs[-1]["time"] > 1.5 else None
+    def latest() -> Optional[dict]:
+        recs = [r for r in _records(trace) if r["time"] > after and (step is None or r["step"] == step)]
+        return recs[-1] if recs else None
 
-    record = _wait_for("a full-resolution viewer render", high_render, 240, proc, log)
-    last = [None]
-
-    def stable():
+    def settled():
+        record = latest()
+        if record is None or max(record["width"], record["height"]) < 512 or time.time() - record["time"] <= 1.5:
+            last_image[0] = None
+            return None
         image = browser.viewport()
-        previous, last[0] = last[0], image
-        done = image is not None and previous is not None and image.shape == previous.shape
-        done = done and np.array_equal(image, previous)
-        return image if done else None
+        previous, last_image[0] = last_image[0], image
+        if image is None or previous is None or image.shape != previous.shape or not np.array_equal(image, previous):
+            return None
+        if latest() != record or abs(image.shape[1] / image.shape[0] - record["width"] / record["height"]) > 0.02:
+            return None
+        return record, image
 
-    image = _wait_for("the canvas to show it", stable, 60, proc, log, interval=1.0)
-    return record, image
+    return _wait_for("the viewer's last full-resolution render on the canvas", settled, 300, proc, log, interval=1.0)
 
 
 def _render_like_viewer(model, record: dict, shape) -> np.ndarray:
