@@ -333,6 +333,11 @@ def gathered_strategy_state(state: Dict, counts: Sequence[int], n_local: int) ->
     return out
 
 
+def rank_share(total: int, rank: int, world_size: int) -> int:
+    """Rank ``rank``'s part of ``total`` split as evenly as possible; the parts sum to ``total``."""
+    return total // world_size + (1 if rank < total % world_size else 0)
+
+
 def gathered_params(model, counts: Sequence[int]) -> Optional[Dict[str, Tensor]]:
     """Detached copies of every shard's parameters on rank 0 (None elsewhere). Collective."""
     out = {}
@@ -423,8 +428,8 @@ class ShardedRun:
         strided cameras, per-rank generators. Returns the generator state to restore at step one."""
         trainer, ctx, model = self.trainer, self.ctx, self.model
         cap = getattr(model.strategy, "cap_max", None)
-        if isinstance(cap, int) and cap > 0:  # MCMC: cap_max is the scene's budget, shared by the ranks
-            model.strategy.cap_max = math.ceil(cap / ctx.world_size)
+        if isinstance(cap, int) and cap > 0:  # MCMC: cap_max is the scene's budget, split exactly over the ranks
+            model.strategy.cap_max = rank_share(cap, ctx.rank, ctx.world_size)
         resumed = (resume or {}).get("distributed", {})
         same_world = resume is not None and resumed.get("world_size") == ctx.world_size
         # A resume on as many ranks keeps each rank's rows (its generator draws for them): exact.

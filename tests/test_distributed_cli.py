@@ -284,3 +284,31 @@ def test_a_hung_rank_is_a_timeout_not_a_hang(runs, tmp_path):
     assert code != 0, code
     assert "rank 0 stopped at step" in flat and "a collective with the other ranks failed" in flat, text[-3000:]
     _intact(run)
+
+
+MCMC_CAP = 333  # odd: the ranks' shares are 167 and 166, and they must sum to the cap, not 2 x 167
+
+
+def test_mcmc_on_two_processes_keeps_the_scene_within_cap_max_and_exports(tmp_path):
+    """`torchrun ... ns-train splat-metal-mcmc`: cap-max is the whole scene's budget, split exactly over the
+    ranks; growth runs to it (300 seed points, +5% per refine) and never past it; the gathered checkpoint
+    is the whole scene and ns-export writes it."""
+    out, scene = tmp_path, _scene(tmp_path)
+    args = ["splat-metal-mcmc", *demo_args(**{**OPTIONS, "max_num_iterations": 60}), "--data", scene,
+            "--output-dir", out, "--timestamp", "mcmc", "--pipeline.model.cap-max", MCMC_CAP]  # fmt: skip
+    result = run_cli(*_torchrun(2), *args, timeout=900, env=_env(out))
+    assert result.returncode == 0, result.tail()
+    starts = START_LINE.findall(result.output)
+    assert len(starts) == 1 and starts[0][0] == "2", starts
+    run = out / "scene" / "splat-metal-mcmc" / "mcmc"
+    state = _final(run)
+    counts = state["splat_metal_resume"]["distributed"]["counts"]
+    n = state["pipeline"]["_model.gauss_params.means"].shape[0]
+    assert sum(counts) == n == MCMC_CAP, (counts, n)  # grown to the cap (4 refines from step 20), not past it
+    assert sorted(counts) == [166, 167], counts
+    exported = run_cli("ns-export", "gaussian-splat", "--load-config", run / "config.yml", "--output-dir",
+                       tmp_path / "export", timeout=600, env=_env(out))  # fmt: skip
+    assert exported.returncode == 0, exported.tail()
+    from plyfile import PlyData
+
+    assert PlyData.read(str(tmp_path / "export" / "splat.ply"))["vertex"].count == n

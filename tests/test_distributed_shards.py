@@ -209,3 +209,12 @@ def _check_pause(rank: int, world: int) -> None:
 
 def test_a_pause_longer_than_the_collective_timeout_is_waited_out_together():
     _spawn(2, _check_pause, timeout_s=2.0)
+
+
+def test_rank_share_splits_a_budget_exactly():
+    from splat_metal_method.distributed import rank_share
+
+    for world_size in (1, 2, 3, 4, 7):
+        for total in (0, 1, 2, 6, 333, 1_000_001):
+            shares = [rank_share(total, r, world_size) for r in range(world_size)]
+            assert sum(shares) == total and max(shares) - min(shares) <= 1, (total, world_size, shares)
