@@ -287,25 +287,37 @@ def test_a_hung_rank_is_a_timeout_not_a_hang(runs, tmp_path):
 
 
 MCMC_CAP = 333  # odd: the ranks' shares are 167 and 166, and they must sum to the cap, not 2 x 167
+MCMC_STEPS, MCMC_FIRST = 60, 30  # refines at steps 30, 40, 50 (from 20, every 10): all after the resume point
 
 
-def test_mcmc_on_two_processes_keeps_the_scene_within_cap_max_and_exports(tmp_path):
+def test_mcmc_on_two_processes_keeps_cap_max_resumes_bit_identical_and_exports(tmp_path):
     """`torchrun ... ns-train splat-metal-mcmc`: cap-max is the whole scene's budget, split exactly over the
-    ranks; growth runs to it (300 seed points, +5% per refine) and never past it; the gathered checkpoint
-    is the whole scene and ns-export writes it."""
+    ranks; growth runs to it (300 seed points, +5% per refine) and never past it; a run continued on 2 ranks
+    from the checkpoint of step 29 ends with the uninterrupted run's bits (MCMC's state and every rank's
+    generators carry over); the gathered checkpoint is the whole scene and ns-export writes it."""
     out, scene = tmp_path, _scene(tmp_path)
-    args = ["splat-metal-mcmc", *demo_args(**{**OPTIONS, "max_num_iterations": 60}), "--data", scene,
-            "--output-dir", out, "--timestamp", "mcmc", "--pipeline.model.cap-max", MCMC_CAP]  # fmt: skip
-    result = run_cli(*_torchrun(2), *args, timeout=900, env=_env(out))
-    assert result.returncode == 0, result.tail()
+
+    def train(timestamp, steps, *extra):
+        args = ["splat-metal-mcmc", *demo_args(**{**OPTIONS, "max_num_iterations": steps}), "--data", scene,
+                "--output-dir", out, "--timestamp", timestamp, "--pipeline.model.cap-max", MCMC_CAP, *extra]  # fmt: skip
+        result = run_cli(*_torchrun(2), *args, timeout=900, env=_env(out))
+        assert result.returncode == 0, result.tail()
+        return result, out / "scene" / "splat-metal-mcmc" / timestamp
+
+    with ThreadPoolExecutor(2) as pool:
+        whole, first = pool.submit(train, "mcmc", MCMC_STEPS), pool.submit(train, "first", MCMC_FIRST)
+        (result, run), (_, first_run) = whole.result(), first.result()
+    _, continued = train("continued", MCMC_STEPS - MCMC_FIRST, "--load-dir", first_run / "nerfstudio_models")
     starts = START_LINE.findall(result.output)
     assert len(starts) == 1 and starts[0][0] == "2", starts
-    run = out / "scene" / "splat-metal-mcmc" / "mcmc"
     state = _final(run)
     counts = state["splat_metal_resume"]["distributed"]["counts"]
     n = state["pipeline"]["_model.gauss_params.means"].shape[0]
-    assert sum(counts) == n == MCMC_CAP, (counts, n)  # grown to the cap (4 refines from step 20), not past it
+    assert sum(counts) == n == MCMC_CAP, (counts, n)  # grown to the cap (3 refines), not past it
     assert sorted(counts) == [166, 167], counts
+    assert _final(first_run)["pipeline"]["_model.gauss_params.means"].shape[0] == 300  # no refine before the resume
+    differences = checkpoint_differences(state, _final(continued))
+    assert differences == [], differences[:20]
     exported = run_cli("ns-export", "gaussian-splat", "--load-config", run / "config.yml", "--output-dir",
                        tmp_path / "export", timeout=600, env=_env(out))  # fmt: skip
     assert exported.returncode == 0, exported.tail()
