@@ -52,8 +52,8 @@ def _scene(folder: Path) -> Path:
     return out
 
 
-def _ns_train_args(scene: Path, out: Path, timestamp: str, **options) -> list:
-    return ["splat-metal", *demo_args(**{**OPTIONS, **options}), "--data", scene, "--output-dir", out,
+def _ns_train_args(scene: Path, out: Path, timestamp: str, method: str = "splat-metal", **options) -> list:
+    return [method, *demo_args(**{**OPTIONS, **options}), "--data", scene, "--output-dir", out,
             "--timestamp", timestamp]  # fmt: skip
 
 
@@ -62,8 +62,8 @@ def _torchrun(n: int) -> list:
     return [executable("torchrun"), "--standalone", "--nproc-per-node", str(n), executable("ns-train")]
 
 
-def _run_dir(out: Path, timestamp: str) -> Path:
-    return out / "scene" / "splat-metal" / timestamp
+def _run_dir(out: Path, timestamp: str, method: str = "splat-metal") -> Path:
+    return out / "scene" / method / timestamp
 
 
 def _final(run_dir: Path) -> dict:
@@ -298,11 +298,11 @@ def test_mcmc_on_two_processes_keeps_cap_max_resumes_bit_identical_and_exports(t
     out, scene = tmp_path, _scene(tmp_path)
 
     def train(timestamp, steps, *extra):
-        args = ["splat-metal-mcmc", *demo_args(**{**OPTIONS, "max_num_iterations": steps}), "--data", scene,
-                "--output-dir", out, "--timestamp", timestamp, "--pipeline.model.cap-max", MCMC_CAP, *extra]  # fmt: skip
-        result = run_cli(*_torchrun(2), *args, timeout=900, env=_env(out))
+        args = _ns_train_args(scene, out, timestamp, "splat-metal-mcmc", max_num_iterations=steps,
+                              pipeline__model__cap_max=MCMC_CAP)  # fmt: skip
+        result = run_cli(*_torchrun(2), *args, *extra, timeout=900, env=_env(out))
         assert result.returncode == 0, result.tail()
-        return result, out / "scene" / "splat-metal-mcmc" / timestamp
+        return result, _run_dir(out, timestamp, "splat-metal-mcmc")
 
     with ThreadPoolExecutor(2) as pool:
         whole, first = pool.submit(train, "mcmc", MCMC_STEPS), pool.submit(train, "first", MCMC_FIRST)

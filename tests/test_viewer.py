@@ -619,7 +619,7 @@ def _settled_frame(browser: Browser, trace: Path, proc, log, after: float, step:
     second and with that render's aspect ratio. Returns (trace record, viewport pixels). The records
     are read again after the screenshots, so a render landing meanwhile (the window settling, a
     lower-resolution pass in between) starts the wait over: the pixels and the record always belong
-    together (an earlier version took the last full-resolution record, which a later one could follow)."""
+    together."""
     last_image = [None]
 
     def latest() -> Optional[dict]:
