@@ -16,11 +16,13 @@ from nerfstudio.engine.trainer import TrainerConfig
 from nerfstudio.pipelines.base_pipeline import VanillaPipelineConfig
 from nerfstudio.plugins.types import MethodSpecification
 
-from . import distributed
+from . import distributed, viewer_fixes
 from .dataparser import SplatMetalDataParserConfig, check_dataset
 from .mcmc import SplatMetalMCMCModelConfig
 from .model import SplatMetalModelConfig
 from .trainer import SplatMetalTrainer
+
+viewer_fixes.apply()  # before any Viewer exists: Ctrl-C could hang after a browser left (viewer_fixes.py)
 
 
 def default_device_type() -> str:

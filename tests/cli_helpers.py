@@ -64,6 +64,7 @@ def cli_env(torch_home: Optional[Path] = None, extra: Optional[Dict[str, str]] =
         HF_HUB_OFFLINE="1",
         PYTHONUNBUFFERED="1",
         COLUMNS="200",  # rich wraps at the terminal width; keep paths on one line
+        PYTHONFAULTHANDLER="1",  # a hung process's threads can be dumped (hung_process_report: SIGABRT)
     )
     for name in [n for n in env if n.startswith("SPLAT_METAL_")]:
         del env[name]  # backend/render-device overrides: the tests get what a user gets by default
@@ -107,6 +108,34 @@ def run_cli(
         result = CliResult(argv, -9, stdout, stderr, time.perf_counter() - start)
         raise CliTimeout(f"timed out after {timeout:.0f} s (a hang?)\n{result.tail()}") from None
     return CliResult(argv, proc.returncode, stdout, stderr, time.perf_counter() - start)
+
+
+def hung_process_report(proc: subprocess.Popen, log_path: Optional[Path] = None, lines: int = 120) -> str:
+    """For the assertion message of a test whose subprocess hung: every Python thread's stack
+    (``py-spy dump`` where it is installed; else SIGABRT, which cli_env's PYTHONFAULTHANDLER turns into
+    a dump of every thread on stderr, so ``log_path`` must be where that goes), then the log's tail.
+    The process is gone afterwards."""
+    report = []
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if spy and proc.poll() is None:
+        try:
+            dump = subprocess.run([spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=60)
+            report.append(f"--- py-spy dump --pid {proc.pid}\n{dump.stdout}{dump.stderr}")
+        except (OSError, subprocess.SubprocessError) as e:
+            report.append(f"--- py-spy failed: {e}")
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    if log_path is not None and Path(log_path).exists():
+        tail = Path(log_path).read_text(errors="replace").splitlines()[-lines:]
+        report.append(f"--- the last {lines} lines of {log_path}\n" + "\n".join(tail))
+    return "\n".join(report)
 
 
 def latest_config(output_dir: Path) -> Path:
@@ -175,7 +204,10 @@ def interrupt_after_checkpoint(args, log_path: Path, env, run_dir: Path, after: 
                 assert proc.poll() is None and time.monotonic() < deadline, "ns-train ended before the Ctrl-C"
                 time.sleep(0.02)
             os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(timeout=300)
+            try:
+                proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"no exit within 300 s of Ctrl-C\n{hung_process_report(proc, log_path)}") from None
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)

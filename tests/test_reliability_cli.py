@@ -34,7 +34,8 @@ import torch
 import yaml
 
 import demo_runs
-from cli_helpers import CliResult, checkpoint_step, checkpoints, cli_env, demo_args, executable, run_cli
+from cli_helpers import (CliResult, checkpoint_step, checkpoints, cli_env, demo_args, executable,
+                         hung_process_report, run_cli)
 from splat_metal_method import demo_scene
 from splat_metal_method.reliability import INJECT_NAN_ENV
 from splat_metal_method.trainer import INTERRUPTED_EXIT_CODE
@@ -289,7 +290,9 @@ def interrupted(tmp_path_factory) -> Interrupted:
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            raise AssertionError("ns-train did not exit within 120 s of Ctrl-C (a hang?)") from None
+            log.flush()
+            report = hung_process_report(proc, out / "ns-train.log")
+            raise AssertionError(f"ns-train did not exit within 120 s of Ctrl-C (a hang?)\n{report}") from None
         exit_seconds = time.monotonic() - sent
     finally:
         if driver is not None:
