@@ -25,6 +25,7 @@ from scenes import look_at, random_scene
 
 from splat_metal_method.ops import distributed_rasterization, rasterization
 from splat_metal_method.ops.cpu import available as cpu_available
+from splat_metal_method.distributed import settle_collectives
 from splat_metal_method.ops.distributed import gsplat_distributed_misfit
 
 TOL = 2e-4  # float32: relative to the largest magnitude of the quantity compared
@@ -239,6 +240,7 @@ def _worker(rank: int, world: int, init_file: str, configs, check_errors: bool):
         if check_errors:
             _check_errors(rank, world)
     finally:
+        settle_collectives()  # as at the exit of a run: no abort in gloo's teardown (see its docstring)
         dist.destroy_process_group()
 
 
