@@ -146,6 +146,30 @@ def latest_config(output_dir: Path) -> Path:
     return configs[-1]
 
 
+def small_scene(folder: Path, width: int, height: int, views: int = 12, points: int = 300) -> Path:
+    """The bundled demo scene at ``width`` x ``height`` with its first ``points`` seed points, in
+    ``folder``/scene: small enough for several ns-train runs in one test module."""
+    from splat_metal_method import demo_scene
+
+    out = Path(folder) / "scene"
+    demo_scene.generate(out, width=width, height=height, views=views, seed=0)
+    xyz, rgb = demo_scene.read_ply(out / demo_scene.PLY_NAME)
+    demo_scene.write_ply(out / demo_scene.PLY_NAME, xyz[:points], rgb[:points])
+    return out
+
+
+def run_dir(output_dir: Path, timestamp: str, method: str = "splat-metal", scene: str = "scene") -> Path:
+    """Where ns-train puts a run of ``method`` on the data folder named ``scene`` (config.yml, checkpoints)."""
+    return Path(output_dir) / scene / method / timestamp
+
+
+def final_checkpoint(run_dir: Path) -> dict:
+    """The run's last checkpoint, loaded as --load-dir and ns-export load it (weights_only)."""
+    import torch
+
+    return torch.load(checkpoints(run_dir)[-1], map_location="cpu")
+
+
 def checkpoints(run_dir: Path) -> List[Path]:
     """step-*.ckpt files of a run (``run_dir`` is the folder holding config.yml), by step."""
     return sorted((Path(run_dir) / "nerfstudio_models").glob("step-*.ckpt"))

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from cli_helpers import (checkpoint_differences, checkpoint_step, checkpoints, cli_env, demo_args, executable,
+                         final_checkpoint, run_dir, small_scene,
                          interrupt_after_checkpoint, run_cli)  # fmt: skip
-from splat_metal_method import demo_scene
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -44,14 +44,6 @@ START_LINE = re.compile(r"splat-metal distributed: world size (\d+), backend (\w
 PSNR_MARGIN_DB = 1.0
 
 
-def _scene(folder: Path) -> Path:
-    out = folder / "scene"
-    demo_scene.generate(out, width=48, height=36, views=12, seed=0)
-    xyz, rgb = demo_scene.read_ply(out / demo_scene.PLY_NAME)
-    demo_scene.write_ply(out / demo_scene.PLY_NAME, xyz[:300], rgb[:300])
-    return out
-
-
 def _ns_train_args(scene: Path, out: Path, timestamp: str, method: str = "splat-metal", **options) -> list:
     return [method, *demo_args(**{**OPTIONS, **options}), "--data", scene, "--output-dir", out,
             "--timestamp", timestamp]  # fmt: skip
@@ -60,14 +52,6 @@ def _ns_train_args(scene: Path, out: Path, timestamp: str, method: str = "splat-
 def _torchrun(n: int) -> list:
     # --standalone: a free port of its own, so that runs side by side never meet on torchrun's default port
     return [executable("torchrun"), "--standalone", "--nproc-per-node", str(n), executable("ns-train")]
-
-
-def _run_dir(out: Path, timestamp: str, method: str = "splat-metal") -> Path:
-    return out / "scene" / method / timestamp
-
-
-def _final(run_dir: Path) -> dict:
-    return torch.load(checkpoints(run_dir)[-1], map_location="cpu")  # weights_only, as --load-dir reads it
 
 
 def _env(out: Path, **extra: str):
@@ -81,14 +65,14 @@ def _train(out: Path, launcher: list, timestamp: str, scene: Path, **options):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed")
-    scene = _scene(out)
+    scene = small_scene(out, 48, 36)
     with ThreadPoolExecutor(3) as pool:
         two = pool.submit(_train, out, _torchrun(2), "two", scene)
         one = pool.submit(_train, out, [executable("ns-train")], "one", scene)
         args = [*_torchrun(2), *_ns_train_args(scene, out, "interrupted")]
         interrupted = pool.submit(interrupt_after_checkpoint, args, out / "interrupted.log", _env(out),
-                                  _run_dir(out, "interrupted"), INTERRUPT_AFTER, 900)  # fmt: skip
-        two, one, (code, text) = two.result(), one.result(), interrupted.result()
+                                  run_dir(out, "interrupted"), INTERRUPT_AFTER, 900)  # fmt: skip
+        two, one, (_, text) = two.result(), one.result(), interrupted.result()  # torchrun: its own exit status
     for result in (two, one):
         assert result.returncode == 0, result.tail()
     flat = " ".join(text.split())
@@ -97,7 +81,7 @@ def runs(tmp_path_factory):
     assert match, text[-4000:]
     resume = shlex.split(match.group(1).replace("$(command -v ns-train)", shlex.quote(executable("ns-train"))))
     resume[0:1] = [executable("torchrun"), "--standalone"]
-    two_ckpts = _run_dir(out, "two") / "nerfstudio_models"
+    two_ckpts = run_dir(out, "two") / "nerfstudio_models"
     with ThreadPoolExecutor(4) as pool:
         resumed = pool.submit(run_cli, *resume, "--timestamp", "resumed", timeout=900, env=_env(out))
         under_torchrun = pool.submit(_train, out, _torchrun(1), "torchrun1", scene)
@@ -120,11 +104,11 @@ def test_two_processes_train_one_scene_and_rank_0_writes_it(runs):
     per_rank = [int(c.replace(",", "")) for c in counts.split(" / ")]
     assert (world, backend) == ("2", "gloo") and len(per_rank) == 2 and sum(per_rank) == 300, starts
     assert abs(per_rank[0] - per_rank[1]) <= 1
-    run = _run_dir(out, "two")
+    run = run_dir(out, "two")
     assert [p.name for p in (out / "scene" / "splat-metal").iterdir() if p.name.startswith("two")] == ["two"]
     assert len(list(run.glob("events.out.tfevents.*"))) == 1, "only rank 0 writes logs"
     assert [checkpoint_step(c) for c in checkpoints(run)] == [TOTAL - 1]
-    state = _final(run)
+    state = final_checkpoint(run)
     n = state["pipeline"]["_model.gauss_params.means"].shape[0]
     for key, value in state["pipeline"].items():
         if ".gauss_params." in key:
@@ -145,8 +129,8 @@ def _held_out_psnr(config: Path) -> float:
 
 def test_two_processes_reach_one_processs_held_out_psnr(runs):
     out = runs["out"]
-    two = _held_out_psnr(_run_dir(out, "two") / "config.yml")
-    one = _held_out_psnr(_run_dir(out, "one") / "config.yml")
+    two = _held_out_psnr(run_dir(out, "two") / "config.yml")
+    one = _held_out_psnr(run_dir(out, "one") / "config.yml")
     print(f"held-out PSNR after {TOTAL} steps: 2 processes {two:.2f} dB, 1 process {one:.2f} dB")
     assert two >= one - PSNR_MARGIN_DB, (two, one)
 
@@ -154,12 +138,12 @@ def test_two_processes_reach_one_processs_held_out_psnr(runs):
 def test_export_of_a_distributed_run_is_the_gathered_model(runs, tmp_path):
     from plyfile import PlyData
 
-    run = _run_dir(runs["out"], "two")
+    run = run_dir(runs["out"], "two")
     result = run_cli("ns-export", "gaussian-splat", "--load-config", run / "config.yml", "--output-dir", tmp_path,
                      timeout=600, env=_env(runs["out"]))  # fmt: skip
     assert result.returncode == 0, result.tail()
     vertex = PlyData.read(str(tmp_path / "splat.ply"))["vertex"]
-    means = _final(run)["pipeline"]["_model.gauss_params.means"]
+    means = final_checkpoint(run)["pipeline"]["_model.gauss_params.means"]
     ply = torch.tensor([[float(v) for v in row] for row in zip(vertex["x"], vertex["y"], vertex["z"])])
     assert ply.shape == means.shape
     assert torch.equal(ply, means.float())
@@ -169,23 +153,23 @@ def test_ctrl_c_stops_every_rank_and_the_printed_resume_is_bit_identical(runs):
     text = runs["interrupted"]
     assert text.count("Resume with:") == 1, "the resume command is printed once (rank 0)"
     assert "splat-metal: training stopped after step" in text
-    stopped = checkpoints(_run_dir(runs["out"], "interrupted"))
+    stopped = checkpoints(run_dir(runs["out"], "interrupted"))
     assert len(stopped) == 1 and checkpoint_step(stopped[0]) >= INTERRUPT_AFTER
-    differences = checkpoint_differences(_final(_run_dir(runs["out"], "two")),
-                                         _final(_run_dir(runs["out"], "resumed")))  # fmt: skip
+    differences = checkpoint_differences(final_checkpoint(run_dir(runs["out"], "two")),
+                                         final_checkpoint(run_dir(runs["out"], "resumed")))  # fmt: skip
     assert differences == [], differences[:20]
 
 
 def test_a_checkpoint_of_two_ranks_resumes_on_three_and_on_one(runs):
-    n = _final(_run_dir(runs["out"], "two"))["pipeline"]["_model.gauss_params.means"].shape[0]
+    n = final_checkpoint(run_dir(runs["out"], "two"))["pipeline"]["_model.gauss_params.means"].shape[0]
     starts = START_LINE.findall(runs["on_three"].output)
     assert len(starts) == 1 and starts[0][0] == "3", starts
     per_rank = [int(c.replace(",", "")) for c in starts[0][2].split(" / ")]
     assert len(per_rank) == 3 and sum(per_rank) == n and max(per_rank) - min(per_rank) <= 1, (per_rank, n)
     assert "was written by a run with 2 process(es), this one has 3" in " ".join(runs["on_three"].output.split())
     for name, process_count in (("three", 3), ("from_two", None)):
-        state = _final(_run_dir(runs["out"], name))
-        assert checkpoint_step(checkpoints(_run_dir(runs["out"], name))[-1]) == TOTAL - 1 + 6
+        state = final_checkpoint(run_dir(runs["out"], name))
+        assert checkpoint_step(checkpoints(run_dir(runs["out"], name))[-1]) == TOTAL - 1 + 6
         assert state["pipeline"]["_model.gauss_params.means"].shape[0] > 0
         distributed = state["splat_metal_resume"].get("distributed")
         assert (distributed or {}).get("world_size") == process_count
@@ -193,8 +177,8 @@ def test_a_checkpoint_of_two_ranks_resumes_on_three_and_on_one(runs):
 
 def test_one_process_under_torchrun_is_plain_ns_train_bit_for_bit(runs):
     assert not START_LINE.search(runs["under_torchrun"].output)
-    differences = checkpoint_differences(_final(_run_dir(runs["out"], "one")),
-                                         _final(_run_dir(runs["out"], "torchrun1")))  # fmt: skip
+    differences = checkpoint_differences(final_checkpoint(run_dir(runs["out"], "one")),
+                                         final_checkpoint(run_dir(runs["out"], "torchrun1")))  # fmt: skip
     assert differences == [], differences[:20]
 
 
@@ -236,7 +220,7 @@ def _start_and_hurt(runs, tmp_path, hurt, env_extra=None, timeout=300):
     out = tmp_path / "out"
     args = [*_torchrun(2), *_ns_train_args(runs["scene"], out, "hurt", max_num_iterations=100000, steps_per_save=5)]
     log_path = tmp_path / "hurt.log"
-    run = _run_dir(out, "hurt")
+    run = run_dir(out, "hurt")
     with open(log_path, "w+") as log:
         proc = subprocess.Popen([str(a) for a in args], stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=_env(runs["out"], **(env_extra or {})),
@@ -295,14 +279,14 @@ def test_mcmc_on_two_processes_keeps_cap_max_resumes_bit_identical_and_exports(t
     ranks; growth runs to it (300 seed points, +5% per refine) and never past it; a run continued on 2 ranks
     from the checkpoint of step 29 ends with the uninterrupted run's bits (MCMC's state and every rank's
     generators carry over); the gathered checkpoint is the whole scene and ns-export writes it."""
-    out, scene = tmp_path, _scene(tmp_path)
+    out, scene = tmp_path, small_scene(tmp_path, 48, 36)
 
     def train(timestamp, steps, *extra):
         args = _ns_train_args(scene, out, timestamp, "splat-metal-mcmc", max_num_iterations=steps,
                               pipeline__model__cap_max=MCMC_CAP)  # fmt: skip
         result = run_cli(*_torchrun(2), *args, *extra, timeout=900, env=_env(out))
         assert result.returncode == 0, result.tail()
-        return result, _run_dir(out, timestamp, "splat-metal-mcmc")
+        return result, run_dir(out, timestamp, "splat-metal-mcmc")
 
     with ThreadPoolExecutor(2) as pool:
         whole, first = pool.submit(train, "mcmc", MCMC_STEPS), pool.submit(train, "first", MCMC_FIRST)
@@ -310,13 +294,13 @@ def test_mcmc_on_two_processes_keeps_cap_max_resumes_bit_identical_and_exports(t
     _, continued = train("continued", MCMC_STEPS - MCMC_FIRST, "--load-dir", first_run / "nerfstudio_models")
     starts = START_LINE.findall(result.output)
     assert len(starts) == 1 and starts[0][0] == "2", starts
-    state = _final(run)
+    state = final_checkpoint(run)
     counts = state["splat_metal_resume"]["distributed"]["counts"]
     n = state["pipeline"]["_model.gauss_params.means"].shape[0]
     assert sum(counts) == n == MCMC_CAP, (counts, n)  # grown to the cap (3 refines), not past it
     assert sorted(counts) == [166, 167], counts
-    assert _final(first_run)["pipeline"]["_model.gauss_params.means"].shape[0] == 300  # no refine before the resume
-    differences = checkpoint_differences(state, _final(continued))
+    assert final_checkpoint(first_run)["pipeline"]["_model.gauss_params.means"].shape[0] == 300  # no refine before the resume
+    differences = checkpoint_differences(state, final_checkpoint(continued))
     assert differences == [], differences[:20]
     exported = run_cli("ns-export", "gaussian-splat", "--load-config", run / "config.yml", "--output-dir",
                        tmp_path / "export", timeout=600, env=_env(out))  # fmt: skip

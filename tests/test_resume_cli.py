@@ -23,8 +23,9 @@ import pytest
 import torch
 
 from cli_helpers import (checkpoint_differences, checkpoint_step, checkpoints, cli_env, demo_args, executable,
+                         final_checkpoint, run_dir, small_scene,
                          interrupt_after_checkpoint, run_cli, tensorboard_scalars)
-from splat_metal_method import demo_scene, resume_state
+from splat_metal_method import resume_state
 from splat_metal_method.trainer import INTERRUPTED_EXIT_CODE
 
 pytestmark = pytest.mark.timeout(900)
@@ -40,28 +41,16 @@ OPTIONS = dict(
 )  # fmt: skip
 
 
-def _scene(folder: Path) -> Path:
-    out = folder / "scene"
-    demo_scene.generate(out, width=40, height=30, views=12, seed=0)
-    xyz, rgb = demo_scene.read_ply(out / demo_scene.PLY_NAME)
-    demo_scene.write_ply(out / demo_scene.PLY_NAME, xyz[:300], rgb[:300])
-    return out
-
-
 def _args(scene: Path, out: Path, timestamp: str, **options) -> list:
     return ["splat-metal", *demo_args(**{**OPTIONS, **options}), "--data", scene, "--output-dir", out,
             "--timestamp", timestamp]  # fmt: skip
-
-
-def _run_dir(out: Path, timestamp: str) -> Path:
-    return out / "scene" / "splat-metal" / timestamp
 
 
 def _interrupted(scene: Path, out: Path) -> tuple:
     """Ctrl-C once step INTERRUPT_AFTER is saved."""
     args = [executable("ns-train"), *_args(scene, out, "interrupted", steps_per_save=1)]
     return interrupt_after_checkpoint(args, out / "interrupted.log", cli_env(out / "torch_home"),
-                                      _run_dir(out, "interrupted"), INTERRUPT_AFTER)
+                                      run_dir(out, "interrupted"), INTERRUPT_AFTER)
 
 
 def _train(scene: Path, out: Path, timestamp: str, *extra, **options):
@@ -69,16 +58,12 @@ def _train(scene: Path, out: Path, timestamp: str, *extra, **options):
                    env=cli_env(out / "torch_home"))  # fmt: skip
 
 
-def _final(run_dir: Path) -> dict:
-    return torch.load(checkpoints(run_dir)[-1], map_location="cpu")  # weights_only, as --load-dir reads it
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """In parallel: the uninterrupted run, the Ctrl-C'd one, the first part of the plain continue;
     then in parallel the two resumes and a resume from a checkpoint stripped of the resume state."""
     out = tmp_path_factory.mktemp("resume")
-    scene = _scene(out)
+    scene = small_scene(out, 40, 30)
     with ThreadPoolExecutor(3) as pool:
         whole = pool.submit(_train, scene, out, "whole", steps_per_save=10**6)
         interrupted = pool.submit(_interrupted, scene, out)
@@ -90,17 +75,17 @@ def runs(tmp_path_factory):
     match = re.search(r"Resume with: (\S*ns-train .*?--max-num-iterations \d+)", " ".join(text.split()))
     assert match, text[-3000:]
     printed = shlex.split(match.group(1))
-    stopped = checkpoint_step(checkpoints(_run_dir(out, "interrupted"))[-1])
+    stopped = checkpoint_step(checkpoints(run_dir(out, "interrupted"))[-1])
 
-    old = _run_dir(out, "old") / "nerfstudio_models"  # the first part's checkpoint as an older splat-metal wrote it
+    old = run_dir(out, "old") / "nerfstudio_models"  # the first part's checkpoint as an older splat-metal wrote it
     old.mkdir(parents=True)
-    state = _final(_run_dir(out, "first"))
+    state = final_checkpoint(run_dir(out, "first"))
     del state[resume_state.KEY]
-    torch.save(state, old / checkpoints(_run_dir(out, "first"))[-1].name)
+    torch.save(state, old / checkpoints(run_dir(out, "first"))[-1].name)
     with ThreadPoolExecutor(3) as pool:
         resumed = pool.submit(run_cli, printed[0], *printed[1:], "--timestamp", "resumed", timeout=600,
                               env=cli_env(out / "torch_home"))  # fmt: skip
-        first_dir = _run_dir(out, "first") / "nerfstudio_models"
+        first_dir = run_dir(out, "first") / "nerfstudio_models"
         continued = pool.submit(_train, scene, out, "continued", "--load-dir", first_dir,
                                 max_num_iterations=TOTAL - FIRST, steps_per_save=10**6)  # fmt: skip
         from_old = pool.submit(_train, scene, out, "from_old", "--load-dir", old, max_num_iterations=5,
@@ -114,7 +99,7 @@ def runs(tmp_path_factory):
 def _curve(out: Path, tag: str, *timestamps: str) -> dict:
     curve = {}
     for t in timestamps:
-        curve.update(tensorboard_scalars(_run_dir(out, t), tag))
+        curve.update(tensorboard_scalars(run_dir(out, t), tag))
     return curve
 
 
@@ -133,7 +118,7 @@ def test_resumed_run_is_bit_identical_to_the_uninterrupted_one(runs, parts):
         diffs = [s for s in whole if pieces.get(s) != whole[s]]
         assert not diffs, f"{tag} differs at steps {diffs[:8]}: {[(whole[s], pieces.get(s)) for s in diffs[:3]]}"
 
-    whole, resumed = _final(_run_dir(out, "whole")), _final(_run_dir(out, parts[1]))
+    whole, resumed = final_checkpoint(run_dir(out, "whole")), final_checkpoint(run_dir(out, parts[1]))
     assert whole["step"] == resumed["step"] == TOTAL - 1
     assert checkpoint_differences(whole, resumed) == []
     assert whole[resume_state.KEY]["strategy"]["state"]["grad2d"] is not None  # the comparison covered it
