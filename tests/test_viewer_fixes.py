@@ -4,6 +4,7 @@ and an exception inside atomic() no longer leaves its lock held (which made Ctrl
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from types import SimpleNamespace
@@ -72,9 +73,10 @@ def run(tmp_path_factory):
     return demo_runs.sh3_run(tmp_path_factory)
 
 
-def test_a_camera_message_after_its_client_left_does_not_hang_the_viewer(run, tmp_path):
-    """The sequence that hung Ctrl-C: nerfstudio's Viewer gets a client, the client disconnects, then
-    a camera message of that client is handled (viser runs both on its thread pool, in either order)."""
+@contextlib.contextmanager
+def _viewer_with_a_client(run, tmp_path, client_id: int):
+    """nerfstudio's Viewer on ``run`` with a stand-in client handed to it as viser hands a browser;
+    yields (viewer, client, the client's camera callbacks). The server must stop within 20 s after."""
     from nerfstudio.configs.base_config import ViewerConfig
     from nerfstudio.viewer.viewer import Viewer
 
@@ -87,47 +89,39 @@ def test_a_camera_message_after_its_client_left_does_not_hang_the_viewer(run, tm
             wxyz=np.array([1.0, 0.0, 0.0, 0.0]), position=np.array([0.0, 0.0, 3.0]), fov=1.0, aspect=4 / 3,
             on_update=lambda cb: camera_callbacks.append(cb) or cb,
         )  # fmt: skip
-        client = SimpleNamespace(client_id=7, camera=camera, scene=NO_SCENE)
+        client = SimpleNamespace(client_id=client_id, camera=camera, scene=NO_SCENE)
         viewer.handle_new_client(client)
+        yield viewer, client, camera_callbacks
+    finally:
+        stopped = _stops_within(viewer.viser_server, 20)
+    assert stopped, "ViserServer.stop() hung (nerfstudio's shutdown on Ctrl-C)"
+
+
+def test_a_camera_message_after_its_client_left_does_not_hang_the_viewer(run, tmp_path):
+    """The sequence that hung Ctrl-C: nerfstudio's Viewer gets a client, the client disconnects, then
+    a camera message of that client is handled (viser runs both on its thread pool, in either order)."""
+    with _viewer_with_a_client(run, tmp_path, 7) as (viewer, client, camera_callbacks):
         machine = viewer.render_statemachines[7]
         viewer.handle_disconnect(client)
         machine.join(10)
         assert not machine.is_alive() and 7 not in viewer.render_statemachines
         (on_camera,) = camera_callbacks
 
-        on_camera(camera)  # the late camera message: no KeyError
+        on_camera(client.camera)  # the late camera message: no KeyError
         assert not viewer.viser_server._websock_server._atomic_lock.locked()
         viewer.update_scene(step=1)  # a training step with the gone client: nothing to render for it
-    finally:
-        stopped = _stops_within(viewer.viser_server, 20)
-    assert stopped, "ViserServer.stop() hung (nerfstudio's shutdown on Ctrl-C)"
 
 
 def test_the_fixes_keep_nerfstudio_viewer_behaviour_for_connected_clients(run, tmp_path):
     """A connected client still gets its own render state machine and its camera moves reach it."""
-    from nerfstudio.configs.base_config import ViewerConfig
     from nerfstudio.viewer.render_state_machine import RenderStateMachine
-    from nerfstudio.viewer.viewer import Viewer
 
-    pipeline, _, _ = demo_runs.load_pipeline(run)
-    viewer = Viewer(ViewerConfig(websocket_port=_free_port()), log_filename=tmp_path / "viewer_log.txt",
-                    datapath=run.parent, pipeline=pipeline)  # fmt: skip
-    try:
-        camera_callbacks = []
-        camera = SimpleNamespace(
-            wxyz=np.array([1.0, 0.0, 0.0, 0.0]), position=np.array([0.0, 0.0, 3.0]), fov=1.0, aspect=4 / 3,
-            on_update=lambda cb: camera_callbacks.append(cb) or cb,
-        )  # fmt: skip
-        client = SimpleNamespace(client_id=3, camera=camera, scene=NO_SCENE)
-        viewer.handle_new_client(client)
+    with _viewer_with_a_client(run, tmp_path, 3) as (viewer, client, camera_callbacks):
         machine = viewer.render_statemachines[3]
         assert isinstance(machine, RenderStateMachine) and machine.running
         machine.running = False  # keep its thread from rendering: only the hand-over is checked here
         machine.join(10)
-        camera_callbacks[0](camera)
+        camera_callbacks[0](client.camera)
         assert machine.next_action is not None and machine.next_action.action == "move"
         viewer.handle_disconnect(client)
         assert 3 not in viewer.render_statemachines
-    finally:
-        stopped = _stops_within(viewer.viser_server, 20)
-    assert stopped
