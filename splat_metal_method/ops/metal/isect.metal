@@ -3,7 +3,7 @@
 // Pipeline (driven by isect.py; the sorts are sort.metal's stable radix sort):
 //   1. isect_count        tiles_per_gauss[c*N+n] = number of tiles the 3-sigma square covers.
 //   2. stable sort of all C*N gaussians by the 32 bits of their depth (unsigned), giving `order`.
-//   3. cumsum of tiles_per_gauss[order] on the host side (torch), total M read once (the only sync).
+//   3. inclusive prefix sum of tiles_per_gauss[order] (scan.metal), total M read once (the only sync).
 //   4. isect_emit         in depth order, every gaussian writes (camera, tile) keys and its flat id.
 //   5. stable sort of the M entries by the (camera, tile) key.
 //   6. isect_finalize     isect_id = (camera, tile) key << 32 | depth bits.
@@ -13,16 +13,24 @@
 // Compiled after common.h: kernels.py prepends it (compile_shader has no include path).
 
 // Tile rectangle [x0, x1) x [y0, y1) of a gaussian, computed exactly as ops/reference.py does
-// (float32 division by the tile size, floor/ceil, clamp to the tile grid).
+// (float32 division by the tile size, floor/ceil, clamp to the tile grid). A float-to-int conversion
+// of NaN, inf or an out-of-range value is undefined in MSL and C++ (x86 gives INT_MIN, a GPU may
+// saturate to INT_MAX), so every bound is checked finite first (else the rectangle is empty, as the
+// reference's comparisons make it) and clamped into [0, tile count] before it is converted.
 inline void tile_rect(float mx, float my, int radius, long tile_size, long tile_width, long tile_height,
                       thread int& x0, thread int& y0, thread int& x1, thread int& y1) {
   const float ts = (float)tile_size;
   const float tx = mx / ts, ty = my / ts, tr = (float)radius / ts;
   const float tw = (float)tile_width, th = (float)tile_height;
-  x0 = (int)clamp(floor(tx - tr), 0.0f, tw);
-  y0 = (int)clamp(floor(ty - tr), 0.0f, th);
-  x1 = (int)clamp(ceil(tx + tr), 0.0f, tw);
-  y1 = (int)clamp(ceil(ty + tr), 0.0f, th);
+  const float fx0 = floor(tx - tr), fy0 = floor(ty - tr), fx1 = ceil(tx + tr), fy1 = ceil(ty + tr);
+  x0 = y0 = x1 = y1 = 0;
+  if (!(isfinite(fx0) && isfinite(fy0) && isfinite(fx1) && isfinite(fy1))) {
+    return;
+  }
+  x0 = (int)clamp(fx0, 0.0f, tw);
+  y0 = (int)clamp(fy0, 0.0f, th);
+  x1 = (int)clamp(fx1, 0.0f, tw);
+  y1 = (int)clamp(fy1, 0.0f, th);
 }
 
 // isect_count: one thread per (camera, gaussian), idx < C*N. Independent threads, no barriers.
@@ -54,6 +62,11 @@ kernel void isect_count(
 // [cum[p] - count, cum[p]) where count = tiles_per_gauss[order[p]]: disjoint ranges, no races, no
 // barriers. Keys are (camera << tile_bits | tile_id) as uint32 (the host checks they fit), values the
 // flat gaussian index camera*N + n. Work per thread is bounded by tile_width*tile_height.
+// The rectangle is recomputed here, but the range was sized by isect_count's `count`: the thread
+// writes exactly `count` entries whatever the recomputation says, never past its range into a
+// neighbour's (fast math or a later edit could make the two disagree). Should the recomputed
+// rectangle hold fewer tiles, the rest of the range gets tile 0 of the gaussian's camera: a wrong but
+// in-bounds entry, instead of unwritten memory that later kernels would index with.
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void isect_emit(
     const device float* means2d [[buffer(0)]],        // [C*N, 2]
@@ -81,13 +94,18 @@ kernel void isect_emit(
   int x0, y0, x1, y1;
   tile_rect(means2d[2 * g], means2d[2 * g + 1], radii[g], tile_size, tile_width, tile_height, x0, y0, x1, y1);
   const uint cam_key = (uint)((long)g / N) << (uint)tile_bits;
-  long out = cum[p] - count;
-  for (int y = y0; y < y1; ++y) {
-    for (int x = x0; x < x1; ++x) {
+  const long end = cum[p];
+  long out = end - count;
+  for (int y = y0; y < y1 && out < end; ++y) {
+    for (int x = x0; x < x1 && out < end; ++x) {
       tile_keys[out] = cam_key | (uint)(y * tile_width + x);
       flat_ids[out] = g;
       ++out;
     }
+  }
+  for (; out < end; ++out) {
+    tile_keys[out] = cam_key;
+    flat_ids[out] = g;
   }
 }
 

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ..workspace import workspace
 from .kernels import grid_1d, library
+from .scan import prefix_sum
 from .sort import radix_sort_pairs
 
 
@@ -57,7 +58,7 @@ def isect_tiles_fwd(
     flat = torch.arange(total, dtype=torch.int32, device=device)
     _, order = radix_sort_pairs(depth_bits, flat, bits=32)
     counts = tiles_per_gauss.view(-1)[order.long()]
-    cum = torch.cumsum(counts, 0)  # int64, inclusive
+    cum = prefix_sum(counts, inclusive=True)  # [C*N] int64 (our scan: no MPS integer cumsum)
     M = int(cum[-1].item())  # the only host sync: sizes the intersection buffers
     if M == 0:
         return tiles_per_gauss, *empty

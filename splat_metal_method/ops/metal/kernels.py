@@ -23,6 +23,12 @@ RADIX_KEYS_PER_THREAD = 16
 RADIX_BLOCK = RADIX_THREADS * RADIX_KEYS_PER_THREAD
 RADIX_BINS = 1 << RADIX_BITS
 
+# Prefix-sum geometry (scan.metal): SCAN_THREADS threads per group, each owning a contiguous run of
+# SCAN_ITEMS values -> SCAN_BLOCK values per group.
+SCAN_THREADS = 256
+SCAN_ITEMS = 16
+SCAN_BLOCK = SCAN_THREADS * SCAN_ITEMS
+
 # Threads per group of the one-thread-per-item kernels (project, sh, isect, covar).
 GROUP_1D = 256
 
@@ -37,6 +43,8 @@ def _base_defines(tile_size: int) -> dict:
         "SPLAT_RADIX_THREADS": RADIX_THREADS,
         "SPLAT_RADIX_KEYS_PER_THREAD": RADIX_KEYS_PER_THREAD,
         "SPLAT_GROUP_1D": GROUP_1D,
+        "SPLAT_SCAN_THREADS": SCAN_THREADS,
+        "SPLAT_SCAN_ITEMS": SCAN_ITEMS,
     }
 
 
@@ -68,6 +76,7 @@ _STANDARD_VARIANTS = {
     "sh": ("sh.metal", ()),
     "isect": ("isect.metal", ()),
     "sort": ("sort.metal", ()),
+    "scan": ("scan.metal", ()),
     "covar": ("covar.metal", ()),
     "rasterize_rgb": ("rasterize.metal", (("SPLAT_CHANNELS", 3),)),
     "rasterize_rgbd": ("rasterize.metal", (("SPLAT_CHANNELS", 4),)),
@@ -84,6 +93,8 @@ def group_threads(kernel: str, tile_size: int = constants.TILE_SIZE) -> int:
         return tile_size * tile_size
     if kernel.startswith("radix_"):
         return RADIX_THREADS
+    if kernel.startswith("scan_"):
+        return SCAN_THREADS
     return PROJECT_BWD_GROUP if kernel == "project_bwd" else GROUP_1D
 
 

@@ -5,8 +5,8 @@
 //
 // One pass over bits [shift, shift + RADIX_BITS) (driven by sort.py):
 //   radix_hist     block b counts the digits of its RADIX_BLOCK keys -> block_hist[digit, b]
-//   (host, torch)  exclusive cumsum over block_hist flattened digit-major -> bin_offsets[digit, b]:
-//                  where block b's first key with that digit goes in the output
+//   scan.metal     exclusive prefix sum over block_hist flattened digit-major -> bin_offsets[digit, b]
+//                  (int64): where block b's first key with that digit goes in the output
 //   radix_scatter  block b writes every key to bin_offsets[digit, b] + its rank among the block's
 //                  keys with the same digit that come before it (stable by construction).
 // Every thread owns a CONTIGUOUS run of RADIX_KEYS_PER_THREAD keys, so a key's rank inside its block
@@ -74,7 +74,7 @@ kernel void radix_scatter(
     const device uint* vals_in [[buffer(1)]],       // [n]
     device uint* keys_out [[buffer(2)]],            // [n]
     device uint* vals_out [[buffer(3)]],            // [n]
-    const device int* bin_offsets [[buffer(4)]],    // [BINS, n_blocks] exclusive scan
+    const device long* bin_offsets [[buffer(4)]],   // [BINS, n_blocks] exclusive scan
     constant long& n [[buffer(5)]],
     constant long& shift [[buffer(6)]],
     constant long& n_blocks [[buffer(7)]],
@@ -134,7 +134,7 @@ kernel void radix_scatter(
       const uint key = keys_in[j];
       const uint d = (key >> sh) & (SPLAT_RADIX_BINS - 1);
       const int slot = (int)d * SPLAT_RADIX_THREADS + (int)tid;
-      const long dst = (long)bin_offsets[(long)d * n_blocks + blk] + (long)seg[d * SEGS + my_seg] + (long)counts[slot];
+      const long dst = bin_offsets[(long)d * n_blocks + blk] + (long)seg[d * SEGS + my_seg] + (long)counts[slot];
       counts[slot] += 1;
       keys_out[dst] = key;
       vals_out[dst] = vals_in[j];

@@ -3,6 +3,9 @@
 Used instead of torch.sort because MPS sort has had int64 and large-size bugs and documents no
 stability; the intersection lists need a stable sort for every backend to agree on per-tile order.
 No host synchronisation: the number of passes follows from `bits`, which the caller knows.
+A pass is radix_hist, our prefix sum of the block histograms (scan.py: one dispatch up to 2^20 keys,
+two beyond) and radix_scatter: 3 dispatches (4 beyond 2^20 keys), where torch's integer cumsum (which
+has had MPS correctness bugs) and a subtraction made 4 at every size.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .kernels import RADIX_BINS, RADIX_BITS, RADIX_BLOCK, RADIX_THREADS, library
+from .scan import prefix_sum
 
 
 def radix_sort_pairs(keys: Tensor, values: Tensor, bits: int = 32) -> Tuple[Tensor, Tensor]:
@@ -41,8 +45,7 @@ def radix_sort_pairs(keys: Tensor, values: Tensor, bits: int = 32) -> Tuple[Tens
     for p in range(n_passes):
         shift = p * RADIX_BITS
         lib.radix_hist(k_in, block_hist, n, shift, n_blocks, **grid)
-        flat = block_hist.view(-1)
-        bin_offsets = torch.cumsum(flat, 0, dtype=torch.int32) - flat  # exclusive, digit-major
+        bin_offsets = prefix_sum(block_hist.view(-1), inclusive=False)  # [BINS * n_blocks] int64, digit-major
         lib.radix_scatter(k_in, v_in, k_out, v_out, bin_offsets, n, shift, n_blocks, **grid)
         if p == 0:  # never write into the caller's tensors: the first pass reads them, later ones ping-pong
             k_in, v_in = k_out, v_out

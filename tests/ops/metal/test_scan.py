@@ -1,0 +1,97 @@
+"""scan.metal (our int64 prefix sum, run under the MSL emulator) against torch.cumsum on the CPU, and
+the dispatches of a radix-sort pass that uses it instead of torch's integer cumsum (issue 22, section 6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from splat_metal_method.ops.metal import runtime, scan
+from splat_metal_method.ops.metal.kernels import RADIX_BITS, RADIX_BLOCK, SCAN_BLOCK
+from splat_metal_method.ops.metal.sort import radix_sort_pairs
+
+# the edges of a thread's run (16), of a simdgroup-sized count (32), of a group's threads (256) and of
+# a block (4096), one and several blocks, and a million values (245 blocks: the two-dispatch path)
+SIZES = [0, 1, 15, 16, 17, 31, 32, 33, 255, 256, 257, SCAN_BLOCK - 1, SCAN_BLOCK, SCAN_BLOCK + 1,
+         3 * SCAN_BLOCK + 7, 1_000_000]
+
+
+def torch_prefix_sum(x: torch.Tensor, inclusive: bool) -> torch.Tensor:
+    cum = torch.cumsum(x.long(), 0)
+    return cum if inclusive else cum - x.long()
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_prefix_sum_matches_torch_cumsum(n):
+    gen = torch.Generator().manual_seed(n)
+    for dtype in (torch.int32, torch.int64):
+        x = torch.randint(-1000, 100_000, (n,), generator=gen, dtype=dtype)
+        for inclusive in (False, True):
+            got = scan.prefix_sum(x, inclusive=inclusive)
+            assert got.dtype == torch.int64 and got.shape == (n,)
+            assert torch.equal(got, torch_prefix_sum(x, inclusive)), (n, dtype, inclusive)
+
+
+def test_prefix_sum_counts_past_int32():
+    # 64-bit sums: the total of int32 values may pass 2^31 (the host then refuses that many intersections)
+    x = torch.full((3 * SCAN_BLOCK,), 2**20, dtype=torch.int32)
+    got = scan.prefix_sum(x, inclusive=True)
+    assert int(got[-1]) == 3 * SCAN_BLOCK * 2**20 > 2**31
+    assert torch.equal(got, torch_prefix_sum(x, True))
+
+
+@pytest.mark.parametrize("n, blocks_then_carry", [(5 * SCAN_BLOCK + 3, 2), (40 * SCAN_BLOCK, 3)])
+def test_prefix_sum_recursive_level(monkeypatch, n, blocks_then_carry):
+    """Past SCAN_CARRY_BLOCKS blocks the block totals are scanned first (one more level, recursively);
+    lowered here so that the path runs on small sizes."""
+    monkeypatch.setattr(scan, "SCAN_CARRY_BLOCKS", blocks_then_carry)
+    x = torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    runtime.reset_launch_counts()
+    for inclusive in (False, True):
+        assert torch.equal(scan.prefix_sum(x, inclusive=inclusive), torch_prefix_sum(x, inclusive))
+    assert runtime.launch_counts()["scan_blocks"] >= 2 * 2  # outer + at least one inner level, twice
+
+
+def test_prefix_sum_refuses_bad_input():
+    with pytest.raises(ValueError, match=r"\[prefix_sum\] values must be \[n\] int32 or int64"):
+        scan.prefix_sum(torch.zeros(4, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"\[prefix_sum\]"):
+        scan.prefix_sum(torch.zeros(2, 2, dtype=torch.int32))
+
+
+class _CountAtenOps(TorchDispatchMode):
+    """aten ops that run a kernel (allocations are not dispatches of a command encoder)."""
+
+    ALLOCATIONS = {"empty.memory_format", "empty_like.default", "empty_strided.default", "view.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = f"{func._schema.name.split('::')[-1]}.{func._schema.overload_name or 'default'}"
+        if name not in self.ALLOCATIONS:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("n, per_pass", [(3 * RADIX_BLOCK + 5, 3), ((1 << 20) + RADIX_BLOCK, 4)])
+def test_radix_sort_pass_dispatches_no_more_than_with_torch_cumsum(n, per_pass):
+    """Before (torch.cumsum + subtraction): radix_hist, cumsum, sub, radix_scatter = 4 dispatches per
+    pass at every size. Now: radix_hist, scan_blocks, radix_scatter = 3 up to 2^20 keys (the block
+    histograms fit one scan block), plus scan_block_sums = 4 beyond; no aten kernel at all."""
+    gen = torch.Generator().manual_seed(2)
+    keys = torch.randint(0, 2**31 - 1, (n,), generator=gen, dtype=torch.int32)
+    vals = torch.arange(n, dtype=torch.int32)
+    bits = 3 * RADIX_BITS
+    runtime.reset_launch_counts()
+    with _CountAtenOps() as aten:
+        k, v = radix_sort_pairs(keys, vals, bits=bits)
+    launches = runtime.launch_counts()
+    passes = bits // RADIX_BITS
+    assert sum(launches.values()) == per_pass * passes, launches
+    assert launches["radix_hist"] == launches["radix_scatter"] == passes
+    assert aten.ops == [], f"aten kernels in the radix sort: {aten.ops}"
+    expected, order = torch.sort(keys & (2**bits - 1), stable=True)
+    assert torch.equal(k & (2**bits - 1), expected) and torch.equal(v, order.int())
