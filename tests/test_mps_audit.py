@@ -19,8 +19,9 @@ list stays true.
 CPU and MPS run the same Python code here: torch's Adam takes its single-tensor path on both
 (foreach kernels are only the default on cuda/xpu), and our code has no device branches on the
 training path other than the backend choice. What this cannot see: ops that exist on MPS but fail
-for some dtype or size there (e.g. int64 sorts; the Metal backend sorts with its own radix sort),
-and the Metal kernels themselves (not aten ops; the doctor command checks those on a Mac).
+for some dtype or size there (e.g. int64 sorts; the Metal backend sorts with its own radix sort;
+integer cumsum, which the Metal path must not run at all: it scans with its own kernel, checked
+below), and the Metal kernels themselves (not aten ops; the doctor command checks those on a Mac).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class Recording:
     ops: collections.Counter = field(default_factory=collections.Counter)  # OpOverload -> calls
     first_seen: Dict[object, str] = field(default_factory=dict)  # OpOverload -> where
     float64: Dict[str, str] = field(default_factory=dict)  # op key -> where a float64 tensor appeared
+    int_cumsum: Dict[str, str] = field(default_factory=dict)  # "cumsum... dtype" -> where an integer cumsum ran
     # composite ops without an MPS kernel -> aten ops their Python decomposition ran (None: torch has
     # no Python decomposition into aten ops for it; str: the decomposition failed on these inputs)
     decomposed: Dict[str, object] = field(default_factory=dict)
@@ -135,6 +137,10 @@ class RecordOps(TorchDispatchMode):
         tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         if any(t.dtype == torch.float64 for t in tensors):
             rec.float64.setdefault(str(func), _where())
+        if key is not None and key.split(".")[0].strip("_") == "cumsum":
+            ints = sorted({str(t.dtype) for t in tensors if not (t.is_floating_point() or t.is_complex())})
+            if ints:
+                rec.int_cumsum.setdefault(f"{key} {', '.join(ints)}", _where())
         return out
 
     def _decompose(self, func, args, kwargs):
@@ -157,6 +163,7 @@ class RecordOps(TorchDispatchMode):
             self.rec.ops[f] += n
             self.rec.first_seen.setdefault(f, f"via {aten_key(func)} <- " + inner.first_seen[f])
         self.rec.float64.update(inner.float64)
+        self.rec.int_cumsum.update(inner.int_cumsum)
         return sorted({aten_key(f) or str(f) for f in inner.ops})
 
 
@@ -371,3 +378,14 @@ def test_no_float64_on_the_training_path(audits):
     assert not found, "float64 tensors on the training path (MPS has no float64):\n" + "\n".join(
         f"  {k}: {v}" for k, v in sorted(found.items())
     )
+
+
+def test_no_integer_cumsum_on_the_metal_training_path(audits):
+    """MPS integer cumsum has had correctness bugs across torch releases, and under the emulator the
+    Metal backend runs torch's CPU cumsum, so only a Mac would see one: the Metal path scans integers
+    with its own kernel (ops/metal/scan.metal) and must not run torch's."""
+    found = audits["metal"].recording.int_cumsum
+    assert not found, "integer cumsum on the Metal training path (use ops/metal/scan.prefix_sum):\n" + "\n".join(
+        f"  {k}: {v}" for k, v in sorted(found.items())
+    )
+    assert audits["metal"].kernel_launches.get("scan_blocks", 0) > 0  # the scan really ran instead

@@ -24,7 +24,7 @@ from ..constants import TRANSMITTANCE_MIN
 from .isect import isect_offset_encode_fwd, isect_tiles_fwd
 from .project import project_fwd
 from .project_bwd import project_bwd
-from .rasterize import RASTER_CHUNK, count_passes, rasterize_to_pixels_fwd
+from .rasterize import RASTER_CHUNK, plan_passes, rasterize_to_pixels_fwd
 from .rasterize_bwd import rasterize_to_pixels_bwd
 from .sh import spherical_harmonics_fwd
 from .sh_bwd import spherical_harmonics_bwd
@@ -49,15 +49,15 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, means2d, conics, colors, opacities, backgrounds, width, height, tile_size,
                 isect_offsets, flatten_ids, absgrad_buf):  # fmt: skip
-        # One pass count for forward and backward: at most one host sync (when M > RASTER_CHUNK).
-        n_passes = count_passes(isect_offsets, flatten_ids.numel(), RASTER_CHUNK, colors.shape[1])
+        # One pass plan for forward and backward: at most one host sync (rasterize.plan_passes).
+        plan = plan_passes(isect_offsets, flatten_ids.numel(), tile_size, RASTER_CHUNK, colors.shape[1])
         render_colors, render_alphas, transmittance, last_ids = rasterize_to_pixels_fwd(
             means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, backgrounds,
-            chunk=RASTER_CHUNK, n_passes=n_passes,
+            chunk=RASTER_CHUNK, plan=plan,
         )  # fmt: skip
         ctx.save_for_backward(means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids,
                               transmittance, last_ids)  # fmt: skip
-        ctx.args = (width, height, tile_size, n_passes)
+        ctx.args = (width, height, tile_size, plan)
         ctx.absgrad_buf = absgrad_buf
         return render_colors, render_alphas
 
@@ -65,7 +65,7 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
     def backward(ctx, v_render_colors, v_render_alphas):
         (means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, transmittance,
          last_ids) = ctx.saved_tensors  # fmt: skip
-        width, height, tile_size, n_passes = ctx.args
+        width, height, tile_size, plan = ctx.args
         need = ctx.needs_input_grad
         if not (any(need[:5]) or ctx.absgrad_buf is not None):
             return (None,) * 11
@@ -76,7 +76,7 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
         v_means2d, v_conics, v_colors, v_opacities, v_backgrounds = rasterize_to_pixels_bwd(
             means2d, conics, colors, opacities, backgrounds, width, height, tile_size, isect_offsets,
             flatten_ids, transmittance, last_ids, v_render_colors.contiguous(), v_render_alphas.contiguous(),
-            absgrad_out=ctx.absgrad_buf, chunk=RASTER_CHUNK, n_passes=n_passes,
+            absgrad_out=ctx.absgrad_buf, chunk=RASTER_CHUNK, plan=plan,
         )  # fmt: skip
         return (
             v_means2d if need[0] else None,
@@ -96,15 +96,15 @@ class _RasterizeDepthChunkFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, means2d, conics, colors, opacities, trans_in, stopped_in, width, height, tile_size,
                 isect_offsets, flatten_ids, absgrad_buf):  # fmt: skip
-        n_passes = count_passes(isect_offsets, flatten_ids.numel(), RASTER_CHUNK, colors.shape[1])
+        plan = plan_passes(isect_offsets, flatten_ids.numel(), tile_size, RASTER_CHUNK, colors.shape[1])
         stopped_out = torch.zeros(trans_in.shape, dtype=torch.int32, device=trans_in.device)  # [C, H, W]
         chunk_colors, _, trans_out, last_ids = rasterize_to_pixels_fwd(
             means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, None,
-            chunk=RASTER_CHUNK, n_passes=n_passes, trans_in=trans_in, stopped_in=stopped_in, stopped_out=stopped_out,
+            chunk=RASTER_CHUNK, plan=plan, trans_in=trans_in, stopped_in=stopped_in, stopped_out=stopped_out,
         )  # fmt: skip
         ctx.save_for_backward(means2d, conics, colors, opacities, isect_offsets, flatten_ids, trans_out, last_ids,
                               trans_in, stopped_in, chunk_colors)  # fmt: skip
-        ctx.args = (width, height, tile_size, n_passes)
+        ctx.args = (width, height, tile_size, plan)
         ctx.absgrad_buf = absgrad_buf
         stopped_out = stopped_out != 0
         ctx.mark_non_differentiable(stopped_out)
@@ -114,14 +114,14 @@ class _RasterizeDepthChunkFn(torch.autograd.Function):
     def backward(ctx, v_chunk_colors, v_trans_out, _v_stopped):
         (means2d, conics, colors, opacities, isect_offsets, flatten_ids, trans_out, last_ids, trans_in, stopped_in,
          chunk_colors) = ctx.saved_tensors  # fmt: skip
-        width, height, tile_size, n_passes = ctx.args
+        width, height, tile_size, plan = ctx.args
         if v_chunk_colors is None:
             v_chunk_colors = torch.zeros_like(chunk_colors)
         v_alphas = (torch.zeros_like(trans_out) if v_trans_out is None else -v_trans_out)[..., None]  # alpha = 1 - T
         v_means2d, v_conics, v_colors, v_opacities, _ = rasterize_to_pixels_bwd(
             means2d, conics, colors, opacities, None, width, height, tile_size, isect_offsets, flatten_ids,
             trans_out, last_ids, v_chunk_colors.contiguous(), v_alphas.contiguous(), absgrad_out=ctx.absgrad_buf,
-            chunk=RASTER_CHUNK, n_passes=n_passes,
+            chunk=RASTER_CHUNK, plan=plan,
         )  # fmt: skip
         v_trans_in = resumed_transmittance_grad(chunk_colors, v_chunk_colors, trans_out, v_trans_out, trans_in,
                                                 stopped_in, TRANSMITTANCE_MIN)  # fmt: skip

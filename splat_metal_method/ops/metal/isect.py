@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ..workspace import workspace
+from . import runtime
 from .kernels import grid_1d, library
 from .scan import prefix_sum
 from .sort import radix_sort_pairs
@@ -59,7 +60,7 @@ def isect_tiles_fwd(
     _, order = radix_sort_pairs(depth_bits, flat, bits=32)
     counts = tiles_per_gauss.view(-1)[order.long()]
     cum = prefix_sum(counts, inclusive=True)  # [C*N] int64 (our scan: no MPS integer cumsum)
-    M = int(cum[-1].item())  # the only host sync: sizes the intersection buffers
+    M = int(runtime.host_read(cum[-1]))  # the only host sync: sizes the intersection buffers
     if M == 0:
         return tiles_per_gauss, *empty
     if M >= 2**31:

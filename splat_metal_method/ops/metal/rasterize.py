@@ -3,18 +3,138 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from . import runtime
 from .kernels import library
 
-# Gaussians of one tile composited per dispatch ("pass"). Bounds the work of one command so a dense
-# tile cannot run into the GPU watchdog: a pass costs at most tiles x TILE_PIXELS x RASTER_CHUNK
-# gaussian evaluations. More passes only happen when some tile holds more than this many gaussians.
+# Gaussians of one tile composited per pass, at most. Pass p composites entries [p chunk, (p+1) chunk)
+# of every tile's list; a pass costs at most TILE_PIXELS x chunk gaussian-pixel evaluations per tile.
+# Consecutive dispatches still land in one command buffer, so the bound that matters is per command
+# buffer (runtime.py, "Command buffers and the GPU watchdog"): plan_passes counts each pass's work,
+# cuts a pass whose backward would pass runtime.COMMAND_BUFFER_BUDGET into bands of tile rows (one
+# dispatch each), and the dispatch loops reserve each dispatch's work with runtime.reserve_work,
+# which commits between dispatches when the current command buffer would pass the budget.
 RASTER_CHUNK = 8192
 MAX_CHANNELS = 64  # per-pixel accumulators live in registers; one library per channel count
+
+
+class Dispatch(NamedTuple):
+    """One kernel dispatch of a pass: every camera and tile at once (camera None), or one camera's
+    band of tile rows [rows[0], rows[1])."""
+
+    pass_index: int
+    camera: Optional[int]
+    rows: Tuple[int, int]
+    work: int  # forward gaussian-pixel evaluations, at most (tile pixels x gaussians composited)
+
+
+class PassPlan(NamedTuple):
+    """How a render is cut into kernel dispatches; forward and backward share it."""
+
+    chunk: int  # gaussians of a tile per pass
+    dispatches: Tuple[Dispatch, ...]  # in pass order
+
+    @property
+    def n_passes(self) -> int:
+        return 1 + max(d.pass_index for d in self.dispatches)
+
+
+def plan_from_lengths(tile_lengths: Tensor, tile_pixels: int, chunk: int, budget: int) -> PassPlan:
+    """The dispatches for tiles of these list lengths ([C, tile_height, tile_width], on the host).
+    Pass p costs tile_pixels x sum_t clamp(len_t - p chunk, 0, chunk). A pass whose backward (work x
+    runtime.BWD_WORK_FACTOR) fits `budget` is one dispatch over everything; otherwise each camera's tile
+    rows are cut greedily into bands that fit (a single row that does not fit goes alone: it holds
+    tile_width x tile_pixels x chunk evaluations at most, 2e9 backward-weighted at 4K width), and bands
+    with nothing left to composite after pass 0 are skipped (their tiles were finalised)."""
+    lengths = tile_lengths.long()
+    C, tile_height, _ = lengths.shape
+    longest = int(lengths.max()) if lengths.numel() else 0
+    dispatches = []
+    for p in range(max(1, math.ceil(longest / chunk))):
+        row_work = tile_pixels * (lengths - p * chunk).clamp(0, chunk).sum(dim=2)  # [C, tile_height]
+        total = int(row_work.sum())
+        if total * runtime.BWD_WORK_FACTOR <= budget:
+            dispatches.append(Dispatch(p, None, (0, tile_height), total))
+            continue
+        for c in range(C):
+            start, band = 0, 0
+            for r, w in enumerate(int(w) for w in row_work[c]):  # already on the host
+                if r > start and (band + w) * runtime.BWD_WORK_FACTOR > budget:
+                    if p == 0 or band > 0:
+                        dispatches.append(Dispatch(p, c, (start, r), band))
+                    start, band = r, 0
+                band += w
+            if p == 0 or band > 0:
+                dispatches.append(Dispatch(p, c, (start, tile_height), band))
+    return PassPlan(chunk, tuple(dispatches))
+
+
+def plan_passes(isect_offsets: Tensor, n_isects: int, tile_size: int, chunk: Optional[int] = None,
+                n_gaussians: Optional[int] = None) -> PassPlan:  # fmt: skip
+    """The dispatches of a render. A tile lists a gaussian at most once, so its list is at most
+    min(M, N) long: one dispatch of at most tile_pixels x M evaluations, and no host sync, when that
+    bound is <= chunk and the dispatch's backward fits runtime.COMMAND_BUFFER_BUDGET; otherwise one
+    host read of the tile list lengths ([C, tile_height, tile_width] int32) and plan_from_lengths."""
+    chunk = int(chunk or RASTER_CHUNK)
+    tile_pixels = int(tile_size) ** 2
+    longest_bound = min(n_isects, n_isects if n_gaussians is None else n_gaussians)
+    if longest_bound <= chunk and tile_pixels * n_isects * runtime.BWD_WORK_FACTOR <= runtime.COMMAND_BUFFER_BUDGET:
+        return PassPlan(chunk, (Dispatch(0, None, (0, isect_offsets.shape[1]), tile_pixels * n_isects),))
+    starts = isect_offsets.reshape(-1).long()
+    ends = torch.cat([starts[1:], starts.new_full((1,), n_isects)])
+    lengths = runtime.host_read(ends - starts).view(isect_offsets.shape)
+    return plan_from_lengths(lengths, tile_pixels, chunk, runtime.COMMAND_BUFFER_BUDGET)
+
+
+class Band(NamedTuple):
+    """What the kernels see of one dispatch: an image of `height` pixel rows and `tile_rows` tile rows
+    starting at pixel row `y0` of camera `camera` (all cameras when None), its first tile at flat index
+    `first_tile` of [C, tile_height, tile_width], and the launch grid."""
+
+    camera: Optional[int]
+    y0: int
+    height: int
+    tile_rows: int
+    first_tile: int
+    grid: dict
+
+    def rows(self, t: Tensor) -> Tensor:
+        """The band's part of a per-pixel [C, H, ...] tensor, a contiguous view (Metal binds a tensor at
+        its storage offset); anything else (a [1] placeholder, a [C, D] table) unchanged."""
+        if self.camera is None or t.dim() < 3:
+            return t
+        return t[self.camera, self.y0:self.y0 + self.height]
+
+    def means(self, means2d: Tensor) -> Tensor:
+        """means2d [C, N, 2] in the band's pixel rows (y - y0): the kernels place a pixel by its row in
+        the band. Bit-exact: y0 is an integer, so my - y0 is exact, and (my - y0) - (row + 0.5) rounds
+        the same real number as my - (y0 + row + 0.5)."""
+        if self.y0 == 0:
+            return means2d
+        shifted = means2d.clone()
+        shifted[..., 1] -= float(self.y0)
+        return shifted
+
+    def table(self, t: Tensor) -> Tensor:
+        """A per-camera [C, ...] table (backgrounds) from the band's camera on."""
+        return t if self.camera is None or t.dim() < 2 else t[self.camera:]
+
+
+def band(d: Dispatch, C: int, height: int, tile_size: int, tile_width: int, tile_height: int) -> Band:
+    """The Band of dispatch `d`. Gaussian and intersection indices stay global."""
+    group = (tile_size, tile_size, 1)
+    if d.camera is None:
+        grid = (tile_width * tile_size, tile_height * tile_size, C)
+        return Band(None, 0, height, tile_height, 0, {"threads": grid, "group_size": group})
+    r0, r1 = d.rows
+    y0 = r0 * tile_size
+    grid = (tile_width * tile_size, (r1 - r0) * tile_size, 1)
+    return Band(d.camera, y0, min(height, r1 * tile_size) - y0, r1 - r0, (d.camera * tile_height + r0) * tile_width,
+                {"threads": grid, "group_size": group})  # fmt: skip
 
 
 def rasterize_to_pixels_fwd(
@@ -29,7 +149,7 @@ def rasterize_to_pixels_fwd(
     flatten_ids: Tensor,  # [M] int32
     backgrounds: Optional[Tensor] = None,  # [C, D]
     chunk: Optional[int] = None,
-    n_passes: Optional[int] = None,
+    plan: Optional[PassPlan] = None,
     trans_in: Optional[Tensor] = None,  # [C, H, W]: resume a depth chunk from this transmittance ...
     stopped_in: Optional[Tensor] = None,  # [C, H, W] bool ... and stop state
     stopped_out: Optional[Tensor] = None,  # [C, H, W] int32, written when resuming: the stop state after
@@ -38,9 +158,10 @@ def rasterize_to_pixels_fwd(
     backward pass, transmittance [C,H,W] (final T) and last_ids [C,H,W] int32 (index into
     flatten_ids of the last contributing gaussian, -1 if none).
 
-    Host sync: none when min(M, N) <= chunk or when the caller passes ``n_passes`` (see count_passes,
-    whose result the backward pass reuses); otherwise one, to read the longest tile list and size the
-    number of passes."""
+    Host sync: none when the caller passes ``plan`` (plan_passes, which the backward pass reuses) or
+    when plan_passes needs none (see there); otherwise one, to read the tile list lengths. Passes are
+    reserved with runtime.reserve_work: a commit between passes when a command buffer would pass
+    the budget."""
     op = "rasterize_to_pixels"
     if colors.dim() != 3:
         raise ValueError(f"[{op}] colors must be [C,N,D], got {list(colors.shape)}")
@@ -68,7 +189,6 @@ def rasterize_to_pixels_fwd(
         if tuple(backgrounds.shape) != (C, D) or backgrounds.dtype != torch.float32:
             raise ValueError(f"[{op}] backgrounds must be [C,D] = {[C, D]} float32, got "
                              f"{list(backgrounds.shape)} {backgrounds.dtype}")  # fmt: skip
-    chunk = int(chunk or RASTER_CHUNK)
     M = flatten_ids.numel()
 
     render_colors = torch.empty((C, height, width, D), dtype=torch.float32, device=device)
@@ -78,8 +198,9 @@ def rasterize_to_pixels_fwd(
     if C * height * width == 0:
         return render_colors, render_alphas, transmittance, last_ids
 
-    if n_passes is None:
-        n_passes = count_passes(isect_offsets, M, chunk, N)
+    if plan is None:
+        plan = plan_passes(isect_offsets, M, tile_size, chunk, N)
+    n_passes = plan.n_passes
     resume = trans_in is not None
     if resume:
         if stopped_in is None or stopped_out is None or tuple(trans_in.shape) != (C, height, width):
@@ -95,27 +216,16 @@ def rasterize_to_pixels_fwd(
         flatten_ids = torch.zeros((1,), dtype=torch.int32, device=device)
 
     lib = library(device, "rasterize.metal", tile_size=tile_size, extra=(("SPLAT_CHANNELS", D),))
-    grid = {"threads": (tile_width * tile_size, tile_height * tile_size, C), "group_size": (tile_size, tile_size, 1)}
-    args = (
-        means2d.contiguous(), conics.contiguous(), colors.contiguous(), opacities.contiguous(), bg,
-        isect_offsets.contiguous(), flatten_ids.contiguous(),
-        render_colors, render_alphas, transmittance, last_ids, pixel_done,
-        int(width), int(height), tile_width, tile_height, C * tile_width * tile_height, M,
-        int(backgrounds is not None),
-    )  # fmt: skip
-    for p in range(n_passes):
-        lib.rasterize_fwd(*args, p, chunk, *resume_bufs, int(resume), **grid)
+    means2d, others = means2d.contiguous(), (conics.contiguous(), colors.contiguous(), opacities.contiguous())
+    offsets, flatten_ids = isect_offsets.contiguous().view(-1), flatten_ids.contiguous()
+    per_pixel = (render_colors, render_alphas, transmittance, last_ids, pixel_done)
+    total_tiles = C * tile_width * tile_height
+    for d in plan.dispatches:
+        b = band(d, C, height, tile_size, tile_width, tile_height)
+        runtime.reserve_work(device, d.work)
+        lib.rasterize_fwd(
+            b.means(means2d), *others, b.table(bg), offsets[b.first_tile:], flatten_ids, *map(b.rows, per_pixel),
+            int(width), b.height, tile_width, b.tile_rows, total_tiles - b.first_tile, M, int(backgrounds is not None),
+            d.pass_index, plan.chunk, *map(b.rows, resume_bufs), int(resume), **b.grid,
+        )  # fmt: skip
     return render_colors, render_alphas, transmittance, last_ids
-
-
-def count_passes(isect_offsets: Tensor, n_isects: int, chunk: Optional[int] = None,
-                 n_gaussians: Optional[int] = None) -> int:  # fmt: skip
-    """Dispatches ("passes") of at most `chunk` gaussians per tile that the longest tile list needs.
-    A tile lists a gaussian at most once, so its list is at most min(M, N) long: no host sync when
-    that bound is <= chunk, else one (to read the longest list)."""
-    chunk = int(chunk or RASTER_CHUNK)
-    if min(n_isects, n_isects if n_gaussians is None else n_gaussians) <= chunk:
-        return 1
-    starts = isect_offsets.view(-1).long()
-    ends = torch.cat([starts[1:], starts.new_full((1,), n_isects)])
-    return max(1, math.ceil(int((ends - starts).max().item()) / chunk))

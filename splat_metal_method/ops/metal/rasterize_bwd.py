@@ -8,8 +8,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import runtime
 from .kernels import library
-from .rasterize import MAX_CHANNELS, RASTER_CHUNK, count_passes
+from .rasterize import MAX_CHANNELS, RASTER_CHUNK, PassPlan, band, plan_passes
 
 # Threadgroup memory the backward's shared-memory batch may use (Metal allows 32 KiB per group).
 BWD_BATCH_BYTES = 28 * 1024
@@ -44,14 +45,16 @@ def rasterize_to_pixels_bwd(
     v_render_alphas: Tensor,  # [C, H, W, 1]
     absgrad_out: Optional[Tensor] = None,  # [C, N, 2] float32 contiguous: |per-pixel grad| ADDED here
     chunk: Optional[int] = None,
-    n_passes: Optional[int] = None,
+    plan: Optional[PassPlan] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Runs rasterize_bwd. Returns v_means2d [C,N,2], v_conics [C,N,3], v_colors [C,N,D],
     v_opacities [C,N] and v_backgrounds [C,D] (None without backgrounds). With ``absgrad_out``,
     sum over pixels of |per-pixel d loss / d means2d| is accumulated into it (gsplat's absgrad).
 
-    Host sync: none when the caller passes ``n_passes`` (the autograd Function passes the forward's
-    rasterize.count_passes) or when min(M, N) <= chunk; otherwise one."""
+    Host sync: none when the caller passes ``plan`` (the autograd Function passes the forward's
+    rasterize.plan_passes) or when plan_passes needs none; otherwise one. Each pass reserves its work
+    x runtime.BWD_WORK_FACTOR with runtime.reserve_work (a commit between passes when a command
+    buffer would pass the budget)."""
     op = "rasterize_to_pixels_bwd"
     C, N, D = colors.shape
     device = colors.device
@@ -83,9 +86,9 @@ def rasterize_to_pixels_bwd(
     if M == 0 or C * height * width == 0:
         return v_means2d, v_conics, v_colors, v_opacities, v_backgrounds
 
-    chunk = int(chunk or RASTER_CHUNK)
-    if n_passes is None:
-        n_passes = count_passes(isect_offsets, M, chunk, N)
+    if plan is None:
+        plan = plan_passes(isect_offsets, M, tile_size, chunk or RASTER_CHUNK, N)
+    n_passes = plan.n_passes
     multi = n_passes > 1
     pix_T = torch.empty((C, height, width) if multi else (1,), dtype=torch.float32, device=device)
     pix_buf = torch.empty((C, height, width, D) if multi else (1,), dtype=torch.float32, device=device)
@@ -95,15 +98,18 @@ def rasterize_to_pixels_bwd(
 
     lib = library(device, "rasterize_bwd.metal", tile_size=tile_size,
                   extra=(("SPLAT_CHANNELS", D), ("SPLAT_BWD_BATCH", bwd_batch(tile_size, D))))  # fmt: skip
-    grid = {"threads": (tile_width * tile_size, tile_height * tile_size, C), "group_size": (tile_size, tile_size, 1)}
-    args = (
-        means2d.contiguous(), conics.contiguous(), colors.contiguous(), opacities.contiguous(), bg,
-        isect_offsets.contiguous(), flatten_ids.contiguous(), transmittance.contiguous(), last_ids.contiguous(),
-        v_render_colors.contiguous(), v_render_alphas.contiguous(), pix_T, pix_buf,
-        v_means2d, v_conics, v_colors, v_opacities, abs_buf,
-        int(width), int(height), tile_width, tile_height, C * tile_width * tile_height, M,
-        int(backgrounds is not None), int(absgrad_out is not None),
-    )  # fmt: skip
-    for p in range(n_passes):
-        lib.rasterize_bwd(*args, p, chunk, **grid)
+    means2d, others = means2d.contiguous(), (conics.contiguous(), colors.contiguous(), opacities.contiguous())
+    offsets, flatten_ids = isect_offsets.contiguous().view(-1), flatten_ids.contiguous()
+    per_pixel = (transmittance.contiguous(), last_ids.contiguous(), v_render_colors.contiguous(),
+                 v_render_alphas.contiguous(), pix_T, pix_buf)  # fmt: skip
+    total_tiles = C * tile_width * tile_height
+    for d in plan.dispatches:  # a band's shifted means2d has the same gradients (d/dy of y - y0 is 1)
+        b = band(d, C, height, tile_size, tile_width, tile_height)
+        runtime.reserve_work(device, d.work * runtime.BWD_WORK_FACTOR)
+        lib.rasterize_bwd(
+            b.means(means2d), *others, b.table(bg), offsets[b.first_tile:], flatten_ids, *map(b.rows, per_pixel),
+            v_means2d, v_conics, v_colors, v_opacities, abs_buf,
+            int(width), b.height, tile_width, b.tile_rows, total_tiles - b.first_tile, M,
+            int(backgrounds is not None), int(absgrad_out is not None), d.pass_index, plan.chunk, **b.grid,
+        )  # fmt: skip
     return v_means2d, v_conics, v_colors, v_opacities, v_backgrounds

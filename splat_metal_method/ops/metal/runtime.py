@@ -8,6 +8,10 @@ Dispatch code is written once against torch.mps.compile_shader's call convention
 and gets Apple's compiler on an mps tensor, or the MSL emulator (g++ on the CPU) on a cpu tensor.
 Both kinds of library are cached per process by source hash and count their launches per kernel
 name (`launch_counts()`), which the tests use to count kernel launches per training step.
+
+It also keeps the per-process ledger of command buffers (`command_buffers()`, see "Command buffers and
+the GPU watchdog" below): what each holds, so that no command buffer is given more estimated work
+than COMMAND_BUFFER_BUDGET, on a Mac and, modelled, under the emulator.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections import Counter
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +39,99 @@ def launch_counts() -> dict[str, int]:
 
 def reset_launch_counts() -> None:
     _launches.clear()
+
+
+# ------------------------------------------------------------------------------------------------
+# Command buffers and the GPU watchdog
+# ------------------------------------------------------------------------------------------------
+# torch's MPS stream encodes every dispatch (ours, through compile_shader, and aten's) into its current
+# command buffer and commits it only at a host sync or under memory pressure, and macOS aborts a
+# command buffer that runs for seconds (~2 s reported on M1/M2-class GPUs). So the work of a render is
+# bounded per command buffer, not per dispatch: before a heavy dispatch, `reserve_work` commits the
+# current command buffer when the dispatch would take it past COMMAND_BUFFER_BUDGET.
+#
+# How a commit happens on a Mac (torch >= 2.7; read in pytorch's sources):
+#   torch.mps.Event().record()  ->  torch._C._mps_recordEvent (torch/mps/event.py, torch/csrc/mps/Module.cpp)
+#   -> MPSHooks::recordEvent -> MPSEventPool::recordEvent(id, /*syncEvent*/ true) (aten/src/ATen/mps/MPSHooks.mm)
+#   -> MPSEvent::recordLocked: encodeSignalEvent, then stream->synchronize(SyncType::COMMIT)
+#      (aten/src/ATen/mps/MPSEvent.mm)
+#   -> MPSStream::commit(): commitAndContinue on the MPSCommandBuffer (the Metal command buffer is
+#      committed, encoding continues in a new one), or flush() = commit when commitAndContinue is off
+#      (aten/src/ATen/mps/MPSStream.mm). Neither waits for the GPU.
+# torch.mps.synchronize() (torch._C._mps_deviceSynchronize -> MPSHooks::deviceSynchronize) is
+# SyncType::COMMIT_AND_WAIT: it commits too, but stalls the CPU until the GPU is idle, and so does
+# every host read (.item(), .cpu()). MPSHooks::commitStream (SyncType::COMMIT) has no Python binding.
+# So a commit here is one event record: no CPU stall, no wait on the GPU.
+#
+# The budget, in forward gaussian-pixel evaluations (one pixel compositing one gaussian, as the
+# rasterizer's pass planner counts them: an upper bound that ignores early termination; a backward
+# evaluation counts BWD_WORK_FACTOR). An M1-class GPU (8 cores, ~2.6 TFLOP/s fp32) does one forward
+# evaluation in ~25-30 instructions: ~1e11/s at peak, ~2e10/s at a pessimistic 20% efficiency. 4e9
+# evaluations are then ~0.2 s: a safety factor of 10 below a ~2 s watchdog, which also covers an
+# estimate off by a few times, a slower or busy GPU, and the small kernels (projection, sort) that
+# share the command buffer without being counted.
+COMMAND_BUFFER_BUDGET = 4_000_000_000
+BWD_WORK_FACTOR = 4  # a backward evaluation (gradients, atomics) costs up to ~4 forward ones
+
+
+@dataclass
+class CommandBuffer:
+    """What one command buffer holds: kernel launches per name and the estimated work reserved."""
+
+    launches: Counter = field(default_factory=Counter)
+    work: int = 0
+    closed_by: str = ""  # "commit" (reserve_work / commit), "host sync" (host_read); "" while open
+
+
+_current = CommandBuffer()
+_closed: deque = deque(maxlen=4096)  # the last closed command buffers, oldest first
+
+
+def command_buffers() -> list[CommandBuffer]:
+    """The command buffers since the last reset, the open one last (the modelled ledger: commits and
+    host reads made through this module close one; other host syncs are not seen, which only
+    overestimates what a command buffer holds)."""
+    return [*_closed, _current]
+
+
+def reset_command_buffers() -> None:
+    global _current
+    _closed.clear()
+    _current = CommandBuffer()
+
+
+def _close(reason: str) -> None:
+    global _current
+    if _current.launches or _current.work:
+        _current.closed_by = reason
+        _closed.append(_current)
+        _current = CommandBuffer()
+
+
+def commit(device: torch.device | str) -> None:
+    """Ends the current command buffer: on mps, commits torch's without waiting (see above); under the
+    emulator, whose kernels run at once, closes it in the ledger."""
+    if torch.device(device).type == "mps":
+        torch.mps.Event().record()
+    _close("commit")
+
+
+def reserve_work(device: torch.device | str, work: int) -> None:
+    """Call before a dispatch of estimated `work`: commits the current command buffer first if it
+    already holds work and this dispatch would take it past COMMAND_BUFFER_BUDGET. One dispatch
+    above the budget alone cannot be split here (the rasterizer's pass planner sizes its passes)."""
+    work = int(work)
+    if _current.work > 0 and _current.work + work > COMMAND_BUFFER_BUDGET:
+        commit(device)
+    _current.work += work
+
+
+def host_read(t: torch.Tensor) -> torch.Tensor:
+    """`t` copied to the host. On mps this commits torch's command buffer and waits for the GPU
+    (SyncType::COMMIT_AND_WAIT), so the ledger closes the current one."""
+    out = t.cpu()
+    _close("host sync")
+    return out
 
 
 def metal_available() -> bool:
@@ -151,6 +249,7 @@ class _CountingLibrary:
                     launch["group_size"] = fitted_group(launch["group_size"], limits)
                 check_group_size(_name, launch.get("group_size"), limits)
                 _launches[_name] += 1
+                _current.launches[_name] += 1
                 return _kernel(*args, **launch)
 
             self._kernels[name] = fn
