@@ -6,4 +6,7 @@ bash scripts/setup.sh clang  # clang: the native CPU backend is also built and c
 . "${SPLAT_METAL_VENV:-.venv}/bin/activate"
 # Training and tests never touch the network (LPIPS weights, wandb, ...).
 export WANDB_MODE=disabled HF_HUB_OFFLINE=1
-python -m pytest "$@"
+# Two workers (pytest-xdist), one test file at a time each: most end-to-end tests wait on subprocesses,
+# browsers and single-threaded start-up, and a module's fixtures stay in one worker. The finished demo
+# runs are shared by both (tests/demo_runs.py). SPLAT_METAL_TEST_WORKERS=0: one process, as before.
+python -m pytest -n "${SPLAT_METAL_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -16,13 +16,14 @@ from nerfstudio.engine.trainer import TrainerConfig
 from nerfstudio.pipelines.base_pipeline import VanillaPipelineConfig
 from nerfstudio.plugins.types import MethodSpecification
 
-from . import distributed, viewer_fixes
+from . import distributed, startup_fix, viewer_fixes
 from .dataparser import SplatMetalDataParserConfig, check_dataset
 from .mcmc import SplatMetalMCMCModelConfig
 from .model import SplatMetalModelConfig
 from .trainer import SplatMetalTrainer
 
 viewer_fixes.apply()  # before any Viewer exists: Ctrl-C could hang after a browser left (viewer_fixes.py)
+startup_fix.apply()  # before nerfstudio builds its external-method stand-ins: a third of start-up (startup_fix.py)
 
 
 def default_device_type() -> str:

@@ -3,12 +3,18 @@ ns-export, ns-render, ns-eval, ns-viewer). Each scene/run is made once per pytes
 under pytest's base temp dir) and shared by tests/test_viewer.py, test_export_roundtrip.py and
 test_nerfstudio_tools.py.
 
+Under pytest-xdist (scripts/test.sh) the workers share them: they live in the base temp dir all
+workers have in common, and a file lock makes one worker build each while the others wait.
+
 Sizes are chosen for CPU speed: 64x48 images (non-square, DESIGN.md), 20 views (nerfstudio's split
 holds out 2), 10-12 training steps. Tests check rendering and tooling, not quality.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import subprocess
 from pathlib import Path
 from typing import Dict, Optional, Sequence
@@ -55,13 +61,30 @@ def run_tool(args: Sequence[str], log_dir: Path, name: str, timeout: float = 600
 _cache: Dict[str, Path] = {}
 
 
+def shared_temp(tmp_path_factory) -> Path:
+    """pytest's base temp dir; under pytest-xdist the one every worker of the session has in common
+    (each worker's own base temp dir is a folder in it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def exclusive(folder: Path):
+    """Holds a lock on ``folder`` (a file beside it) for as long as the block runs, across processes."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        yield
+
+
 def demo_scene(tmp_path_factory) -> Path:
     if "scene" not in _cache:
         from splat_metal_method import demo_scene as generator
 
-        out = tmp_path_factory.getbasetemp() / "demo_runs" / "scene"
-        if not (out / "transforms.json").is_file():
-            generator.generate(out, width=WIDTH, height=HEIGHT, views=VIEWS, seed=SEED)
+        out = shared_temp(tmp_path_factory) / "demo_runs" / "scene"
+        with exclusive(out):
+            if not (out / "transforms.json").is_file():
+                generator.generate(out, width=WIDTH, height=HEIGHT, views=VIEWS, seed=SEED)
         _cache["scene"] = out
     return _cache["scene"]
 
@@ -70,16 +93,17 @@ def finished_run(tmp_path_factory, name: str, steps: int, extra: Sequence[str] =
     """config.yml of a finished `ns-train splat-metal` run on the demo scene (demo preset + extra)."""
     if name not in _cache:
         scene = demo_scene(tmp_path_factory)
-        root = tmp_path_factory.getbasetemp() / "demo_runs" / name
+        root = shared_temp(tmp_path_factory) / "demo_runs" / name
         config = root / "outputs" / scene.name / "splat-metal" / "run" / "config.yml"
-        if not config.is_file():
-            run_tool(
-                [tool("ns-train"), "splat-metal", *demo_args(), "--data", scene, "--output-dir", root / "outputs",
-                 "--timestamp", "run", "--vis", "tensorboard", "--max-num-iterations", steps,
-                 "--steps-per-save", 100000, "--steps-per-eval-image", 100000, "--steps-per-eval-all-images", 100000,
-                 *extra],
-                root, "ns-train",
-            )  # fmt: skip
+        with exclusive(root):
+            if not config.is_file():
+                run_tool(
+                    [tool("ns-train"), "splat-metal", *demo_args(), "--data", scene, "--output-dir", root / "outputs",
+                     "--timestamp", "run", "--vis", "tensorboard", "--max-num-iterations", steps,
+                     "--steps-per-save", 100000, "--steps-per-eval-image", 100000, "--steps-per-eval-all-images",
+                     100000, *extra],
+                    root, "ns-train",
+                )  # fmt: skip
         ckpts = sorted((config.parent / "nerfstudio_models").glob("step-*.ckpt"))
         assert config.is_file() and ckpts, f"ns-train wrote no config/checkpoint under {config.parent}"
         assert ckpts[-1].name == f"step-{steps - 1:09d}.ckpt", f"unexpected final checkpoint {ckpts[-1].name}"

@@ -63,9 +63,15 @@ def _train(out: Path, launcher: list, timestamp: str, scene: Path, **options):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def scene(tmp_path_factory):
+    """{"out": the module's output folder, "scene": the scene in it}: all the bad-situation tests need."""
     out = tmp_path_factory.mktemp("distributed")
-    scene = small_scene(out, 48, 36)
+    return dict(out=out, scene=small_scene(out, 48, 36))
+
+
+@pytest.fixture(scope="module")
+def runs(scene):
+    out, scene = scene["out"], scene["scene"]
     with ThreadPoolExecutor(3) as pool:
         two = pool.submit(_train, out, _torchrun(2), "two", scene)
         one = pool.submit(_train, out, [executable("ns-train")], "one", scene)
@@ -183,15 +189,15 @@ def test_one_process_under_torchrun_is_plain_ns_train_bit_for_bit(runs):
 
 
 # ---- bad situations
-def test_ranks_started_with_other_options_are_refused_before_anything_is_written(runs, tmp_path):
+def test_ranks_started_with_other_options_are_refused_before_anything_is_written(scene, tmp_path):
     """torchrun starts one command on every rank; a wrapper gives rank 1 another step count."""
     wrapper = tmp_path / "rank_dependent.sh"
     wrapper.write_text('#!/bin/sh\nif [ "$RANK" = 1 ]; then set -- "$@" --max-num-iterations 7; fi\nexec "$@"\n')
     wrapper.chmod(0o755)
     out = tmp_path / "out"
     result = run_cli(executable("torchrun"), "--standalone", "--nproc-per-node", "2", "--no-python", wrapper,
-                     executable("ns-train"), *_ns_train_args(runs["scene"], out, "mismatch"), timeout=300,
-                     env=_env(runs["out"]))  # fmt: skip
+                     executable("ns-train"), *_ns_train_args(scene["scene"], out, "mismatch"), timeout=300,
+                     env=_env(scene["out"]))  # fmt: skip
     assert result.returncode != 0
     text = " ".join(result.output.split())
     assert "rank 1 was started with other options than rank 0" in text, result.tail()
@@ -214,25 +220,28 @@ def _rank_pid(torchrun_pid: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under torchrun {torchrun_pid}")
 
 
-def _start_and_hurt(runs, tmp_path, hurt, env_extra=None, timeout=300):
-    """Starts a long 2-rank run, waits for its first checkpoint, applies ``hurt(pid of rank 1)``; returns
-    (exit code, output, seconds from the hurt to torchrun's exit, run dir)."""
+def _start_and_hurt(scene, tmp_path, hurt, env_extra=None, timeout=300, after_hurt=None):
+    """Starts a long 2-rank run, waits for its first checkpoint, applies ``hurt(pid of rank 1)``, then
+    ``after_hurt(pid of rank 0, pid of rank 1)`` if given; returns (exit code, output, seconds from the
+    hurt to torchrun's exit, run dir)."""
     out = tmp_path / "out"
-    args = [*_torchrun(2), *_ns_train_args(runs["scene"], out, "hurt", max_num_iterations=100000, steps_per_save=5)]
+    args = [*_torchrun(2), *_ns_train_args(scene["scene"], out, "hurt", max_num_iterations=100000, steps_per_save=5)]
     log_path = tmp_path / "hurt.log"
     run = run_dir(out, "hurt")
     with open(log_path, "w+") as log:
         proc = subprocess.Popen([str(a) for a in args], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=_env(runs["out"], **(env_extra or {})),
+                                stdin=subprocess.DEVNULL, env=_env(scene["out"], **(env_extra or {})),
                                 start_new_session=True)  # fmt: skip
         try:
             deadline = time.monotonic() + 600
             while not (run.exists() and checkpoints(run)):
                 assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
                 time.sleep(0.05)
-            victim = _rank_pid(proc.pid, 1)
+            survivor, victim = _rank_pid(proc.pid, 0), _rank_pid(proc.pid, 1)
             hurt(victim)
             hurt_at = time.monotonic()
+            if after_hurt is not None:
+                after_hurt(survivor, victim)
             proc.wait(timeout=timeout)
             took = time.monotonic() - hurt_at
         finally:
@@ -251,8 +260,8 @@ def _intact(run: Path) -> None:
     assert n > 0 and state["optimizers"]["means"]["state"][0]["exp_avg"].shape[0] == n
 
 
-def test_a_killed_rank_stops_the_others_with_a_message_naming_it(runs, tmp_path):
-    code, text, took, run = _start_and_hurt(runs, tmp_path, lambda pid: os.kill(pid, signal.SIGKILL))
+def test_a_killed_rank_stops_the_others_with_a_message_naming_it(scene, tmp_path):
+    code, text, took, run = _start_and_hurt(scene, tmp_path, lambda pid: os.kill(pid, signal.SIGKILL))
     flat = " ".join(text.split())
     assert code != 0 and took < 120, (code, took)
     assert "a collective with the other ranks failed" in flat, text[-3000:]
@@ -260,11 +269,36 @@ def test_a_killed_rank_stops_the_others_with_a_message_naming_it(runs, tmp_path)
     _intact(run)
 
 
-def test_a_hung_rank_is_a_timeout_not_a_hang(runs, tmp_path):
-    """SIGSTOP: rank 1 neither dies nor answers; rank 0 gives up after SPLAT_METAL_COLLECTIVE_TIMEOUT."""
-    code, text, took, run = _start_and_hurt(runs, tmp_path, lambda pid: os.kill(pid, signal.SIGSTOP),
-                                            env_extra={"SPLAT_METAL_COLLECTIVE_TIMEOUT": "15"}, timeout=240)  # fmt: skip
+def _ended(pid: int) -> bool:
+    """The process has exited (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_hung_rank_is_a_timeout_not_a_hang(scene, tmp_path):
+    """SIGSTOP: rank 1 neither dies nor answers; rank 0 gives up after SPLAT_METAL_COLLECTIVE_TIMEOUT.
+    Once rank 0 has exited, rank 1 is let go on (SIGCONT) so that it takes torchrun's SIGTERM: a stopped
+    process would hold torchrun for its whole shutdown grace period (30 s), which tests nothing of ours."""
+    rank_0_ended_while_rank_1_hung = []
+
+    def let_go_once_rank_0_ended(rank_0: int, rank_1: int) -> None:
+        deadline = time.monotonic() + 240
+        while not _ended(rank_0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rank_0_ended_while_rank_1_hung.append(_ended(rank_0) and not _ended(rank_1))
+        try:
+            os.kill(rank_1, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    code, text, took, run = _start_and_hurt(scene, tmp_path, lambda pid: os.kill(pid, signal.SIGSTOP),
+                                            env_extra={"SPLAT_METAL_COLLECTIVE_TIMEOUT": "15"}, timeout=240,
+                                            after_hurt=let_go_once_rank_0_ended)  # fmt: skip
+    print(f"torchrun exited {took:.1f} s after rank 1 stopped (collective timeout 15 s)")
     flat = " ".join(text.split())
+    assert rank_0_ended_while_rank_1_hung == [True], "rank 0 must give up on its own while rank 1 is stopped"
     assert code != 0, code
     assert "rank 0 stopped at step" in flat and "a collective with the other ranks failed" in flat, text[-3000:]
     _intact(run)
