@@ -37,7 +37,8 @@ def main(argv=None) -> int:
     scenes = {f"demo {args.demo_size[0]}x{args.demo_size[1]}": bench_scenes.demo(work / "demo", *args.demo_size)}
     if args.garden_points:
         try:
-            g = bench_scenes.garden_points(work / f"garden{args.garden_points}", args.garden_points, args.garden_downscale)
+            n, downscale = args.garden_points, args.garden_downscale
+            g = bench_scenes.garden_points(work / f"garden{n}_{downscale}", n, downscale)
             scenes[f"garden-points {args.garden_points // 1000}k 1/{args.garden_downscale}"] = g
         except FileNotFoundError as e:
             print(f"skipping garden-points: {e}")

@@ -422,7 +422,8 @@ def _train_pixels(trainer) -> int:
 # ------------------------------------------------------------------------------------------------
 # Printing
 # ------------------------------------------------------------------------------------------------
-COLUMNS = (("host syncs", "host_syncs"), ("reads", "host_reads"), ("writes", "host_writes"), ("aten ops", "aten_dispatches"), ("aten kernels", "aten_kernels"),
+COLUMNS = (("host syncs", "host_syncs"), ("reads", "host_reads"), ("writes", "host_writes"),
+           ("aten ops", "aten_dispatches"), ("aten kernels", "aten_kernels"),
            ("our launches", "kernel_launches"), ("simd red.", "simd_reductions"), ("simd shuf.", "simd_shuffles"),
            ("dev. atomics", "device_atomics"), ("barriers", "barriers"), ("buffer MB", "buffer_bytes"))  # fmt: skip
 
