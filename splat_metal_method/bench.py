@@ -7,8 +7,8 @@ into an issue.
 
 For each standard scene (the demo scene; garden-points at 1/4 and full size of its 648x420 cameras
 when garden_points.npz is found, see bench_scenes.py) and backend, nerfstudio's Trainer runs a short
-training with densification (warm-up an eighth of the run, refine every quarter; no opacity reset),
-and reports:
+training with densification (warm-up an eighth of the run, refine every eighth, --quick once at
+step 4; no opacity reset), and reports:
 
 - per-stage times of each step (forward + loss, backward, optimizer + callbacks): GPU times from MPS
   events (torch.mps.Event(enable_timing=True)) on mps, wall times on cpu; steps per second;
@@ -124,7 +124,7 @@ def memory_sample(device: str) -> Dict[str, float]:
 
 
 def run_scene(data: Path, scene: str, backend: str, device: str, steps: int, hooks: bool, mem_every: int,
-              work: Path, count_syncs: bool) -> Run:  # fmt: skip
+              refine_every: int, work: Path, count_syncs: bool) -> Run:  # fmt: skip
     from nerfstudio.engine.callbacks import TrainingCallbackLocation  # noqa: F401 (before writer: import order)
     from nerfstudio.utils import writer
 
@@ -133,7 +133,7 @@ def run_scene(data: Path, scene: str, backend: str, device: str, steps: int, hoo
     def configure(cfg):
         m = cfg.pipeline.model
         m.warmup_length = max(steps // 8, 1)
-        m.refine_every = max(steps // 4, 2)
+        m.refine_every = refine_every
         m.reset_alpha_every = 1000  # no opacity reset in a short run
         m.sh_degree_interval = max(steps // 4, 1)
         m.empty_cache_after_refine = m.empty_cache_after_eval = hooks
@@ -260,6 +260,7 @@ def main(argv=None) -> int:
     if steps < 3:
         ap.error("--steps must be at least 3 (the first step is not timed)")
     mem_every = args.mem_every or max(steps // 20, 1)
+    refine_every = 4 if args.quick else max(steps // 8, 2)
     out = args.out or Path(f"splat-metal-bench-{dt.datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="splat_metal_bench_"))
@@ -270,7 +271,8 @@ def main(argv=None) -> int:
             n = EMULATED_QUICK_STEPS if (args.quick and backend == "metal" and device == "cpu") else steps
             for hooks in ((True, False) if i == 0 and j == 0 else (True,)):
                 t0 = time.perf_counter()
-                run = run_scene(data, scene, backend, device, n, hooks, mem_every, work, count_syncs=hooks)
+                run = run_scene(data, scene, backend, device, n, hooks, mem_every, refine_every, work,
+                                count_syncs=hooks)
                 runs.append(run)
                 print(f"{scene}, {backend}, hooks {'on' if hooks else 'off'}: {run.steps_per_s:.2f} steps/s, "
                       + ", ".join(f"{s} {run.median(s):.1f} ms" for s in STAGES)
