@@ -27,7 +27,6 @@ below), and the Metal kernels themselves (not aten ops; the doctor command check
 from __future__ import annotations
 
 import collections
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Optional, Set, Tuple
@@ -38,6 +37,8 @@ import torchgen
 import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
+
+from splat_metal_method.step_ledger import aten_key, where  # the step ledger counts with the same keys
 
 NATIVE_FUNCTIONS = Path(torchgen.__file__).parent / "packaged" / "ATen" / "native" / "native_functions.yaml"
 # Dispatch entries that serve MPS tensors: the MPS kernel itself, or device-generic composites.
@@ -78,26 +79,9 @@ def load_dispatch_table(path: Path = NATIVE_FUNCTIONS) -> Dict[str, Set[str]]:
     return own
 
 
-def aten_key(func) -> Optional[str]:
-    schema = func._schema
-    ns, _, name = schema.name.partition("::")
-    if ns != "aten":
-        return None
-    return name + (f".{schema.overload_name}" if schema.overload_name else "")
-
-
 # ------------------------------------------------------------------------------------------------
 # Recording
 # ------------------------------------------------------------------------------------------------
-def _where() -> str:
-    """The innermost frames of our code / nerfstudio / gsplat on the current stack."""
-    frames = [
-        f for f in traceback.extract_stack()
-        if any(s in f.filename for s in ("splat_metal_method", "nerfstudio", "gsplat", "pytorch_msssim", "torchmetrics"))
-    ]  # fmt: skip
-    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-3:]))
-
-
 @dataclass
 class Recording:
     ops: collections.Counter = field(default_factory=collections.Counter)  # OpOverload -> calls
@@ -133,14 +117,14 @@ class RecordOps(TorchDispatchMode):
         out = func(*args, **kwargs)
         rec.ops[func] += 1
         if func not in rec.first_seen:
-            rec.first_seen[func] = _where()
+            rec.first_seen[func] = where()
         tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         if any(t.dtype == torch.float64 for t in tensors):
-            rec.float64.setdefault(str(func), _where())
+            rec.float64.setdefault(str(func), where())
         if key is not None and key.split(".")[0].strip("_") == "cumsum":
             ints = sorted({str(t.dtype) for t in tensors if not (t.is_floating_point() or t.is_complex())})
             if ints:
-                rec.int_cumsum.setdefault(f"{key} {', '.join(ints)}", _where())
+                rec.int_cumsum.setdefault(f"{key} {', '.join(ints)}", where())
         return out
 
     def _decompose(self, func, args, kwargs):

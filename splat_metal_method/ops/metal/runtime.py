@@ -134,6 +134,18 @@ def host_read(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# Called instead of a plain launch while set: observer(name, kernel, args, launch) must launch
+# kernel(*args, **launch) itself (the step ledger measures around it). None: launch directly.
+_launch_observer = None
+
+
+def set_launch_observer(observer) -> object:
+    """Installs `observer` (None removes it); returns the previous one."""
+    global _launch_observer
+    previous, _launch_observer = _launch_observer, observer
+    return previous
+
+
 def metal_available() -> bool:
     """True on a Mac where torch can compile and run Metal shaders."""
     return torch.backends.mps.is_available() and hasattr(torch.mps, "compile_shader")
@@ -250,6 +262,8 @@ class _CountingLibrary:
                 check_group_size(_name, launch.get("group_size"), limits)
                 _launches[_name] += 1
                 _current.launches[_name] += 1
+                if _launch_observer is not None:
+                    return _launch_observer(_name, _kernel, args, launch)
                 return _kernel(*args, **launch)
 
             self._kernels[name] = fn

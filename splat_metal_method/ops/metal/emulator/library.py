@@ -177,6 +177,7 @@ def compile_library(source: str, name: str = "kernels") -> "EmulatorLibrary":
         '#line 1 "<emulator-generated launch wrappers>"\n'
         "#include <type_traits>\nusing namespace metal;\n" + "".join(_wrapper(k) for k in kernels.values())
         + 'extern "C" const char* msl_emu_last_error() { return msl_emu::last_error.c_str(); }\n'
+        + 'extern "C" void msl_emu_counters(int64_t* out) { msl_emu::read_counters(out); }\n'
     )
     key = hashlib.sha256("\0".join([cpp, _shim_text(), _CXX, *flags, str(check_spaces)]).encode()).hexdigest()[:24]
     with _lock:
@@ -307,6 +308,10 @@ class EmulatorKernel:
         return f"<emulated Metal kernel {self._k.name}({', '.join(p.text for p in self._k.buffers)})>"
 
 
+# The shim's work counters, in the order of its `enum Count`.
+WORK_COUNTERS = ("simd_reductions", "simd_shuffles", "device_atomics", "threadgroup_atomics", "barriers")
+
+
 class EmulatorLibrary:
     """Kernels of one compiled source, called like torch.mps.compile_shader's library."""
 
@@ -315,6 +320,14 @@ class EmulatorLibrary:
         self._last_error = dll.msl_emu_last_error
         self._last_error.restype = ctypes.c_char_p
         self._cache: dict[str, EmulatorKernel] = {}
+
+    def work_counters(self) -> dict[str, int]:
+        """Totals of the shim's work counters over every launch of this library so far (see Count in
+        msl_shim.h): simdgroup reductions (scalar components), simdgroup shuffles/votes, device and
+        threadgroup atomics, threadgroup barriers. The step ledger diffs them around each launch."""
+        out = (ctypes.c_int64 * len(WORK_COUNTERS))()
+        self._dll.msl_emu_counters(out)
+        return dict(zip(WORK_COUNTERS, out))
 
     def __getattr__(self, name: str) -> EmulatorKernel:
         if name.startswith("_"):

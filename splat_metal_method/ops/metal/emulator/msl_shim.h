@@ -353,6 +353,9 @@ template <class T, class U> inline T as_type(const U& u) {
 }
 
 // ---- atomics: 4-byte objects laid over device buffers, real CPU atomics underneath ----
+}  // namespace metal
+namespace msl_emu { inline void count_atomic(const volatile void* p); }  // work counters (part 2)
+namespace metal {
 enum memory_order { memory_order_relaxed = __ATOMIC_RELAXED };
 template <class T> struct atomic { T v_; };
 typedef atomic<int> atomic_int;
@@ -367,6 +370,7 @@ template <class T> inline void atomic_store_explicit(volatile atomic<T>* p, nd<T
   __atomic_store(const_cast<T*>(&p->v_), &v, __ATOMIC_RELAXED);
 }
 template <class T> inline T atomic_exchange_explicit(volatile atomic<T>* p, nd<T> v, memory_order) {
+  msl_emu::count_atomic(p);
   T r; __atomic_exchange(const_cast<T*>(&p->v_), &v, &r, __ATOMIC_RELAXED); return r;
 }
 template <class T> inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* p, nd<T>* expected,
@@ -375,6 +379,7 @@ template <class T> inline bool atomic_compare_exchange_weak_explicit(volatile at
                                    __ATOMIC_RELAXED);
 }
 template <class T, class F> inline T atomic_rmw_(volatile atomic<T>* p, F f) {  // CAS loop
+  msl_emu::count_atomic(p);
   T* a = const_cast<T*>(&p->v_);
   T old; __atomic_load(a, &old, __ATOMIC_RELAXED);
   T want = f(old);
@@ -382,10 +387,12 @@ template <class T, class F> inline T atomic_rmw_(volatile atomic<T>* p, F f) {  
   return old;
 }
 template <class T> inline T atomic_fetch_add_explicit(volatile atomic<T>* p, nd<T> v, memory_order) {
+  if constexpr (std::is_integral_v<T>) msl_emu::count_atomic(p);
   if constexpr (std::is_integral_v<T>) return __atomic_fetch_add(const_cast<T*>(&p->v_), v, __ATOMIC_RELAXED);
   else return atomic_rmw_(p, [v](T o) { return o + v; });
 }
 template <class T> inline T atomic_fetch_sub_explicit(volatile atomic<T>* p, nd<T> v, memory_order) {
+  if constexpr (std::is_integral_v<T>) msl_emu::count_atomic(p);
   if constexpr (std::is_integral_v<T>) return __atomic_fetch_sub(const_cast<T*>(&p->v_), v, __ATOMIC_RELAXED);
   else return atomic_rmw_(p, [v](T o) { return o - v; });
 }
@@ -508,6 +515,7 @@ struct Worker {
   uint64_t group_linear = 0;     // index of the group being run (its threadgroup memory generation)
   std::vector<uint32_t> order;   // this round's thread order
   std::vector<TgBlock> tg;       // threadgroup arrays, by declaration slot
+  int64_t count[5] = {0, 0, 0, 0, 0};  // work counters of this OS thread (see Count)
   void* asan_fake_stack = nullptr;
   const void* sched_stack_bottom = nullptr;  // the OS thread's own stack, for AddressSanitizer
   size_t sched_stack_size = 0;
@@ -518,6 +526,16 @@ struct Worker {
 };
 
 inline thread_local Worker* tls_worker = nullptr;
+
+// Work counters, always on (a plain increment in the worker; summed into the library's totals when a
+// worker finishes its share of a dispatch), read by the Python side with msl_emu_counters: what the
+// step ledger (splat_metal_method/step_ledger.py) reports per kernel. Simdgroup ops and barriers are
+// counted once per simdgroup / threadgroup (by its first live lane / thread 0), weighted by scalar
+// components for reductions (a float4 simd_sum counts 4); atomics once per calling thread.
+enum Count { SIMD_REDUCTIONS = 0, SIMD_SHUFFLES = 1, DEVICE_ATOMICS = 2, THREADGROUP_ATOMICS = 3, BARRIERS = 4 };
+inline std::atomic<int64_t> g_count[5];
+inline void count(Count what, int64_t n = 1) { if (tls_worker) tls_worker->count[what] += n; }
+inline void read_counters(int64_t* out) { for (int k = 0; k < 5; ++k) out[k] = g_count[k].load(); }
 
 struct KernelError { std::string msg; };  // thrown only on the plain (non-fiber) path
 
@@ -743,6 +761,7 @@ inline void worker_loop(Dispatch* d) {
     bool ok = d->fibers ? run_group_fibers(&w, tg, actual) : run_group_plain(&w, tg, actual);
     if (!ok) break;
   }
+  for (int k = 0; k < 5; ++k) if (w.count[k]) g_count[k].fetch_add(w.count[k]);
   tls_worker = saved;
 }
 
@@ -791,6 +810,19 @@ inline void* tg_array(int slot, size_t bytes) {
   return b.ptr;
 }
 
+inline void count_atomic(const volatile void* p) {
+  Worker* w = tls_worker;
+  if (!w) return;
+  const char* c = (const char*)p;
+  for (const TgBlock& b : w->tg)
+    if (c >= (const char*)b.ptr && c < (const char*)b.ptr + b.bytes) { ++w->count[THREADGROUP_ATOMICS]; return; }
+  ++w->count[DEVICE_ATOMICS];
+}
+// Counts a simdgroup op once: by its first live lane.
+inline void count_simd(const SimdSlots& s, int par, Count what, int64_t n) {
+  if (tls_worker->cur->pos.lane == uint32_t(__builtin_ctz(s.active[par]))) count(what, n);
+}
+
 // ---- the per-thread side of barriers and simd ops ----
 inline Fiber* current_fiber(const char* what) {
   Worker* w = tls_worker;
@@ -821,7 +853,7 @@ template <class T> inline T slot(const SimdSlots& s, int par, uint32_t lane) {
 
 namespace metal {
 inline void threadgroup_barrier(mem_flags) {
-  msl_emu::current_fiber("threadgroup_barrier");
+  if (msl_emu::current_fiber("threadgroup_barrier")->pos.tidx == 0) msl_emu::count(msl_emu::BARRIERS);
   msl_emu::block(msl_emu::AT_BARRIER);
 }
 inline void simdgroup_barrier(mem_flags) {
@@ -832,6 +864,7 @@ inline void simdgroup_barrier(mem_flags) {
 #define MSL_SIMD_REDUCE(name, OP, init, combine)                                                    \
   template <class T> inline T name(T v) {                                                           \
     int par; auto& s = msl_emu::simd_exchange(#name, msl_emu::OP, v, 0, par);                        \
+    msl_emu::count_simd(s, par, msl_emu::SIMD_REDUCTIONS, int64_t(sizeof(T) / 4 ? sizeof(T) / 4 : 1));    \
     bool first = true; T r = v;                                                                     \
     for (uint32_t l = 0; l < 32; ++l) if (s.active[par] >> l & 1) {                                 \
       T x = msl_emu::slot<T>(s, par, l);                                                            \
@@ -844,6 +877,7 @@ MSL_SIMD_REDUCE(simd_min, OP_MIN, 0, min(r, x))
 
 template <class T> inline T simd_prefix_exclusive_sum(T v) {
   int par; auto& s = msl_emu::simd_exchange("simd_prefix_exclusive_sum", msl_emu::OP_PREFIX_EX, v, 0, par);
+  msl_emu::count_simd(s, par, msl_emu::SIMD_REDUCTIONS, int64_t(sizeof(T) / 4 ? sizeof(T) / 4 : 1));
   uint32_t me = msl_emu::tls_worker->cur->pos.lane;
   T r = T(0);
   for (uint32_t l = 0; l < me; ++l) if (s.active[par] >> l & 1) r = r + msl_emu::slot<T>(s, par, l);
@@ -851,6 +885,7 @@ template <class T> inline T simd_prefix_exclusive_sum(T v) {
 }
 template <class T> inline T simd_prefix_inclusive_sum(T v) {
   int par; auto& s = msl_emu::simd_exchange("simd_prefix_inclusive_sum", msl_emu::OP_PREFIX_IN, v, 0, par);
+  msl_emu::count_simd(s, par, msl_emu::SIMD_REDUCTIONS, int64_t(sizeof(T) / 4 ? sizeof(T) / 4 : 1));
   uint32_t me = msl_emu::tls_worker->cur->pos.lane;
   T r = T(0);
   for (uint32_t l = 0; l <= me; ++l) if (s.active[par] >> l & 1) r = r + msl_emu::slot<T>(s, par, l);
@@ -861,6 +896,7 @@ template <class T> inline T simd_prefix_inclusive_sum(T v) {
 #define MSL_SIMD_SHUFFLE(name, OP, src_expr)                                                        \
   template <class T> inline T name(T v, nd<uint> a) {                                               \
     int par; auto& s = msl_emu::simd_exchange(#name, msl_emu::OP, v, int32_t(a), par);               \
+    msl_emu::count_simd(s, par, msl_emu::SIMD_SHUFFLES, 1);                                         \
     int64_t me = msl_emu::tls_worker->cur->pos.lane; int64_t src = (src_expr);                       \
     if (src < 0 || src >= 32 || !(s.active[par] >> src & 1)) return v;                              \
     return msl_emu::slot<T>(s, par, uint32_t(src)); }
@@ -873,6 +909,7 @@ MSL_SIMD_SHUFFLE(simd_shuffle_xor, OP_SHUFFLE_XOR, me ^ int64_t(a))
 
 template <class T> inline T simd_broadcast_first(T v) {
   int par; auto& s = msl_emu::simd_exchange("simd_broadcast_first", msl_emu::OP_BROADCAST_FIRST, v, 0, par);
+  msl_emu::count_simd(s, par, msl_emu::SIMD_SHUFFLES, 1);
   return msl_emu::slot<T>(s, par, uint32_t(__builtin_ctz(s.active[par])));
 }
 
@@ -885,6 +922,7 @@ struct simd_vote {
 };
 inline simd_vote simd_ballot(bool b) {
   int par; auto& s = msl_emu::simd_exchange("simd_ballot", msl_emu::OP_BALLOT, b, 0, par);
+  msl_emu::count_simd(s, par, msl_emu::SIMD_SHUFFLES, 1);
   ulong r = 0;
   for (uint32_t l = 0; l < 32; ++l) if ((s.active[par] >> l & 1) && msl_emu::slot<bool>(s, par, l)) r |= 1ul << l;
   return simd_vote{r, ulong(s.active[par])};
@@ -895,11 +933,13 @@ inline simd_vote simd_active_threads_mask() {
 }
 inline bool simd_any(bool b) {
   int par; auto& s = msl_emu::simd_exchange("simd_any", msl_emu::OP_ANY, b, 0, par);
+  msl_emu::count_simd(s, par, msl_emu::SIMD_SHUFFLES, 1);
   for (uint32_t l = 0; l < 32; ++l) if ((s.active[par] >> l & 1) && msl_emu::slot<bool>(s, par, l)) return true;
   return false;
 }
 inline bool simd_all(bool b) {
   int par; auto& s = msl_emu::simd_exchange("simd_all", msl_emu::OP_ALL, b, 0, par);
+  msl_emu::count_simd(s, par, msl_emu::SIMD_SHUFFLES, 1);
   for (uint32_t l = 0; l < 32; ++l) if ((s.active[par] >> l & 1) && !msl_emu::slot<bool>(s, par, l)) return false;
   return true;
 }

@@ -1,0 +1,289 @@
+"""splat-metal-bench: measure training speed and memory on this machine, and print one line to paste
+into an issue.
+
+    splat-metal-bench                 # on a Mac: the metal backend on mps; elsewhere cpu + emulated metal
+    splat-metal-bench --quick         # small sizes, few steps (what the tests run on Linux)
+    splat-metal-bench --out results/  # where bench.csv, memory.csv, memory.png and summary.txt go
+
+For each standard scene (the demo scene; garden-points at 1/4 and full size of its 648x420 cameras
+when garden_points.npz is found, see bench_scenes.py) and backend, nerfstudio's Trainer runs a short
+training with densification (warm-up an eighth of the run, refine every eighth, --quick once at
+step 4; no opacity reset), and reports:
+
+- per-stage times of each step (forward + loss, backward, optimizer + callbacks): GPU times from MPS
+  events (torch.mps.Event(enable_timing=True)) on mps, wall times on cpu; steps per second;
+- host syncs per step, counted by the step ledger (step_ledger.py) on one extra step that does not refine;
+- the memory curve every few steps: torch.mps.driver_allocated_memory / current_allocated_memory on
+  mps, process RSS / C heap in use on cpu, over the run with the memory hooks (memory.py) on, and for
+  the first scene and backend a second run with them off; plotted to memory.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import functools
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+STAGES = ("forward", "backward", "optimizer")
+EMULATED_QUICK_STEPS = 3  # --quick on a machine without MPS: steps of the emulated Metal backend
+
+
+@dataclass
+class Run:
+    scene: str
+    backend: str
+    hooks: bool
+    steps: int = 0
+    stage_ms: Dict[str, List[float]] = field(default_factory=lambda: {s: [] for s in STAGES})
+    step_ms: List[float] = field(default_factory=list)
+    host_syncs: Optional[int] = None
+    memory: List[Dict[str, float]] = field(default_factory=list)  # step, gaussians, MiB columns
+    gaussians: int = 0
+
+    @property
+    def steps_per_s(self) -> float:
+        return 1000.0 * len(self.step_ms) / sum(self.step_ms) if self.step_ms else 0.0
+
+    def median(self, stage: str) -> float:
+        v = sorted(self.stage_ms[stage])
+        return v[len(v) // 2] if v else 0.0
+
+
+def default_device() -> str:
+    return "mps" if torch.backends.mps.is_available() else "cpu"
+
+
+class _StageClock:
+    """Marks stage boundaries: MPS events on mps (GPU time, read after one sync at the end of the
+    step), perf_counter on cpu."""
+
+    def __init__(self, device: str):
+        self.mps = device == "mps"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.mps:
+            e = torch.mps.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_ms(self) -> List[float]:
+        if self.mps:
+            torch.mps.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def timed_step(trainer, step: int, device: str) -> List[float]:
+    """Trainer.train_iteration (with the callbacks around it), split into the three stages: ms each."""
+    from nerfstudio.engine.callbacks import TrainingCallbackLocation
+
+    clock = _StageClock(device)
+    with trainer.train_lock:
+        trainer.pipeline.train()
+        clock.mark()
+        for cb in trainer.callbacks:
+            cb.run_callback_at_location(step, TrainingCallbackLocation.BEFORE_TRAIN_ITERATION)
+        trainer.optimizers.zero_grad_all()
+        _, loss_dict, _ = trainer.pipeline.get_train_loss_dict(step=step)
+        loss = functools.reduce(torch.add, loss_dict.values())
+        clock.mark()
+        loss.backward()
+        clock.mark()
+        trainer.optimizers.optimizer_step_all()
+        trainer.optimizers.scheduler_step_all(step)
+        for cb in trainer.callbacks:
+            cb.run_callback_at_location(step, TrainingCallbackLocation.AFTER_TRAIN_ITERATION)
+        clock.mark()
+    return clock.intervals_ms()
+
+
+def memory_sample(device: str) -> Dict[str, float]:
+    """MiB: driver/current allocated on mps; RSS and C heap in use on cpu."""
+    from . import memory
+
+    mib = 1024.0**2
+    if device == "mps":
+        return {"driver_mib": torch.mps.driver_allocated_memory() / mib,
+                "current_mib": torch.mps.current_allocated_memory() / mib}  # fmt: skip
+    rss = memory.process_rss()
+    heap = memory.malloc_stats()
+    return {"rss_mib": (rss or 0) / mib, "heap_mib": (heap[0] if heap else 0) / mib}
+
+
+def run_scene(data: Path, scene: str, backend: str, device: str, steps: int, hooks: bool, mem_every: int,
+              refine_every: int, work: Path, count_syncs: bool) -> Run:  # fmt: skip
+    from nerfstudio.engine.callbacks import TrainingCallbackLocation  # noqa: F401 (before writer: import order)
+    from nerfstudio.utils import writer
+
+    from . import step_ledger
+
+    def configure(cfg):
+        m = cfg.pipeline.model
+        m.warmup_length = max(steps // 8, 1)
+        m.refine_every = refine_every
+        m.reset_alpha_every = 1000  # no opacity reset in a short run
+        m.sh_degree_interval = max(steps // 4, 1)
+        m.empty_cache_after_refine = m.empty_cache_after_eval = hooks
+        m.memory_log_every = 0
+
+    writers = list(writer.EVENT_WRITERS)
+    trainer = step_ledger.build_trainer(data, "splat-metal", backend, work / "outputs", device, configure)
+    run = Run(scene, backend, hooks)
+    try:
+        model = trainer.pipeline.model
+        if hasattr(model.strategy, "pause_refine_after_reset"):
+            model.strategy.pause_refine_after_reset = 0  # no reset in the run: refine from the warm-up on
+        for step in range(steps):
+            stages = timed_step(trainer, step, device)
+            if step >= 1:  # the first step builds lazy state (and compiles kernels)
+                for name, ms in zip(STAGES, stages):
+                    run.stage_ms[name].append(ms)
+                run.step_ms.append(sum(stages))
+            if step % mem_every == 0 or step == steps - 1:
+                run.memory.append({"step": step, "gaussians": len(model.means), **memory_sample(device)})
+        run.steps = steps
+        if count_syncs:  # on a step that does not refine
+            step = steps if steps % model.config.refine_every else steps + 1
+            with step_ledger.count("bench", step_ledger.host_resident(trainer)) as ledger:
+                timed_step(trainer, step, device)
+            run.host_syncs = ledger.host_syncs
+        run.gaussians = len(model.means)
+        return run
+    finally:
+        writer.EVENT_WRITERS[:] = writers
+        del trainer
+        if device == "mps":
+            torch.mps.empty_cache()
+
+
+def scenes(quick: bool, work: Path) -> Dict[str, Path]:
+    from . import bench_scenes
+
+    out = {}
+    if quick:
+        out["demo 48x32"] = bench_scenes.demo(work / "demo48", 48, 32)
+        return out
+    out["demo 192x128"] = bench_scenes.demo(work / "demo192", 192, 128)
+    for n, downscale in ((20_000, 4), (138_766, 1)):
+        try:
+            out[f"garden-points {n // 1000}k 1/{downscale}"] = bench_scenes.garden_points(
+                work / f"garden{n}_{downscale}", n, downscale)  # fmt: skip
+        except FileNotFoundError as e:
+            print(f"skipping garden-points: {e}", flush=True)
+            break
+    return out
+
+
+def write_outputs(runs: List[Run], out: Path, device: str) -> Path:
+    with open(out / "bench.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["scene", "backend", "hooks", "steps", "gaussians", "steps_per_s", "host_syncs_per_step",
+                    *(f"{s}_ms" for s in STAGES)])  # fmt: skip
+        for r in runs:
+            w.writerow([r.scene, r.backend, int(r.hooks), r.steps, r.gaussians, f"{r.steps_per_s:.3f}",
+                        "" if r.host_syncs is None else r.host_syncs, *(f"{r.median(s):.2f}" for s in STAGES)])
+    keys = sorted({k for r in runs for m in r.memory for k in m} - {"step", "gaussians"})
+    with open(out / "memory.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["scene", "backend", "hooks", "step", "gaussians", *keys])
+        for r in runs:
+            for m in r.memory:
+                w.writerow([r.scene, r.backend, int(r.hooks), m["step"], m["gaussians"],
+                            *(f"{m[k]:.1f}" for k in keys)])
+    png = out / "memory.png"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    for r in runs:
+        for k in keys:
+            ax.plot([m["step"] for m in r.memory], [m[k] for m in r.memory], marker=".",
+                    label=f"{r.scene} {r.backend} hooks {'on' if r.hooks else 'off'}: {k}")  # fmt: skip
+    ax.set_xlabel("step")
+    ax.set_ylabel("MiB")
+    ax.set_title(f"splat-metal-bench memory on {device} ({platform.platform()})", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
+def summary_line(runs: List[Run], device: str) -> str:
+    """One line for an issue: machine, torch, then per run steps/s, host syncs/step, peak memory."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("splat-metal-method")
+    except metadata.PackageNotFoundError:
+        version = "dev"
+    parts = [f"splat-metal-bench {version}", f"{device} {platform.machine()} {platform.platform(terse=True)}",
+             f"torch {torch.__version__}"]  # fmt: skip
+    for r in runs:
+        peak = max((max(v for k, v in m.items() if k.endswith("_mib")) for m in r.memory), default=0.0)
+        syncs = "" if r.host_syncs is None else f", {r.host_syncs} host syncs/step"
+        parts.append(f"{r.scene} {r.backend} hooks {'on' if r.hooks else 'off'}: {r.steps_per_s:.2f} steps/s"
+                     f"{syncs}, {r.gaussians} gaussians, peak {peak:.0f} MiB")
+    return " | ".join(parts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="splat-metal-bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small demo scene, 8 steps (about a minute on a CPU)")
+    ap.add_argument("--device", choices=("auto", "mps", "cpu"), default="auto")
+    ap.add_argument("--backends", nargs="+", default=None,
+                    help="default: metal on mps; cpu and metal (emulated) on cpu")  # fmt: skip
+    ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 200; --quick 8)")
+    ap.add_argument("--mem-every", type=int, default=None, help="memory sample every N steps (default steps/20)")
+    ap.add_argument("--out", type=Path, default=None, help="output directory (default ./splat-metal-bench-<time>)")
+    args = ap.parse_args(argv)
+    device = default_device() if args.device == "auto" else args.device
+    if device == "mps" and not torch.backends.mps.is_available():
+        ap.error("--device mps: MPS is not available on this machine")
+    backends = args.backends or (["metal"] if device == "mps" else ["cpu", "metal"])
+    steps = args.steps or (8 if args.quick else 200)
+    if steps < 3:
+        ap.error("--steps must be at least 3 (the first step is not timed)")
+    mem_every = args.mem_every or max(steps // 20, 1)
+    refine_every = 4 if args.quick else max(steps // 8, 2)
+    out = args.out or Path(f"splat-metal-bench-{dt.datetime.now():%Y%m%d-%H%M%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="splat_metal_bench_"))
+    runs: List[Run] = []
+    for i, (scene, data) in enumerate(scenes(args.quick, work).items()):
+        for j, backend in enumerate(backends):
+            # the emulator runs Metal kernels ~100x slower than a GPU: --quick times it on 3 steps
+            n = EMULATED_QUICK_STEPS if (args.quick and backend == "metal" and device == "cpu") else steps
+            for hooks in ((True, False) if i == 0 and j == 0 else (True,)):
+                t0 = time.perf_counter()
+                run = run_scene(data, scene, backend, device, n, hooks, mem_every, refine_every, work,
+                                count_syncs=hooks)
+                runs.append(run)
+                print(f"{scene}, {backend}, hooks {'on' if hooks else 'off'}: {run.steps_per_s:.2f} steps/s, "
+                      + ", ".join(f"{s} {run.median(s):.1f} ms" for s in STAGES)
+                      + (f", {run.host_syncs} host syncs/step" if run.host_syncs is not None else "")
+                      + f" ({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+    png = write_outputs(runs, out, device)
+    line = summary_line(runs, device)
+    (out / "summary.txt").write_text(line + "\n")
+    print(f"\nwrote {out / 'bench.csv'}, {out / 'memory.csv'}, {png}\n\nPaste into an issue:\n{line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

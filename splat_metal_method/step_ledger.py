@@ -1,0 +1,455 @@
+"""The step ledger: what one training step (or render) of splat-metal asks of a Mac, counted on Linux.
+
+A real nerfstudio Trainer runs on CPU tensors with the Metal backend (its kernels under the MSL
+emulator) and, for one phase at a time (a steady training step, a refine step, an eval render),
+`count(...)` records:
+
+- host syncs, counted as a Mac runs the step: on MPS every read of a device tensor on the host drains
+  the command queue. Device-to-host reads are aten ``_local_scalar_dense`` (``.item()``, ``int()``,
+  ``bool()``, ``float()``), ops whose output size depends on the data (``nonzero``/``torch.where(c)``,
+  ``masked_select``, ``unique``, boolean-mask indexing, ...) and ``.tolist()``/``.cpu()``/``.numpy()``;
+  Python-to-device writes are ``torch.tensor(data, device=d)`` and ``host_tensor.to(d)``. Tensors that
+  stay on the host on a Mac are not syncs: those made without a device (or with the string ``"cpu"``)
+  and torch's Adam step counters (CPU scalars unless the optimizer is fused or capturable). On CPU a
+  ``device=`` given as a torch.device is taken as the model's device (mps on a Mac).
+- aten dispatches, each one encode on MPS (views included; ``aten_kernels`` leaves out views and
+  allocations), split by the part of the step that issued them;
+- our kernel launches (runtime.launch_counts' seam) and, inside each kernel, the emulator's work
+  counters (msl_shim.h): simdgroup reductions (scalar components), shuffles/votes, device and
+  threadgroup atomics, threadgroup barriers; threadgroup memory per group as declared; and bytes
+  moved, estimated as the sizes of the buffers bound to each launch (each read or written once).
+
+Used by benchmarks/bench_ledger.py (the table), tests/test_step_ledger.py (budgets) and
+`splat-metal-bench` (host syncs per step).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import sys
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+# aten ops whose output size depends on tensor values: the host must read the device to allocate.
+DATA_DEPENDENT_OPS = {
+    "_local_scalar_dense", "nonzero", "masked_select", "unique_dim", "_unique", "_unique2",
+    "unique_consecutive", "bincount", "argwhere",
+}  # fmt: skip
+BOOL_INDEX_OPS = {"index.Tensor", "index_put", "index_put_", "_index_put_impl_"}  # sync with a bool mask
+ALLOCATIONS = {"empty.memory_format", "empty_strided", "empty_like", "lift_fresh", "_local_scalar_dense"}
+
+# Parts of a step, by the innermost file of the Python stack that issued an aten op (first match).
+PARTS: Tuple[Tuple[str, str], ...] = (
+    ("/splat_metal_method/ops/", "rasterization op"),
+    ("/torch/optim/", "optimizer"),
+    ("/gsplat/strategy/", "strategy"),
+    ("/splat_metal_method/memory.py", "strategy"),
+    ("/splat_metal_method/mcmc.py", "strategy"),
+    ("/torch/autograd/", "autograd backward"),
+    ("/splat_metal_method/", "model, loss, camera opt"),
+    ("/nerfstudio/", "model, loss, camera opt"),
+    ("/pytorch_msssim/", "model, loss, camera opt"),
+    ("/torchmetrics/", "model, loss, camera opt"),
+)
+_WHERE_FILES = ("splat_metal_method", "nerfstudio", "gsplat", "pytorch_msssim", "torchmetrics", "torch/optim")
+
+
+def aten_key(func) -> Optional[str]:
+    """'name.overload' of an aten OpOverload ('name' without overload); None for other namespaces."""
+    schema = func._schema
+    ns, _, name = schema.name.partition("::")
+    if ns != "aten":
+        return None
+    return name + (f".{schema.overload_name}" if schema.overload_name else "")
+
+
+def where(depth: int = 3) -> str:
+    """The innermost frames of our code / nerfstudio / gsplat / torch.optim on the current stack."""
+    frames, f = [], sys._getframe(1)
+    while f is not None and len(frames) < depth:
+        name = f.f_code.co_filename.replace("\\", "/")
+        if any(s in name for s in _WHERE_FILES) and not name.endswith("step_ledger.py"):
+            frames.append(f"{Path(name).name}:{f.f_lineno} {f.f_code.co_name}")
+        f = f.f_back
+    return " <- ".join(frames)
+
+
+def step_part() -> str:
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename.replace("\\", "/")
+        if not name.endswith("step_ledger.py"):
+            for pattern, part in PARTS:
+                if pattern in name:
+                    return part
+        f = f.f_back
+    return "other"
+
+
+@dataclass
+class KernelWork:
+    """What one kernel did over a phase (all its launches)."""
+
+    launches: int = 0
+    threads: int = 0
+    threadgroups: int = 0
+    simd_reductions: int = 0  # scalar components (a float4 simd_sum counts 4), once per simdgroup
+    simd_shuffles: int = 0  # shuffles, broadcasts and votes, once per simdgroup
+    device_atomics: int = 0  # per calling thread
+    threadgroup_atomics: int = 0
+    barriers: int = 0  # threadgroup barriers, once per threadgroup
+    threadgroup_bytes: int = 0  # threadgroup memory one group declares
+    buffer_bytes: int = 0  # sizes of the buffers bound to its launches (estimate of bytes moved)
+
+    def add(self, other: "KernelWork") -> None:
+        for k in self.__dataclass_fields__:
+            if k == "threadgroup_bytes":
+                self.threadgroup_bytes = max(self.threadgroup_bytes, other.threadgroup_bytes)
+            else:
+                setattr(self, k, getattr(self, k) + getattr(other, k))
+
+
+@dataclass
+class Ledger:
+    """Counts of one phase (a training step or a render)."""
+
+    name: str
+    host_reads: List[Tuple[str, str]] = field(default_factory=list)  # device -> host syncs: (what, where)
+    host_writes: List[Tuple[str, str]] = field(default_factory=list)  # Python -> device transfers
+    host_local: List[Tuple[str, str]] = field(default_factory=list)  # reads of host tensors (no sync)
+    aten_ops: collections.Counter = field(default_factory=collections.Counter)  # op key -> calls
+    aten_views: int = 0
+    aten_allocations: int = 0
+    parts: collections.Counter = field(default_factory=collections.Counter)  # part of the step -> aten ops
+    # part of the step -> bytes the aten kernels (not views/allocations) read and wrote: each tensor
+    # argument and output once
+    part_bytes: collections.Counter = field(default_factory=collections.Counter)
+    kernels: Dict[str, KernelWork] = field(default_factory=dict)
+    n_gaussians: int = 0
+    pixels: int = 0  # rendered pixels (all cameras)
+    intersections: int = 0  # tile intersections of the render(s)
+
+    @property
+    def host_syncs(self) -> int:
+        return len(self.host_reads) + len(self.host_writes)
+
+    @property
+    def aten_dispatches(self) -> int:
+        return sum(self.aten_ops.values())
+
+    @property
+    def aten_kernels(self) -> int:
+        return self.aten_dispatches - self.aten_views - self.aten_allocations
+
+    @property
+    def kernel_launches(self) -> int:
+        return sum(k.launches for k in self.kernels.values())
+
+    def kernel_total(self) -> KernelWork:
+        total = KernelWork()
+        for k in self.kernels.values():
+            total.add(k)
+        return total
+
+    def summary(self) -> Dict[str, int]:
+        t = self.kernel_total()
+        return {
+            "host_syncs": self.host_syncs, "host_reads": len(self.host_reads), "host_writes": len(self.host_writes),
+            "aten_dispatches": self.aten_dispatches, "aten_kernels": self.aten_kernels,
+            "kernel_launches": self.kernel_launches, "simd_reductions": t.simd_reductions,
+            "simd_shuffles": t.simd_shuffles, "device_atomics": t.device_atomics,
+            "threadgroup_atomics": t.threadgroup_atomics, "barriers": t.barriers,
+            "buffer_bytes": t.buffer_bytes, "threadgroup_bytes_max": t.threadgroup_bytes,
+            "aten_bytes": sum(self.part_bytes.values()),
+        }  # fmt: skip
+
+
+class _Counting:
+    """The shared state of the two torch modes and the launch observer of one `count`."""
+
+    def __init__(self, ledger: Ledger, host_tensors):
+        self.ledger = ledger
+        # tensors that stay on the host on a Mac, by identity (id -> weak reference: a tensor's memory
+        # can be reused by the next tensor, its Python object cannot while it lives)
+        self.host = {id(t): weakref.ref(t) for t in host_tensors}
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        ref = self.host.get(id(t))
+        return ref is not None and ref() is t
+
+    def mark_host(self, t) -> None:
+        if isinstance(t, torch.Tensor):
+            self.host[id(t)] = weakref.ref(t)
+
+    # -- kernels
+    def launch(self, name, kernel, args, launch):
+        lib = getattr(kernel, "_lib", None)
+        counters = getattr(lib, "work_counters", None)
+        before = counters() if counters else {}
+        out = kernel(*args, **launch)
+        after = counters() if counters else {}
+        work = KernelWork(launches=1, threadgroup_bytes=int(getattr(kernel, "threadgroup_memory", 0) or 0))
+        for k, v in after.items():
+            setattr(work, k, v - before[k])
+        threads = launch.get("threads")
+        group = launch.get("group_size")
+        threads = (threads,) if isinstance(threads, int) else tuple(threads)
+        group = (group,) if isinstance(group, int) else tuple(group)
+        work.threads = math.prod(int(t) for t in threads)
+        work.threadgroups = math.prod(-(-int(t) // int(g)) for t, g in zip(threads, group))
+        seen = set()
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.data_ptr() not in seen:
+                seen.add(a.data_ptr())
+                work.buffer_bytes += a.numel() * a.element_size()
+        self.ledger.kernels.setdefault(name, KernelWork()).add(work)
+        return out
+
+
+class _AtenCounter(TorchDispatchMode):
+    def __init__(self, state: _Counting):
+        super().__init__()
+        self.s = state
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        key = aten_key(func)
+        if key is None:  # profiler markers and other non-aten ops: no device work
+            return out
+        led = self.s.ledger
+        led.aten_ops[key] += 1
+        part = step_part()
+        led.parts[part] += 1
+        if func.is_view:
+            led.aten_views += 1
+        elif key in ALLOCATIONS:
+            led.aten_allocations += 1
+        else:
+            seen = {}
+            for t in tree_leaves((args, kwargs, out)):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+            led.part_bytes[part] += sum(seen.values())
+        base = key.split(".", 1)[0]
+        if base in DATA_DEPENDENT_OPS or (key == "repeat_interleave.Tensor" and kwargs.get("output_size") is None):
+            if base == "_local_scalar_dense" and self.s.is_host(args[0]):
+                led.host_local.append((key, where()))
+            else:
+                led.host_reads.append((key, where()))
+        elif key in BOOL_INDEX_OPS:
+            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            if any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tree_leaves(indices)):
+                led.host_reads.append((key + " (boolean mask)", where()))
+        return out
+
+
+_FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray}
+_READS = {"tolist", "numpy", "cpu"}
+
+
+class _TransferCounter(TorchFunctionMode):
+    def __init__(self, state: _Counting):
+        super().__init__()
+        self.s = state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        s, led = self.s, self.s.ledger
+        name = getattr(func, "__name__", "")
+        if func in _FACTORIES:
+            data = args[0] if args else kwargs.get("data")
+            device = kwargs.get("device")
+            if device is not None and not isinstance(device, str) and not isinstance(data, torch.Tensor):
+                led.host_writes.append((f"torch.{name}(data, device=...)", where()))
+            else:
+                s.mark_host(out)
+        elif name in _READS and args and isinstance(args[0], torch.Tensor) and not s.is_host(args[0]):
+            led.host_reads.append((f"Tensor.{name}", where()))
+        elif name == "to" and args and isinstance(args[0], torch.Tensor) and s.is_host(args[0]):
+            target = kwargs.get("device", args[1] if len(args) > 1 else None)
+            if isinstance(target, (torch.device, torch.Tensor)):
+                led.host_writes.append(("host_tensor.to(device)", where()))
+        return out
+
+
+class count:
+    """Context manager: ``with count("steady", host_tensors) as ledger: <one step>``."""
+
+    def __init__(self, name: str, host_tensors=()):
+        self.ledger = Ledger(name)
+        self.state = _Counting(self.ledger, host_tensors)
+
+    def __enter__(self) -> Ledger:
+        from .ops.metal import runtime
+
+        self._previous = runtime.set_launch_observer(self.state.launch)
+        self._modes = [_TransferCounter(self.state), _AtenCounter(self.state)]
+        for m in self._modes:
+            m.__enter__()
+        return self.ledger
+
+    def __exit__(self, *exc):
+        from .ops.metal import runtime
+
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
+        runtime.set_launch_observer(self._previous)
+        return False
+
+
+# ------------------------------------------------------------------------------------------------
+# Driving a real Trainer
+# ------------------------------------------------------------------------------------------------
+METHODS = ("splat-metal", "splat-metal-mcmc")
+# Steps the phases run at (splatfacto's schedule): SH degree 3 from 3000, the opacity reset at 3000,
+# refine at 3200 (past warm-up, % 100 == 0, more than n_train + 100 past the reset); the steady step
+# 3101 is none of these. WARM_STEP runs first, uncounted: lazily built state (Adam moments, strategy
+# buffers, compiled kernels).
+WARM_STEP, STEADY_STEP, REFINE_STEP = 3099, 3101, 3200
+
+
+def build_trainer(data: Path, method: str = "splat-metal", backend: str = "metal", output_dir: Path = Path("/tmp"),
+                  device: str = "cpu", configure=None):  # fmt: skip
+    """nerfstudio's Trainer for ``method`` on ``data``, set up on ``device`` (no viewer, no writers);
+    ``configure(cfg)`` may change the TrainerConfig before setup."""
+    from .config import splat_metal_mcmc_trainer_config, splat_metal_trainer_config
+
+    if method not in METHODS:
+        raise ValueError(f"[step_ledger] method must be one of {METHODS}, got {method!r}")
+    cfg = splat_metal_trainer_config() if method == "splat-metal" else splat_metal_mcmc_trainer_config()
+    cfg.machine.device_type = device
+    cfg.pipeline.datamanager.data = Path(data)
+    cfg.output_dir = Path(output_dir)
+    cfg.vis = "tensorboard"
+    cfg.logging.local_writer.enable = False
+    model_cfg = cfg.pipeline.model
+    model_cfg.backend = backend
+    model_cfg.num_downscales = 0
+    if method == "splat-metal":
+        model_cfg.densify_grad_thresh = 1e-12  # the refine step duplicates and splits: every refine path runs
+    if configure is not None:
+        configure(cfg)
+    cfg.set_timestamp()
+    trainer = cfg.setup(local_rank=0, world_size=1)
+    trainer.setup()
+    return trainer
+
+
+def train_step(trainer, step: int) -> None:
+    """What Trainer.train runs per iteration: callbacks around Trainer.train_iteration."""
+    from nerfstudio.engine.callbacks import TrainingCallbackLocation
+
+    with trainer.train_lock:
+        trainer.pipeline.train()
+        for cb in trainer.callbacks:
+            cb.run_callback_at_location(step, TrainingCallbackLocation.BEFORE_TRAIN_ITERATION)
+        trainer.train_iteration(step)
+        for cb in trainer.callbacks:
+            cb.run_callback_at_location(step, TrainingCallbackLocation.AFTER_TRAIN_ITERATION)
+
+
+def host_resident(trainer) -> list:
+    """Tensors that live on the host on a Mac: torch Adam's step counters unless the optimizer is
+    fused or capturable (torch then keeps them on the parameters' device)."""
+    out = []
+    for opt in trainer.optimizers.optimizers.values():
+        on_device = any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
+        for state in opt.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor) and not on_device:
+                out.append(step)
+    return out
+
+
+def _intersections(model) -> int:
+    """Tile intersections of the model's last render (rasterization's meta)."""
+    tiles = (getattr(model, "info", None) or {}).get("tiles_per_gauss")
+    return int(tiles.sum()) if isinstance(tiles, torch.Tensor) else 0
+
+
+def measure(data: Path, method: str = "splat-metal", backend: str = "metal", output_dir: Path = Path("/tmp"),
+            phases=("steady", "refine", "eval")) -> Dict[str, Ledger]:  # fmt: skip
+    """Ledgers of a steady training step, a refine step and an eval render of ``method``."""
+    from nerfstudio.engine.callbacks import TrainingCallbackLocation  # noqa: F401 (before writer: import order)
+    from nerfstudio.utils import writer
+
+    from .ops.metal.runtime import reset_launch_counts
+
+    writers = list(writer.EVENT_WRITERS)
+    trainer = build_trainer(data, method, backend, output_dir)
+    try:
+        model = trainer.pipeline.model
+        train_step(trainer, WARM_STEP)
+        reset_launch_counts()
+        out: Dict[str, Ledger] = {}
+        for phase in phases:
+            n = len(model.means)
+            if phase == "eval":
+                camera, _ = trainer.pipeline.datamanager.next_eval_image(REFINE_STEP)
+                with count(phase, host_resident(trainer)) as ledger, torch.no_grad():
+                    model.eval()
+                    model.get_outputs_for_camera(camera)
+                ledger.pixels = int(camera.width.sum()) * int(camera.height.sum())
+            else:
+                step = STEADY_STEP if phase == "steady" else REFINE_STEP
+                camera_px = _train_pixels(trainer)
+                with count(phase, host_resident(trainer)) as ledger:
+                    train_step(trainer, step)
+                ledger.pixels = camera_px
+            ledger.n_gaussians = n
+            ledger.intersections = _intersections(model)
+            out[phase] = ledger
+        return out
+    finally:
+        writer.EVENT_WRITERS[:] = writers
+
+
+def _train_pixels(trainer) -> int:
+    cams = trainer.pipeline.datamanager.train_dataset.cameras
+    return int(cams.width[0]) * int(cams.height[0])
+
+
+# ------------------------------------------------------------------------------------------------
+# Printing
+# ------------------------------------------------------------------------------------------------
+COLUMNS = (("host syncs", "host_syncs"), ("reads", "host_reads"), ("writes", "host_writes"),
+           ("aten ops", "aten_dispatches"), ("aten kernels", "aten_kernels"),
+           ("our launches", "kernel_launches"), ("simd red.", "simd_reductions"), ("simd shuf.", "simd_shuffles"),
+           ("dev. atomics", "device_atomics"), ("barriers", "barriers"), ("buffer MB", "buffer_bytes"))  # fmt: skip
+
+
+def table(rows: Dict[str, Ledger]) -> str:
+    """A markdown table: one row per (label -> ledger)."""
+    head = "| phase | gaussians | " + " | ".join(c for c, _ in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * (2 + len(COLUMNS))]
+    for label, led in rows.items():
+        s = led.summary()
+        cells = [f"{s[k] / 1e6:.1f}" if k == "buffer_bytes" else str(s[k]) for _, k in COLUMNS]
+        lines.append(f"| {label} | {led.n_gaussians} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def kernel_table(led: Ledger) -> str:
+    """Per-kernel work of one phase."""
+    keys = ("launches", "threadgroups", "simd_reductions", "simd_shuffles", "device_atomics", "threadgroup_atomics",
+            "barriers", "threadgroup_bytes", "buffer_bytes")  # fmt: skip
+    lines = ["| kernel | " + " | ".join(keys) + " |", "|" + "---|" * (1 + len(keys))]
+    for name, w in sorted(led.kernels.items()):
+        lines.append(f"| {name} | " + " | ".join(str(getattr(w, k)) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def sync_sites(led: Ledger) -> str:
+    """Each host sync of a phase with where it came from (grouped)."""
+    c = collections.Counter(f"{what} at {at}" for what, at in led.host_reads + led.host_writes)
+    return "\n".join(f"  {n} x {site}" for site, n in c.most_common())

@@ -1,0 +1,140 @@
+"""A MODEL of the Metal training step time, not a measurement: the step ledger's counts times
+per-operation costs published for Apple GPUs, for scenes the ledger did not run (garden at 1/4 and
+full resolution), extrapolated from a measured ledger by gaussians, pixels and intersections.
+
+What it adds up (each term cited or marked as an assumption in COSTS / DEVICES):
+- CPU: each aten op that encodes a kernel costs ``aten_encode_us`` (pytorch/pytorch#148219, M1 Pro:
+  ~20 us dispatch for MPSGraph-backed ops such as sqrt/log/sin, ~1.3 us for ops torch implements as
+  Metal shaders: the model takes 10 us, between the two); each of our kernel launches costs
+  ``launch_us`` (the Metal-shader figure of the same issue: torch.mps.compile_shader kernels are
+  dispatched the same way).
+- GPU, per kernel: the larger of memory time (bytes of its bound buffers / DRAM bandwidth) and the
+  time of the counted SIMD work: simdgroup reductions at 14.54 cycles (SUM<F32>) and shuffles at
+  2.04 cycles per simdgroup instruction, four schedulers per core (philipturner/metal-benchmarks,
+  M1 "Intra-simd communication" table and ALU layout); device atomics at ATOMIC_CYCLES and barriers at
+  BARRIER_CYCLES per core (assumptions: no published Apple figure found). Arithmetic is not counted, so
+  the GPU term is a lower bound for the compute-bound kernels.
+- GPU, aten ops: bytes they read and write / DRAM bandwidth.
+- Host syncs: with at least one per step the CPU waits for the GPU, so CPU and GPU time add up; with
+  none they overlap and the step takes the larger of the two. No fixed latency per sync is added.
+
+Extrapolation: a kernel's counts scale with gaussians (projection, SH), intersections (tile
+intersection and rasterization) or both (the radix sort runs over depths and intersections);
+aten bytes of the model/loss scale with pixels, the rest with gaussians; aten op counts and launch
+counts do not scale (they do not depend on the scene size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict
+
+from .step_ledger import Ledger
+
+# Apple GPUs: cores, clock (GHz), DRAM bandwidth (GB/s)
+DEVICES: Dict[str, Dict[str, float]] = {
+    # philipturner/metal-benchmarks overview table (M1: 8 cores, 1.278 GHz); Apple's M1 spec: 68.25 GB/s
+    "M1": {"cores": 8, "ghz": 1.278, "gbps": 68.25},
+    # Apple's M4 Max announcement: 40-core GPU, 546 GB/s; clock 1.678 GHz from a third-party listing
+    # (hmc-tech.com, M4 Max), Apple publishes none
+    "M4 Max": {"cores": 40, "ghz": 1.678, "gbps": 546.0},
+}
+SCHEDULERS_PER_CORE = 4  # metal-benchmarks: four schedulers per core, one simd instruction each per cycle
+SIMD_SUM_CYCLES = 14.54  # metal-benchmarks, SUM<F32> throughput (cycles per simdgroup instruction)
+SHUFFLE_CYCLES = 2.04  # metal-benchmarks, SHUFFLE/BROADCAST32/BALLOT throughput
+ATOMIC_CYCLES = 4.0  # ASSUMPTION: one device float atomic retires per 4 core cycles (L2 round trip)
+BARRIER_CYCLES = 32.0  # ASSUMPTION: one threadgroup barrier costs 32 core cycles
+ATEN_ENCODE_US = 10.0  # pytorch#148219 (M1 Pro): 1.3 us (Metal-shader ops) .. 20 us (MPSGraph ops)
+LAUNCH_US = 1.4  # pytorch#148219: dispatch of ops implemented as Metal shaders
+
+# What each of our kernels' work grows with
+KERNEL_SCALE = {
+    "project_fwd": "gaussians", "project_bwd": "gaussians", "sh_fwd": "gaussians", "sh_bwd": "gaussians",
+    "covar_fwd": "gaussians", "covar_bwd": "gaussians", "isect_count": "gaussians",
+    "isect_emit": "intersections", "isect_finalize": "intersections", "isect_offsets": "intersections",
+    "rasterize_fwd": "intersections", "rasterize_bwd": "intersections",
+}  # fmt: skip
+PIXEL_PARTS = {"model, loss, camera opt"}
+
+# msplat 1.1.4 (its README): mip-NeRF 360 garden, 7K steps in 77 s on an M4 Max, 25.68 dB
+MSPLAT_M4MAX_MS_PER_STEP = 77.0 / 7000 * 1e3
+
+
+@dataclass
+class Scene:
+    """Size of a scene's training step: gaussians, rendered pixels, tile intersections."""
+
+    name: str
+    gaussians: float
+    pixels: float
+    intersections: float
+
+
+# Garden (mip-NeRF 360) at the resolution 3DGS benchmarks train on (1297x840, "images_4"; msplat's
+# 77 s), with ~3M gaussians and ~15M intersections (issue 23's estimate), and at 1/4 of that
+# resolution (324x210): the same gaussians, each covering ~1 tile (intersections ~ gaussians).
+GARDEN_FULL = Scene("garden 1297x840", 3.0e6, 1297 * 840, 15.0e6)
+GARDEN_QUARTER = Scene("garden 324x210", 3.0e6, 324 * 210, 3.0e6)
+
+
+@dataclass
+class Modeled:
+    cpu_ms: float
+    gpu_ms: float
+    step_ms: float
+    gpu_kernels_ms: float  # our kernels
+    gpu_aten_ms: float
+
+
+def _ratio(kind: str, measured: Scene, target: Scene) -> float:
+    g = target.gaussians / max(measured.gaussians, 1)
+    m = target.intersections / max(measured.intersections, 1)
+    if kind == "gaussians":
+        return g
+    if kind == "intersections":
+        return m
+    both = measured.gaussians + measured.intersections
+    return (target.gaussians + target.intersections) / max(both, 1)
+
+
+def model_step(ledger: Ledger, target: Scene, device: str) -> Modeled:
+    """Modeled time of ``ledger``'s step on ``device`` for a scene of ``target``'s size."""
+    d = DEVICES[device]
+    core_hz = d["ghz"] * 1e9
+    bandwidth = d["gbps"] * 1e9
+    measured = Scene("measured", ledger.n_gaussians, ledger.pixels, ledger.intersections)
+    kernels_s = 0.0
+    for name, w in ledger.kernels.items():
+        r = _ratio(KERNEL_SCALE.get(name, "both"), measured, target)
+        simd_cycles = (w.simd_reductions * SIMD_SUM_CYCLES + w.simd_shuffles * SHUFFLE_CYCLES) / SCHEDULERS_PER_CORE
+        other_cycles = w.device_atomics * ATOMIC_CYCLES + w.barriers * BARRIER_CYCLES
+        alu_s = r * (simd_cycles + other_cycles) / (d["cores"] * core_hz)
+        mem_s = r * w.buffer_bytes / bandwidth
+        kernels_s += max(alu_s, mem_s)
+    aten_s = 0.0
+    for part, nbytes in ledger.part_bytes.items():
+        r = target.pixels / max(measured.pixels, 1) if part in PIXEL_PARTS else _ratio("gaussians", measured, target)
+        aten_s += r * nbytes / bandwidth
+    cpu_s = (ledger.aten_kernels * ATEN_ENCODE_US + ledger.kernel_launches * LAUNCH_US) * 1e-6
+    gpu_s = kernels_s + aten_s
+    step_s = cpu_s + gpu_s if ledger.host_syncs > 0 else max(cpu_s, gpu_s)
+    return Modeled(cpu_s * 1e3, gpu_s * 1e3, step_s * 1e3, kernels_s * 1e3, aten_s * 1e3)
+
+
+def table(ledger: Ledger, label: str) -> str:
+    """Markdown: modeled ms per step for garden at both sizes on M1 and M4 Max, beside msplat."""
+    lines = [
+        f"MODEL, not a measurement (splat_metal_method/step_model.py), from the {label} ledger "
+        f"({ledger.n_gaussians} gaussians, {ledger.intersections} intersections, {ledger.host_syncs} host syncs, "
+        f"{ledger.aten_kernels} aten kernels, {ledger.kernel_launches} launches per step):",
+        "",
+        "| scene | device | CPU encode ms | GPU ms (our kernels + aten) | modeled step ms | msplat measured |",
+        "|---|---|---|---|---|---|",
+    ]
+    for scene in (GARDEN_QUARTER, GARDEN_FULL):
+        for device in DEVICES:
+            m = model_step(ledger, scene, device)
+            ref = f"{MSPLAT_M4MAX_MS_PER_STEP:.1f} ms" if (device == "M4 Max" and scene is GARDEN_FULL) else ""
+            lines.append(f"| {scene.name} | {device} | {m.cpu_ms:.1f} | {m.gpu_ms:.1f} ({m.gpu_kernels_ms:.1f} + "
+                         f"{m.gpu_aten_ms:.1f}) | {m.step_ms:.1f} | {ref} |")
+    return "\n".join(lines)

@@ -1,0 +1,68 @@
+"""`splat-metal-bench --quick` end to end, as a user runs it (here on CPU: the cpu backend and the
+Metal backend under the emulator): its summary line, bench.csv, memory.csv and memory.png."""
+
+from __future__ import annotations
+
+import csv
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_console_script_is_declared():
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["splat-metal-bench"] == "splat_metal_method.bench:main"
+    from splat_metal_method import bench
+
+    assert callable(bench.main)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    from cli_helpers import cli_env
+
+    out = tmp_path_factory.mktemp("bench") / "results"
+    proc = subprocess.run([sys.executable, "-m", "splat_metal_method.bench", "--quick", "--out", str(out)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, env=cli_env(),
+                          cwd=out.parent)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return out, proc.stdout
+
+
+def test_quick_bench_summary_line(quick_run):
+    out, stdout = quick_run
+    line = (out / "summary.txt").read_text().strip()
+    assert line in stdout and "\n" not in line
+    assert line.startswith("splat-metal-bench ") and "| cpu " in line
+    runs = re.findall(r"demo 48x32 (\w+) hooks (on|off): ([\d.]+) steps/s(?:, (\d+) host syncs/step)?", line)
+    assert [(b, h) for b, h, _, _ in runs] == [("cpu", "on"), ("cpu", "off"), ("metal", "on")], line
+    for backend, hooks, steps_per_s, syncs in runs:
+        assert float(steps_per_s) > 0
+        if hooks == "on":  # counted by the step ledger: the steady step has host syncs today
+            assert 0 < int(syncs) < 100, line
+
+
+def test_quick_bench_files(quick_run):
+    out, _ = quick_run
+    rows = list(csv.DictReader(open(out / "bench.csv")))
+    steps = {"cpu": 8, "metal": 3}  # --quick: the emulated Metal backend runs 3 steps
+    assert [(r["backend"], r["hooks"]) for r in rows] == [("cpu", "1"), ("cpu", "0"), ("metal", "1")]
+    for r in rows:
+        assert int(r["steps"]) == steps[r["backend"]] and int(r["gaussians"]) > 0 and float(r["steps_per_s"]) > 0
+        assert all(float(r[f"{s}_ms"]) > 0 for s in ("forward", "backward", "optimizer"))
+    memory = list(csv.DictReader(open(out / "memory.csv")))
+    for backend, hooks in (("cpu", "1"), ("cpu", "0"), ("metal", "1")):
+        curve = [m for m in memory if m["backend"] == backend and m["hooks"] == hooks]
+        assert [int(m["step"]) for m in curve] == list(range(steps[backend])), curve  # every step (--mem-every 1)
+        assert all(100 < float(m["rss_mib"]) < 64_000 for m in curve)
+    # densification ran: the count changed during the 8-step runs
+    assert len({m["gaussians"] for m in memory if m["backend"] == "cpu"}) > 1
+    png = (out / "memory.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

@@ -1,0 +1,130 @@
+"""The step ledger (splat_metal_method/step_ledger.py) holds the Metal training step to budgets.
+
+A real nerfstudio Trainer of splat-metal and splat-metal-mcmc runs on the demo scene with the Metal
+backend under the emulator; a steady step, a refine step and an eval render are counted as a Mac
+runs them. A count above its budget fails: the step got slower on a Mac (another host sync, more
+aten dispatches, more kernel launches or more work inside our kernels).
+
+BUDGETS is the one place to edit: today's numbers with small headroom. When a change lowers a
+count, lower its budget with it (the failure message prints every measured count).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splat_metal_method import step_ledger, step_model
+
+# (method, phase) -> count -> the most allowed. Measured on the 64x48 demo scene (10 views): host syncs and
+# launches exactly, aten dispatches +3%, work inside the kernels +15% (it follows the trained gaussians).
+BUDGETS = {
+    ("splat-metal", "steady"): {"host_syncs": 16, "aten_dispatches": 550, "kernel_launches": 28,
+                                "simd_reductions": 100_000, "device_atomics": 92_000},
+    ("splat-metal", "refine"): {"host_syncs": 25, "aten_dispatches": 815, "kernel_launches": 28},
+    ("splat-metal", "eval"): {"host_syncs": 8, "aten_dispatches": 215, "kernel_launches": 25},
+    ("splat-metal-mcmc", "steady"): {"host_syncs": 13, "aten_dispatches": 580, "kernel_launches": 29,
+                                     "simd_reductions": 51_000, "device_atomics": 38_000},
+    ("splat-metal-mcmc", "refine"): {"host_syncs": 17, "aten_dispatches": 670, "kernel_launches": 29},
+    ("splat-metal-mcmc", "eval"): {"host_syncs": 8, "aten_dispatches": 215, "kernel_launches": 25},
+}  # fmt: skip
+WIDTH, HEIGHT = 64, 48
+
+
+@pytest.fixture(scope="module")
+def ledgers(tmp_path_factory):
+    from splat_metal_method import bench_scenes
+
+    tmp = tmp_path_factory.mktemp("ledger")
+    data = bench_scenes.demo(tmp / "demo", WIDTH, HEIGHT)
+    return {m: step_ledger.measure(data, m, "metal", tmp / "outputs") for m in step_ledger.METHODS}
+
+
+def test_counts_within_budgets(ledgers):
+    over, measured = [], {}
+    for (method, phase), budget in BUDGETS.items():
+        summary = ledgers[method][phase].summary()
+        measured[(method, phase)] = {k: summary[k] for k in budget}
+        over += [f"{method} {phase}: {k} = {summary[k]} > {v}" for k, v in budget.items() if summary[k] > v]
+    assert not over, "over budget:\n  " + "\n  ".join(over) + f"\nmeasured: {measured}"
+
+
+def test_ledger_sees_the_whole_step(ledgers):
+    for method, by_phase in ledgers.items():
+        steady, refine, ev = by_phase["steady"], by_phase["refine"], by_phase["eval"]
+        # the backward ran our kernels, with simdgroup reductions and atomics inside
+        bwd = steady.kernels["rasterize_bwd"]
+        assert bwd.launches == 1 and bwd.simd_reductions > 0 and bwd.device_atomics > 0, (method, bwd)
+        assert steady.kernels["rasterize_fwd"].barriers > 0 and bwd.threadgroup_bytes > 0
+        assert "rasterize_bwd" not in ev.kernels and ev.kernel_launches > 0  # a render has no backward
+        # every part of a training step issued aten ops; the optimizer reads host-side step counters only
+        for part in ("rasterization op", "optimizer", "strategy", "autograd backward", "model, loss, camera opt"):
+            assert steady.parts[part] > 0, (method, part, dict(steady.parts))
+        assert steady.host_local and all("adam" in where or "optimizer" in where for _, where in steady.host_local)
+        # refining adds host reads (data-dependent sizes) and aten ops
+        assert refine.host_syncs > steady.host_syncs and refine.aten_dispatches > steady.aten_dispatches
+        assert steady.intersections > 0 and steady.pixels == WIDTH * HEIGHT and steady.n_gaussians > 0
+
+
+def test_host_syncs_counted_as_on_a_mac():
+    x = torch.arange(6.0)
+    step = torch.tensor(3.0)  # like Adam's step counter: a host tensor on a Mac too
+    with step_ledger.count("t", host_tensors=[step]) as led:
+        x.sum().item()  # device -> host
+        x[x > 2]  # boolean mask: nonzero on the device
+        torch.where(x > 4)  # nonzero
+        x.tolist()
+        torch.tensor([1.0, 2.0], device=x.device)  # Python -> device
+        torch.tensor([1.0, 2.0]).to(x.device)  # host tensor -> device
+        step.item()  # host scalar: no sync
+        torch.tensor([5.0], device="cpu").item()  # made on the host on purpose: no sync
+    reads = [what for what, _ in led.host_reads]
+    assert reads == ["_local_scalar_dense", "index.Tensor (boolean mask)", "nonzero", "Tensor.tolist"], reads
+    assert [w for w, _ in led.host_writes] == ["torch.tensor(data, device=...)", "host_tensor.to(device)"]
+    assert len(led.host_local) == 2 and led.host_syncs == 6
+    assert led.aten_ops["nonzero"] == 1 and led.aten_dispatches >= 8
+
+
+SRC = """
+#include <metal_stdlib>
+using namespace metal;
+kernel void work(device const float* x [[buffer(0)]], device atomic_float* acc [[buffer(1)]],
+                 uint i [[thread_position_in_grid]], uint l [[thread_index_in_threadgroup]]) {
+  threadgroup float t[64];
+  t[l] = x[i];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float4 s = simd_sum(float4(t[l]));
+  float y = simd_shuffle_xor(s.x, 1u);
+  if (l % 2 == 0) atomic_fetch_add_explicit(acc, y, memory_order_relaxed);
+}
+"""
+
+
+@pytest.mark.parametrize("threads", [128, 100])  # 100: a partial last group (36 threads, 2 simdgroups)
+def test_emulator_work_counters(threads):
+    from splat_metal_method.ops.metal.runtime import get_library
+
+    lib = get_library(SRC, "ledger_counters", "emulator")
+    x, acc = torch.ones(threads), torch.zeros(1)
+    with step_ledger.count("k") as led:
+        lib.work(x, acc, threads=threads, group_size=64)
+    w = led.kernels["work"]
+    groups = -(-threads // 64)
+    simdgroups = sum(-(-min(64, threads - g * 64) // 32) for g in range(groups))
+    assert (w.launches, w.threads, w.threadgroups) == (1, threads, groups)
+    assert w.simd_reductions == 4 * simdgroups  # one float4 simd_sum per simdgroup: 4 scalar reductions
+    assert w.simd_shuffles == simdgroups
+    assert w.device_atomics == (threads + 1) // 2 and w.threadgroup_atomics == 0
+    assert w.barriers == groups and w.threadgroup_bytes == 64 * 4
+    assert w.buffer_bytes == threads * 4 + 4
+
+
+def test_step_model_scales_and_labels(ledgers):
+    led = ledgers["splat-metal"]["steady"]
+    quarter = step_model.model_step(led, step_model.GARDEN_QUARTER, "M1")
+    full = step_model.model_step(led, step_model.GARDEN_FULL, "M1")
+    fast = step_model.model_step(led, step_model.GARDEN_FULL, "M4 Max")
+    assert 0 < quarter.gpu_ms < full.gpu_ms and fast.gpu_ms < full.gpu_ms  # bigger scene, faster GPU
+    assert quarter.cpu_ms == full.cpu_ms  # encoding does not depend on the scene size
+    assert full.step_ms == pytest.approx(full.cpu_ms + full.gpu_ms)  # host syncs: no overlap
+    assert "MODEL, not a measurement" in step_model.table(led, "test")
