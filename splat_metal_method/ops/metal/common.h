@@ -15,6 +15,18 @@
 #include <metal_stdlib>
 using namespace metal;
 
+// Safe math, whatever torch was told: with PYTORCH_MPS_FAST_MATH set, torch compiles every library with
+// fast math, under which NaN tests, forward and backward agreeing at the ALPHA_MIN threshold, and
+// isect_count / isect_emit agreeing on a tile rectangle no longer hold. From MSL 3.2 (macOS 15, torch
+// >= 2.11) the source declares its math mode, which the compile option does not override; below it
+// cannot, and the self-check (which runs the kernels as compiled, keyed on PYTORCH_MPS_FAST_MATH) turns
+// a fast-math mismatch into a failed stage that runs on the reference (splat_metal_method/self_check.py).
+// The emulator compiles as MSL 3.2 (msl_shim.h) with exactly this math: no fast math, -ffp-contract=off.
+#if __METAL_VERSION__ >= 320
+#pragma METAL fp math_mode(safe)
+#pragma METAL fp contract(off)
+#endif
+
 #ifndef SPLAT_TILE_SIZE
 #error "SPLAT_TILE_SIZE must be injected by kernels.py (from ops/constants.py)"
 #endif

@@ -55,6 +55,35 @@ def library(device: torch.device, stage_file: str, tile_size: int = constants.TI
     return library_for(device, stage_source(stage_file, tile_size, extra), name=stage_file)
 
 
+# The first MSL version whose source can declare its math mode (common.h's `#pragma METAL fp math_mode(safe)`);
+# below it, PYTORCH_MPS_FAST_MATH compiles our kernels with fast math.
+SAFE_MATH_MSL = 320
+_MSL_VERSION_PROBE = """#include <metal_stdlib>
+using namespace metal;
+kernel void msl_version(device int* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  if (i == 0) {
+    out[0] = __METAL_VERSION__;
+  }
+}
+"""
+
+
+@lru_cache(maxsize=None)
+def msl_version(device_type: str) -> int:
+    """__METAL_VERSION__ of the libraries built for `device_type` ("mps": the version torch compiles at on
+    this macOS, e.g. 310 for MSL 3.1; "cpu": the emulator's 320). One tiny probe kernel, once per process."""
+    device = torch.device(device_type)
+    out = torch.zeros(1, dtype=torch.int32, device=device)
+    library_for(device, _MSL_VERSION_PROBE, name="msl_version_probe").msl_version(out, threads=(1,), group_size=(1,))
+    return int(out.item())
+
+
+def safe_math_declared(device_type: str) -> bool:
+    """Whether our kernels declare safe math at the MSL version they are built at for `device_type` (then
+    PYTORCH_MPS_FAST_MATH cannot change them)."""
+    return msl_version(device_type) >= SAFE_MATH_MSL
+
+
 def grid_1d(n: int) -> dict:
     """Launch arguments for one thread per item (partial last group; kernels bound-check). These kernels
     never synchronise, so the runtime may shrink the group to what a pipeline allows (fit_group)."""
