@@ -140,3 +140,18 @@ def test_strict_mode_stops_on_the_same_wrong_stage(fresh_process, wrong_rasteriz
     model.config.metal_self_check = "fallback"
     self_check.ensure_verified(model, torch.device("cpu"), "metal")
     assert stage_fallback.failed() == {"rasterize"} and runtime.launch_counts() == {}
+
+
+def test_the_whole_op_check_blames_only_the_wrong_stage(fresh_process, monkeypatch, capsys):
+    """With depth chunks the self-check also runs the whole op; a wrong SH kernel must not make it blame
+    the rasterizer too (it runs with the stages already found wrong on the reference)."""
+    right = metal.KERNELS.spherical_harmonics_fwd
+    monkeypatch.setattr(metal.KERNELS, "spherical_harmonics_fwd", lambda *a, **k: right(*a, **k) * 1.05)
+    run = self_check.RunKernels(tile_size=16, channels=(3,), rasterize_mode="classic", absgrad=True, sh_degree=1,
+                                depth_chunks=True)  # fmt: skip
+    assert self_check.verify(torch.device("cpu"), run) is not None
+    (verdict,) = json.loads(self_check.cache_path().read_text()).values()
+    assert list(verdict["failed"]) == ["sh"] and stage_fallback.failed() == {"sh"}
+    assert "rasterization (metal, 3 depth chunks)" not in verdict["message"]
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "Metal self-check" in line]
+    assert "sh failed (sh (degree 0) forward" in line and "that stage runs" in line

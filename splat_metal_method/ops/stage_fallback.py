@@ -13,8 +13,9 @@ import this module, never the other way round.
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from types import ModuleType, SimpleNamespace
-from typing import FrozenSet, Iterable
+from typing import FrozenSet, Iterable, Iterator
 
 # stage -> the backend-contract functions it owns (covariance is ops/mcmc.py's quat_scale_to_covar_preci)
 STAGES = {
@@ -54,6 +55,21 @@ def mark_failed(stages: Iterable[str]) -> None:
 def failed() -> FrozenSet[str]:
     """The stages of the Metal backend this process runs on the reference."""
     return frozenset(_failed)
+
+
+@contextmanager
+def also_failed(stages: Iterable[str]) -> Iterator[None]:
+    """Within the block, `stages` run on the reference too (the self-check's whole-op check, so that its
+    verdict is about the stages not already found wrong); the set is restored afterwards."""
+    with _lock:
+        before = set(_failed)
+        _failed.update(stages)
+    try:
+        yield
+    finally:
+        with _lock:
+            _failed.clear()
+            _failed.update(before)
 
 
 def reset() -> None:

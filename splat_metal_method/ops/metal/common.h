@@ -42,6 +42,16 @@ using namespace metal;
 
 // Threads of one rasterization threadgroup: one per pixel of a tile.
 #define SPLAT_TILE_PIXELS (SPLAT_TILE_SIZE * SPLAT_TILE_SIZE)
+// Rows of its tile one rasterizer threadgroup covers: all of them, unless this GPU's pipeline allows fewer
+// threads per group (kernels.tile_library injects a divisor of SPLAT_TILE_SIZE); each strip's group then
+// walks the whole tile list for its pixels, so every pixel computes exactly what it does in a full tile.
+#ifndef SPLAT_GROUP_ROWS
+#define SPLAT_GROUP_ROWS SPLAT_TILE_SIZE
+#endif
+#if SPLAT_TILE_SIZE % SPLAT_GROUP_ROWS != 0
+#error "SPLAT_GROUP_ROWS must divide SPLAT_TILE_SIZE (a group's rows lie in one tile)"
+#endif
+#define SPLAT_RASTER_THREADS (SPLAT_TILE_SIZE * SPLAT_GROUP_ROWS)
 
 // Every kernel declares [[max_total_threads_per_threadgroup(N)]] with N = the group size its host
 // code dispatches: SPLAT_TILE_PIXELS (rasterizer), SPLAT_RADIX_THREADS (sort),

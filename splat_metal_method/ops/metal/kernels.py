@@ -84,6 +84,37 @@ def safe_math_declared(device_type: str) -> bool:
     return msl_version(device_type) >= SAFE_MATH_MSL
 
 
+_tile_libraries: dict = {}
+
+
+def tile_library(device: torch.device, stage_file: str, kernel: str, tile_size: int, extra_for) -> tuple:
+    """(library, rows) of a tile kernel (rasterize_fwd / rasterize_bwd: one thread per pixel of a tile), built
+    for the group this GPU's pipeline allows, chosen at library build time from the limit it reports: the
+    whole tile (rows = tile_size, tile_size^2 threads), or, where a register-heavy pipeline allows fewer
+    threads per group, strips of `rows` rows (the largest divisor of tile_size that fits; SPLAT_GROUP_ROWS).
+    Dispatch with group_size (tile_size, rows, 1). `extra_for(rows)`: the library's other variant defines.
+    Where not even one row fits, the full-tile library is returned and its launch stops with
+    ThreadgroupLimitError."""
+    key = (torch.device(device).type, stage_file, kernel, tile_size, extra_for(tile_size))
+    hit = _tile_libraries.get(key)
+    if hit is not None:
+        return hit
+    rows = tile_size
+    while True:
+        extra = extra_for(rows) + ((("SPLAT_GROUP_ROWS", rows),) if rows != tile_size else ())
+        lib = library(device, stage_file, tile_size, extra)
+        limit = lib.limits(kernel)["max_threads_per_threadgroup"]
+        if limit is None or tile_size * rows <= limit:
+            break
+        fits = [r for r in range(1, rows) if tile_size % r == 0 and tile_size * r <= limit]
+        if not fits:
+            lib, rows = library(device, stage_file, tile_size, extra_for(tile_size)), tile_size
+            break
+        rows = max(fits)
+    _tile_libraries[key] = (lib, rows)
+    return lib, rows
+
+
 def grid_1d(n: int) -> dict:
     """Launch arguments for one thread per item (partial last group; kernels bound-check). These kernels
     never synchronise, so the runtime may shrink the group to what a pipeline allows (fit_group)."""

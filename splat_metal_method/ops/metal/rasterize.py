@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .kernels import library
+from .kernels import tile_library
 
 # Gaussians of one tile composited per dispatch ("pass"). Bounds the work of one command so a dense
 # tile cannot run into the GPU watchdog: a pass costs at most tiles x TILE_PIXELS x RASTER_CHUNK
@@ -94,8 +94,8 @@ def rasterize_to_pixels_fwd(
     if M == 0:  # kernels bind every buffer; give flatten_ids one (never read) element
         flatten_ids = torch.zeros((1,), dtype=torch.int32, device=device)
 
-    lib = library(device, "rasterize.metal", tile_size=tile_size, extra=(("SPLAT_CHANNELS", D),))
-    grid = {"threads": (tile_width * tile_size, tile_height * tile_size, C), "group_size": (tile_size, tile_size, 1)}
+    lib, rows = tile_library(device, "rasterize.metal", "rasterize_fwd", tile_size, lambda _rows: (("SPLAT_CHANNELS", D),))
+    grid = {"threads": (tile_width * tile_size, tile_height * tile_size, C), "group_size": (tile_size, rows, 1)}
     args = (
         means2d.contiguous(), conics.contiguous(), colors.contiguous(), opacities.contiguous(), bg,
         isect_offsets.contiguous(), flatten_ids.contiguous(),
