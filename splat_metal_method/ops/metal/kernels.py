@@ -84,7 +84,7 @@ def safe_math_declared(device_type: str) -> bool:
     return msl_version(device_type) >= SAFE_MATH_MSL
 
 
-_tile_libraries: dict = {}
+_fitted_libraries: dict = {}  # (device type, stage file, kernel, variant) -> (library, group geometry)
 
 
 def tile_library(device: torch.device, stage_file: str, kernel: str, tile_size: int, extra_for) -> tuple:
@@ -96,7 +96,7 @@ def tile_library(device: torch.device, stage_file: str, kernel: str, tile_size: 
     Where not even one row fits, the full-tile library is returned and its launch stops with
     ThreadgroupLimitError."""
     key = (torch.device(device).type, stage_file, kernel, tile_size, extra_for(tile_size))
-    hit = _tile_libraries.get(key)
+    hit = _fitted_libraries.get(key)
     if hit is not None:
         return hit
     rows = tile_size
@@ -111,8 +111,31 @@ def tile_library(device: torch.device, stage_file: str, kernel: str, tile_size: 
             lib, rows = library(device, stage_file, tile_size, extra_for(tile_size)), tile_size
             break
         rows = max(fits)
-    _tile_libraries[key] = (lib, rows)
+    _fitted_libraries[key] = (lib, rows)
     return lib, rows
+
+
+def group_library(device: torch.device, stage_file: str, kernel: str, define: str, group: int, multiple: int = 32):
+    """(library, group) of a 1-D kernel whose group size is the define `define` (project_bwd's
+    SPLAT_PROJECT_BWD_GROUP): `group` threads, or, where this GPU's pipeline allows fewer, the largest
+    multiple of `multiple` within its reported limit, chosen at library build time. Where not even
+    `multiple` fits, the `group` library is returned and its launch stops with ThreadgroupLimitError."""
+    key = (torch.device(device).type, stage_file, kernel, define, group)
+    hit = _fitted_libraries.get(key)
+    if hit is not None:
+        return hit
+    size = group
+    while True:
+        lib = library(device, stage_file, extra=((define, size),))
+        limit = lib.limits(kernel)["max_threads_per_threadgroup"]
+        if limit is None or size <= limit:
+            break
+        if limit < multiple:
+            lib, size = library(device, stage_file, extra=((define, group),)), group
+            break
+        size = limit - limit % multiple
+    _fitted_libraries[key] = (lib, size)
+    return lib, size
 
 
 def grid_1d(n: int) -> dict:

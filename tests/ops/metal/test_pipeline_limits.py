@@ -93,7 +93,7 @@ def test_rasterizer_runs_in_tile_strips_where_the_pipeline_allows_fewer_threads(
                                           backgrounds, chunk=7)[:2]  # fmt: skip
         return out, several, [t.grad for t in leaves] + [leaves[0].absgrad]
 
-    monkeypatch.setattr(kernels, "_tile_libraries", {})
+    monkeypatch.setattr(kernels, "_fitted_libraries", {})
     full = render()
     assert kernels.tile_library(torch.device("cpu"), "rasterize.metal", "rasterize_fwd", ts,
                                 lambda _r: (("SPLAT_CHANNELS", D),))[1] == ts  # fmt: skip
@@ -107,7 +107,7 @@ def test_rasterizer_runs_in_tile_strips_where_the_pipeline_allows_fewer_threads(
         return limits
 
     monkeypatch.setattr(runtime, "pipeline_limits", register_heavy)
-    monkeypatch.setattr(kernels, "_tile_libraries", {})
+    monkeypatch.setattr(kernels, "_fitted_libraries", {})
     lib, got_rows = kernels.tile_library(torch.device("cpu"), "rasterize.metal", "rasterize_fwd", ts,
                                          lambda _r: (("SPLAT_CHANNELS", D),))  # fmt: skip
     assert got_rows == rows and lib.limits("rasterize_fwd")["max_threads_per_threadgroup"] == min(limit, ts * rows)
@@ -123,3 +123,49 @@ def test_rasterizer_runs_in_tile_strips_where_the_pipeline_allows_fewer_threads(
     for name, a, b in zip(names, strips[2], full[2]):
         assert b.abs().max() > 0, name
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_projection_backward_runs_in_smaller_groups_where_the_pipeline_allows_fewer(monkeypatch):
+    """project_bwd's group (GROUP = 256, camera-gradient partial sums per group) shrinks to the largest
+    multiple of 32 within the limit the pipeline reports (here 100 -> 96; N = 300 leaves the last group
+    partial): gradients equal the 256-thread path's, viewmats included, non-square image."""
+    from splat_metal_method.ops import metal
+    from splat_metal_method.ops.metal.project_bwd import GROUP
+
+    C, N, W, H = 2, 300, 45, 29
+    g = torch.Generator().manual_seed(3)
+    means = torch.randn(N, 3, generator=g) * 0.6 + torch.tensor([0.0, 0.0, 3.0])
+    quats, scales = torch.randn(N, 4, generator=g), torch.rand(N, 3, generator=g) * 0.15 + 0.02
+    viewmats = torch.eye(4).expand(C, 4, 4).clone()
+    viewmats[1, 1, 3] = 0.3
+    Ks = torch.tensor([[40.0, 0, W / 2], [0, 40.0, H / 2], [0, 0, 1]]).expand(C, 3, 3).clone()
+    weights = [torch.randn(C, N, k, generator=g) for k in (2, 1, 3)]  # means2d, depths, conics
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (means, quats, scales, viewmats)]
+        _, means2d, depths, conics, _ = metal.project(*leaves, Ks, W, H)
+        loss = sum((o.reshape(C, N, -1) * w).sum() for o, w in zip((means2d, depths, conics), weights))
+        loss.backward()
+        return [t.grad for t in leaves]
+
+    monkeypatch.setattr(kernels, "_fitted_libraries", {})
+    full = grads()
+    real_limits = runtime.pipeline_limits
+
+    def register_heavy(kernel):
+        limits = real_limits(kernel)
+        if repr(kernel).startswith("<emulated Metal kernel project_bwd("):
+            limits["max_threads_per_threadgroup"] = 100
+        return limits
+
+    monkeypatch.setattr(runtime, "pipeline_limits", register_heavy)
+    monkeypatch.setattr(kernels, "_fitted_libraries", {})
+    _, group = kernels.group_library(torch.device("cpu"), "project_bwd.metal", "project_bwd",
+                                     "SPLAT_PROJECT_BWD_GROUP", GROUP)  # fmt: skip
+    assert group == 96
+    runtime.reset_launch_counts()
+    smaller = grads()
+    assert runtime.launch_counts()["project_bwd"] == 1
+    for name, a, b in zip(("means", "quats", "scales", "viewmats"), smaller, full):
+        assert b.abs().max() > 0, name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
