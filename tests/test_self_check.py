@@ -80,7 +80,8 @@ def test_ns_train_checks_metal_kernels_first_and_falls_back_on_a_wrong_one(tmp_p
     assert self_check.DOCTOR_COMMAND in line and "sh (degree 0)" not in line  # only the failing stage is named
     assert [p.name for p in checkpoints(tmp_path / "wrong" / scene.name / "splat-metal" / "run")] == [
         "step-000000000.ckpt"]  # fmt: skip
-    failed = [v for v in json.loads((cache / "splat_metal" / "self_check.json").read_text()).values() if not v["passed"]]
+    verdicts = json.loads((cache / "splat_metal" / "self_check.json").read_text()).values()
+    failed = [v for v in verdicts if not v["passed"]]
     assert [list(v["failed"]) for v in failed] == [["sh"]]
     assert "Traceback" not in wrong.stderr, wrong.tail()
 

@@ -84,7 +84,7 @@ def safe_math_declared(device_type: str) -> bool:
     return msl_version(device_type) >= SAFE_MATH_MSL
 
 
-_fitted_libraries: dict = {}  # (device type, stage file, kernel, variant) -> (library, group geometry)
+_fitted_groups: dict = {}  # (device type, stage file, kernel, variant) -> the group geometry its pipeline allows
 
 
 def tile_library(device: torch.device, stage_file: str, kernel: str, tile_size: int, extra_for) -> tuple:
@@ -95,24 +95,26 @@ def tile_library(device: torch.device, stage_file: str, kernel: str, tile_size: 
     Dispatch with group_size (tile_size, rows, 1). `extra_for(rows)`: the library's other variant defines.
     Where not even one row fits, the full-tile library is returned and its launch stops with
     ThreadgroupLimitError."""
+
+    def build(rows):
+        return library(device, stage_file, tile_size,
+                       extra_for(rows) + ((("SPLAT_GROUP_ROWS", rows),) if rows != tile_size else ()))  # fmt: skip
+
     key = (torch.device(device).type, stage_file, kernel, tile_size, extra_for(tile_size))
-    hit = _fitted_libraries.get(key)
-    if hit is not None:
-        return hit
-    rows = tile_size
-    while True:
-        extra = extra_for(rows) + ((("SPLAT_GROUP_ROWS", rows),) if rows != tile_size else ())
-        lib = library(device, stage_file, tile_size, extra)
-        limit = lib.limits(kernel)["max_threads_per_threadgroup"]
-        if limit is None or tile_size * rows <= limit:
-            break
-        fits = [r for r in range(1, rows) if tile_size % r == 0 and tile_size * r <= limit]
-        if not fits:
-            lib, rows = library(device, stage_file, tile_size, extra_for(tile_size)), tile_size
-            break
-        rows = max(fits)
-    _fitted_libraries[key] = (lib, rows)
-    return lib, rows
+    rows = _fitted_groups.get(key)
+    if rows is None:
+        rows = tile_size
+        while True:
+            limit = build(rows).limits(kernel)["max_threads_per_threadgroup"]
+            if limit is None or tile_size * rows <= limit:
+                break
+            fits = [r for r in range(1, rows) if tile_size % r == 0 and tile_size * r <= limit]
+            if not fits:
+                rows = tile_size
+                break
+            rows = max(fits)
+        _fitted_groups[key] = rows
+    return build(rows), rows
 
 
 def group_library(device: torch.device, stage_file: str, kernel: str, define: str, group: int, multiple: int = 32):
@@ -120,22 +122,24 @@ def group_library(device: torch.device, stage_file: str, kernel: str, define: st
     SPLAT_PROJECT_BWD_GROUP): `group` threads, or, where this GPU's pipeline allows fewer, the largest
     multiple of `multiple` within its reported limit, chosen at library build time. Where not even
     `multiple` fits, the `group` library is returned and its launch stops with ThreadgroupLimitError."""
+
+    def build(size):
+        return library(device, stage_file, extra=((define, size),))
+
     key = (torch.device(device).type, stage_file, kernel, define, group)
-    hit = _fitted_libraries.get(key)
-    if hit is not None:
-        return hit
-    size = group
-    while True:
-        lib = library(device, stage_file, extra=((define, size),))
-        limit = lib.limits(kernel)["max_threads_per_threadgroup"]
-        if limit is None or size <= limit:
-            break
-        if limit < multiple:
-            lib, size = library(device, stage_file, extra=((define, group),)), group
-            break
-        size = limit - limit % multiple
-    _fitted_libraries[key] = (lib, size)
-    return lib, size
+    size = _fitted_groups.get(key)
+    if size is None:
+        size = group
+        while True:
+            limit = build(size).limits(kernel)["max_threads_per_threadgroup"]
+            if limit is None or size <= limit:
+                break
+            if limit < multiple:
+                size = group
+                break
+            size = limit - limit % multiple
+        _fitted_groups[key] = size
+    return build(size), size
 
 
 def grid_1d(n: int) -> dict:

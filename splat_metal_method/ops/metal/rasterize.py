@@ -94,7 +94,8 @@ def rasterize_to_pixels_fwd(
     if M == 0:  # kernels bind every buffer; give flatten_ids one (never read) element
         flatten_ids = torch.zeros((1,), dtype=torch.int32, device=device)
 
-    lib, rows = tile_library(device, "rasterize.metal", "rasterize_fwd", tile_size, lambda _rows: (("SPLAT_CHANNELS", D),))
+    lib, rows = tile_library(device, "rasterize.metal", "rasterize_fwd", tile_size,
+                             lambda _rows: (("SPLAT_CHANNELS", D),))  # rows: of a tile per group (kernels.py)
     grid = {"threads": (tile_width * tile_size, tile_height * tile_size, C), "group_size": (tile_size, rows, 1)}
     args = (
         means2d.contiguous(), conics.contiguous(), colors.contiguous(), opacities.contiguous(), bg,

@@ -93,7 +93,7 @@ def test_rasterizer_runs_in_tile_strips_where_the_pipeline_allows_fewer_threads(
                                           backgrounds, chunk=7)[:2]  # fmt: skip
         return out, several, [t.grad for t in leaves] + [leaves[0].absgrad]
 
-    monkeypatch.setattr(kernels, "_fitted_libraries", {})
+    monkeypatch.setattr(kernels, "_fitted_groups", {})
     full = render()
     assert kernels.tile_library(torch.device("cpu"), "rasterize.metal", "rasterize_fwd", ts,
                                 lambda _r: (("SPLAT_CHANNELS", D),))[1] == ts  # fmt: skip
@@ -107,7 +107,7 @@ def test_rasterizer_runs_in_tile_strips_where_the_pipeline_allows_fewer_threads(
         return limits
 
     monkeypatch.setattr(runtime, "pipeline_limits", register_heavy)
-    monkeypatch.setattr(kernels, "_fitted_libraries", {})
+    monkeypatch.setattr(kernels, "_fitted_groups", {})
     lib, got_rows = kernels.tile_library(torch.device("cpu"), "rasterize.metal", "rasterize_fwd", ts,
                                          lambda _r: (("SPLAT_CHANNELS", D),))  # fmt: skip
     assert got_rows == rows and lib.limits("rasterize_fwd")["max_threads_per_threadgroup"] == min(limit, ts * rows)
@@ -148,7 +148,7 @@ def test_projection_backward_runs_in_smaller_groups_where_the_pipeline_allows_fe
         loss.backward()
         return [t.grad for t in leaves]
 
-    monkeypatch.setattr(kernels, "_fitted_libraries", {})
+    monkeypatch.setattr(kernels, "_fitted_groups", {})
     full = grads()
     real_limits = runtime.pipeline_limits
 
@@ -159,7 +159,7 @@ def test_projection_backward_runs_in_smaller_groups_where_the_pipeline_allows_fe
         return limits
 
     monkeypatch.setattr(runtime, "pipeline_limits", register_heavy)
-    monkeypatch.setattr(kernels, "_fitted_libraries", {})
+    monkeypatch.setattr(kernels, "_fitted_groups", {})
     _, group = kernels.group_library(torch.device("cpu"), "project_bwd.metal", "project_bwd",
                                      "SPLAT_PROJECT_BWD_GROUP", GROUP)  # fmt: skip
     assert group == 96

@@ -10,7 +10,8 @@ MetalCompileError naming the .metal file and line. Refused:
     the call graph is by name, so overloads of one name that call each other count as recursion),
     ``#include`` of anything but <metal_stdlib>, ``#pragma`` other than ``once``,
     ``METAL fp math_mode(safe)`` and ``METAL fp contract(off)`` (the only math the emulator runs: a
-    fast-math pragma would make the GPU compute what the emulator never tested); variable-length arrays are refused by the compilers
+    fast-math pragma would make the GPU compute what the emulator never tested); variable-length arrays
+    are refused by the compilers
     (``-Werror=vla`` for g++ and the address-space check's clang);
   * kernel signatures Metal rejects: a buffer index above 30 (Metal binds at most 31 buffers), a
     buffer that is not a ``device``/``constant`` pointer or reference, a pointer or reference
