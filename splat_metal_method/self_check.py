@@ -269,8 +269,10 @@ def verify(device: torch.device, run: RunKernels, before: str = "training", stri
         entry = {**facts, "checks": len(checks), "seconds": round(seconds, 2), "when": when}
         if not bad:
             _store(path, key, {**entry, "passed": True})
+            math = "safe math declared" if _safe_math(device) else f"safe math not declarable: {FAST_MATH_ENV} applies"
             _print(f"splat-metal: Metal self-check passed on {facts['gpu']}: {len(checks)} checks of the stages this "
-                   f"run uses in {seconds:.1f} s (verdict cached in {path}; skip with {SKIP_OPTION})")  # fmt: skip
+                   f"run uses in {seconds:.1f} s, MSL {facts['msl'] / 100:.1f} ({math}; verdict cached in {path}; "
+                   f"skip with {SKIP_OPTION})")  # fmt: skip
             return seconds
         stages, message = failed_stages(bad), failure_message(bad, device, before)
         _store(path, key, {**entry, "passed": False, "failed": stages, "message": message})

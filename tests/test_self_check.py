@@ -100,6 +100,7 @@ def test_verdict_is_cached_and_the_check_runs_nothing_then(tmp_path, monkeypatch
     assert runtime.launch_counts() == {}
     (entry,) = json.loads(self_check.cache_path().read_text()).values()
     assert entry["run"]["rasterize_mode"] == "antialiased" and entry["gpu"].startswith("MSL emulator")
+    assert entry["msl"] == 320  # keyed on the MSL version the kernels are built at (the emulator's 3.2)
 
 
 def test_an_mcmc_run_also_checks_the_covariance_kernel(tmp_path, monkeypatch):
