@@ -284,6 +284,8 @@ def facts(device: torch.device) -> Dict[str, str]:
         "native cpu backend": _native_cpu_fact(),
     }
     info["PYTORCH_MPS_FAST_MATH"] = fast_math_fact()
+    if device.type in ("mps", "cpu"):
+        info["safe math in the kernels"] = safe_math_fact(device)
     if device.type == "mps":
         from .self_check import gpu_name
 
@@ -305,6 +307,22 @@ def fast_math_fact() -> str:
     return f"{value!r}: " + ("FAST MATH ON (the checks above ran with it)" if fast_math_enabled() else "off")
 
 
+def safe_math_fact(device: torch.device) -> str:
+    """Whether the kernels declare safe math (common.h's `#pragma METAL fp math_mode(safe)`) at the MSL version
+    they are built at for `device` (the MSL emulator on cpu), i.e. whether PYTORCH_MPS_FAST_MATH can change them."""
+    from .ops.metal.kernels import SAFE_MATH_MSL, msl_version
+
+    try:
+        version = msl_version(device.type)
+    except Exception as e:  # the probe kernel did not build or run: the doctor still reports the rest
+        return f"unknown (the MSL version probe failed: {type(e).__name__}: {e})"
+    name = f"MSL {version // 100}.{version % 100 // 10}"
+    if version >= SAFE_MATH_MSL:
+        return f"declared ({name}: PYTORCH_MPS_FAST_MATH cannot change them)"
+    return (f"not declarable ({name} < 3.2): PYTORCH_MPS_FAST_MATH would compile them with fast math; the "
+            "self-check then runs the stages it breaks on the reference")
+
+
 def _print_pipelines(device: torch.device) -> None:
     """Each compiled kernel's pipeline limits as this GPU reports them, next to what we dispatch."""
     from rich.console import Console
@@ -322,7 +340,11 @@ def _print_pipelines(device: torch.device) -> None:
             lim = {k: "-" if v is None else str(v) for k, v in lib.limits(kernel).items()}
             ours, limit = kernels.group_threads(kernel), lib.limits(kernel)["max_threads_per_threadgroup"]
             fits = limit is None or ours <= limit
-            table.add_row(name, kernel, lim["max_threads_per_threadgroup"], str(ours) if fits else f"[red]{ours}[/red]",
+            # Over the limit, only the radix sort stops; the others run in smaller groups (kernels.py).
+            shown = str(ours)
+            if not fits:
+                shown = f"[red]{ours}[/red]" if kernel.startswith("radix_") else f"[yellow]{ours} (shrinks)[/yellow]"
+            table.add_row(name, kernel, lim["max_threads_per_threadgroup"], shown,
                           lim["thread_execution_width"], lim["static_thread_group_memory_length"])  # fmt: skip
     Console().print(table)
 

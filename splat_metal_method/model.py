@@ -88,10 +88,12 @@ class SplatMetalModelConfig(SplatfactoModelConfig):
     """Also release cached device memory every this many steps (0: off)."""
     memory_log_every: int = 100
     """Write memory scalars (Memory/...) to tensorboard/wandb/comet every this many steps (0: off)."""
-    metal_self_check: bool = True
+    metal_self_check: Union[bool, Literal["fallback", "strict"]] = True
     """Before training or rendering with the Metal kernels (on MPS, or CPU tensors under the emulator), check
-    the stages this run uses against the PyTorch reference on this GPU and stop on a mismatch; the verdict
-    is cached per machine (splat_metal_method/self_check.py). False skips the check."""
+    the stages this run uses against the PyTorch reference on this GPU; the verdict is cached per machine
+    (splat_metal_method/self_check.py). True ("fallback"): a stage that fails runs on the reference on the
+    same device, the others on Metal, and the run says so in one line. "strict": stop on a mismatch.
+    False skips the check."""
     nonfinite: Literal["recover", "stop"] = "recover"
     """When a gaussian parameter or gradient becomes NaN/Inf (checked after every step, reported with the
     step and parameter): "recover" drops the affected gaussians and continues; "stop" ends training

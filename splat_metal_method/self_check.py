@@ -11,14 +11,23 @@ to the model's, tile intersection + sort and the rasterizer at this run's tile s
 counts (3 for RGB training, 4 for RGB+depth: eval and the viewer), with absgrad when the strategy
 reads it.
 
-A pass is cached per machine in a small JSON file (``cache_path()``), keyed by torch version, GPU
-name, a hash of the kernel sources and their dispatch code, PYTORCH_MPS_FAST_MATH and the run's
-configuration, so it costs seconds once. A mismatch (or a stage that raises) stops the run before
-its first step (so before any checkpoint) with the stage, its error, how to report it and how to
-continue. SplatMetalModel calls :func:`ensure_verified` when training is set up and before each
-render (a set lookup once verified). It runs whenever the model's backend resolves to "metal": on
-MPS, and on CPU tensors under the MSL emulator (how the tests exercise it).
-Skip: ``--pipeline.model.metal-self-check False``.
+The verdict is cached per machine in a small JSON file (``cache_path()``), keyed by torch version,
+GPU name, the MSL version torch compiles at, a hash of the kernel sources and their dispatch code,
+PYTORCH_MPS_FAST_MATH and the run's configuration, so it costs seconds once.
+
+A stage that mismatches (or raises) falls back (``--pipeline.model.metal-self-check`` True, the
+default, or "fallback"): it runs on the PyTorch reference on the same device for the rest of the
+process (ops/stage_fallback.py), the other stages keep their Metal kernels, and the run says so in
+one line at start (the stage, its error, the doctor command to paste into an issue). Stages:
+projection, sh, isect+sort, rasterize, covariance. The cached verdict names the failed stages, so a
+later run falls back without checking again. ``strict`` stops the run before its first step (so
+before any checkpoint) instead; ``False`` skips the check. Fast math: where the MSL version cannot
+declare safe math in the source (below 3.2, see common.h), PYTORCH_MPS_FAST_MATH compiles the kernels
+with fast math; the check runs them as compiled (and is keyed on the variable), so a stage that fast
+math breaks is a failed stage like any other.
+SplatMetalModel calls :func:`ensure_verified` when training is set up and before each render (a set
+lookup once verified). It runs whenever the model's backend resolves to "metal": on MPS, and on CPU
+tensors under the MSL emulator (how the tests exercise it).
 """
 
 from __future__ import annotations
@@ -35,15 +44,19 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .ops import stage_fallback
 from .ops.constants import TILE_SIZE
 
 FAST_MATH_ENV = "PYTORCH_MPS_FAST_MATH"
 SKIP_OPTION = "--pipeline.model.metal-self-check False"
+STRICT_OPTION = "--pipeline.model.metal-self-check strict"
 FALLBACK_OPTION = "--pipeline.model.backend reference"
+DOCTOR_COMMAND = ".venv/bin/splat-metal-doctor 2>&1 | tee splat-metal-doctor.txt"
+MODES = (True, False, "fallback", "strict")  # --pipeline.model.metal-self-check; True is "fallback"
 # The check's scene: one camera (training renders one), non-square, partial edge tiles at 16 px.
 SCENE = {"n": 200, "width": 45, "height": 29, "cameras": 1}
 
@@ -126,10 +139,12 @@ def kernel_source_hash() -> str:
 
 def _key(device: torch.device, run: RunKernels) -> Tuple[str, dict]:
     from .doctor import BWD_RTOL, FWD_ATOL
+    from .ops.metal.kernels import msl_version
 
     facts = {
         "torch": torch.__version__,
         "gpu": gpu_name(device),
+        "msl": msl_version(device.type),
         "kernels": kernel_source_hash(),
         "fast_math": fast_math_enabled() and device.type == "mps",
         "run": asdict(run),
@@ -174,55 +189,99 @@ def run_checks(device: torch.device, run: RunKernels):
             modes=(run.rasterize_mode,), absgrad=run.absgrad, backgrounds=False, cameras=SCENE["cameras"],
             n=SCENE["n"],
         )  # fmt: skip
-        if run.depth_chunks:
-            checks += full_op_checks(device, "metal", SCENE["width"], SCENE["height"], depth_chunks=3, n=SCENE["n"],
-                                     cameras=SCENE["cameras"], absgrad=run.absgrad,
-                                     rasterize_mode=run.rasterize_mode)  # fmt: skip
+        if run.depth_chunks:  # the whole op, with the stages found wrong above on the reference (as they will run)
+            with stage_fallback.also_failed(failed_stages([c for c in checks if not c.ok])):
+                checks += full_op_checks(device, "metal", SCENE["width"], SCENE["height"], depth_chunks=3,
+                                         n=SCENE["n"], cameras=SCENE["cameras"], absgrad=run.absgrad,
+                                         rasterize_mode=run.rasterize_mode)  # fmt: skip
         if run.covariance:
             checks += covariance_checks(device, "metal")
         return checks
+
+
+def failed_stages(bad: List) -> Dict[str, str]:
+    """stage -> the first failing check's description, in check order."""
+    stages: Dict[str, str] = {}
+    for c in bad:
+        stages.setdefault(stage_fallback.stage_of(c.stage), c.describe())
+    return stages
+
+
+def _fast_math_hint(device: torch.device) -> str:
+    from .ops.metal.kernels import safe_math_declared
+
+    if device.type != "mps" or not fast_math_enabled() or safe_math_declared(device.type):
+        return ""
+    return f" ({FAST_MATH_ENV} is set and this MSL version cannot declare safe math: unset it)"
+
+
+def fallback_message(stages: Dict[str, str], device: torch.device) -> str:
+    """The one line a run prints at start when stages fall back to the reference."""
+    failed = "; ".join(f"{stage} failed ({error})" for stage, error in stages.items())
+    which = "that stage runs" if len(stages) == 1 else "those stages run"
+    return (
+        f"splat-metal: Metal self-check on {gpu_name(device)}, torch {torch.__version__}: {failed}"
+        f"{_fast_math_hint(device)}; {which} on the PyTorch reference on {device.type}, the others on Metal. "
+        f"Please report it with the output of `{DOCTOR_COMMAND}`"
+    )
 
 
 def failure_message(bad: List, device: torch.device, before: str) -> str:
     lines = "\n".join(f"  - {c.describe()}" for c in bad)
     return (
         f"splat-metal: the Metal kernels failed their self-check on this GPU ({gpu_name(device)}, torch "
-        f"{torch.__version__}): they disagree with the PyTorch reference in\n{lines}\n"
-        f"Stopped before {before}; nothing was written to the run's checkpoints.\n"
-        f"To continue now: rerun with {FALLBACK_OPTION} (the PyTorch reference on the same GPU: slower, right).\n"
-        "Please report this: run `splat-metal-doctor` and paste its output, with the lines above, into an issue.\n"
+        f"{torch.__version__}){_fast_math_hint(device)}: they disagree with the PyTorch reference in\n{lines}\n"
+        f"Stopped before {before} ({STRICT_OPTION}); nothing was written to the run's checkpoints.\n"
+        "To continue now: rerun without it (the failing stages then run on the PyTorch reference, the others on "
+        f"Metal), or with {FALLBACK_OPTION} (every stage on the PyTorch reference on the same GPU: slower, right).\n"
+        f"Please report this: run `{DOCTOR_COMMAND}` and paste splat-metal-doctor.txt, with the lines above, "
+        "into an issue.\n"
         f"(Experts who accept wrong results can skip the check with {SKIP_OPTION}.)"
     )
 
 
-def verify(device: torch.device, run: RunKernels, before: str = "training") -> Optional[float]:
-    """Checks `run`'s stages on `device` unless this machine has passed them before. Returns the seconds
-    the check took (None when the cached verdict was used); raises SelfCheckFailed on a mismatch."""
+def _print(message: str) -> None:
     from nerfstudio.utils.rich_utils import CONSOLE
 
+    CONSOLE.print(message, highlight=False, soft_wrap=True)
+
+
+def verify(device: torch.device, run: RunKernels, before: str = "training", strict: bool = False) -> Optional[float]:
+    """Checks `run`'s stages on `device` unless this machine has a verdict for them. Returns the seconds the
+    check took (None when the cached verdict was used). Failed stages are marked to run on the reference
+    (ops/stage_fallback.py) and named in one printed line; with `strict`, SelfCheckFailed is raised instead."""
     path = cache_path()
     key, facts = _key(device, run)
     cached = _load_cache(path).get(key, {})
+    seconds = None
     if cached.get("passed"):
-        CONSOLE.print(f"splat-metal: Metal self-check passed on {facts['gpu']} (verdict of {cached.get('when')}, "
-                      f"cached in {path})", highlight=False, soft_wrap=True)  # fmt: skip
+        _print(f"splat-metal: Metal self-check passed on {facts['gpu']} (verdict of {cached.get('when')}, "
+               f"cached in {path})")  # fmt: skip
         return None
-    start = time.perf_counter()
-    checks = run_checks(device, run)
-    seconds = time.perf_counter() - start
-    bad = [c for c in checks if not c.ok]
-    if bad:
-        message = failure_message(bad, device, before)
+    if cached.get("failed"):  # the stages failed here before: same verdict, no check
+        stages, message = cached["failed"], cached.get("message", "")
+    else:
+        start = time.perf_counter()
+        checks = run_checks(device, run)
+        seconds = time.perf_counter() - start
+        bad = [c for c in checks if not c.ok]
+        when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        entry = {**facts, "checks": len(checks), "seconds": round(seconds, 2), "when": when}
+        if not bad:
+            _store(path, key, {**entry, "passed": True})
+            math = "safe math declared" if _safe_math(device) else f"safe math not declarable: {FAST_MATH_ENV} applies"
+            _print(f"splat-metal: Metal self-check passed on {facts['gpu']}: {len(checks)} checks of the stages this "
+                   f"run uses in {seconds:.1f} s, MSL {facts['msl'] / 100:.1f} ({math}; verdict cached in {path}; "
+                   f"skip with {SKIP_OPTION})")  # fmt: skip
+            return seconds
+        stages, message = failed_stages(bad), failure_message(bad, device, before)
+        _store(path, key, {**entry, "passed": False, "failed": stages, "message": message})
+    if strict:
         if threading.current_thread() is not threading.main_thread():  # a viewer thread: SystemExit is silent there
-            CONSOLE.print(message, highlight=False, soft_wrap=True)
+            _print(message)
         raise SelfCheckFailed(message)
-    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    _store(path, key, {**facts, "passed": True, "checks": len(checks), "seconds": round(seconds, 2), "when": when})
-    CONSOLE.print(
-        f"splat-metal: Metal self-check passed on {facts['gpu']}: {len(checks)} checks of the stages this run uses "
-        f"in {seconds:.1f} s (verdict cached in {path}; skip with {SKIP_OPTION})",
-        highlight=False, soft_wrap=True,
-    )  # fmt: skip
+    stage_fallback.mark_failed(stages)
+    _print(fallback_message(stages, device))
     return seconds
 
 
@@ -233,7 +292,10 @@ _lock = threading.Lock()
 def ensure_verified(model, device: torch.device, backend: str, before: str = "training") -> None:
     """The check for `model` rendering on `device` with `backend`, once per process and configuration;
     a no-op unless the backend resolves to "metal" and model.config.metal_self_check is on."""
-    if not getattr(model.config, "metal_self_check", True):
+    mode = getattr(model.config, "metal_self_check", True)
+    if mode not in MODES:
+        raise ValueError(f"--pipeline.model.metal-self-check must be one of {MODES}, got {mode!r}")
+    if mode is False:
         return
     from .ops import resolve_backend
 
@@ -246,12 +308,19 @@ def ensure_verified(model, device: torch.device, backend: str, before: str = "tr
     with _lock:  # the viewer's render thread and training may both get here first
         if (device.type, run) in _verified:
             return
-        if device.type == "mps" and fast_math_enabled():
+        if device.type == "mps" and fast_math_enabled() and not _safe_math(device):
             warnings.warn(
                 f"splat-metal: {FAST_MATH_ENV}={os.environ[FAST_MATH_ENV]} makes torch compile the Metal kernels "
-                "with fast math; they are verified without it. The self-check runs them as compiled, but results "
-                f"may differ more from the reference. Unset {FAST_MATH_ENV} unless you measured it.",
+                "with fast math (this MSL version cannot declare safe math in the source); they are verified "
+                "without it. The self-check runs them as compiled: a stage fast math breaks runs on the reference. "
+                f"Unset {FAST_MATH_ENV} unless you measured it.",
                 RuntimeWarning, stacklevel=2,
             )  # fmt: skip
-        verify(device, run, before)
+        verify(device, run, before, strict=mode == "strict")
         _verified.add((device.type, run))
+
+
+def _safe_math(device: torch.device) -> bool:
+    from .ops.metal.kernels import safe_math_declared
+
+    return safe_math_declared(device.type)

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import reference
+from . import reference, stage_fallback
 from .rasterization import BACKENDS, resolve_backend, zero_quats_to_identity
 
 MCMC_OP_BACKENDS = BACKENDS
@@ -121,6 +121,8 @@ def quat_scale_to_covar_preci(
         from gsplat import quat_scale_to_covar_preci as gsplat_quat_scale_to_covar_preci
 
         return gsplat_quat_scale_to_covar_preci(zero_quats_to_identity(quats), scales, *flags)
+    if name == "metal" and "covariance" in stage_fallback.failed():  # failed the self-check on this GPU
+        name = "reference"
     if name == "reference" or quats.dtype != torch.float32 or scales.dtype != torch.float32:
         return reference.quat_scale_to_covar_preci(quats, scales, *flags)
     return _QuatScaleToCovarPreciFn.apply(_native_covar_fwd(name), quats, scales, *flags)

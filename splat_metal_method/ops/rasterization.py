@@ -112,15 +112,16 @@ def zero_quats_to_identity(quats: Tensor) -> Tensor:  # [N, 4] -> [N, 4]
 
 
 def backend_module(name: str) -> ModuleType:
-    """The module implementing the five stages for a (non-gsplat) backend."""
+    """The module implementing the five stages for a (non-gsplat) backend. For "metal", stages that
+    failed the self-check on this GPU run on the reference (ops/stage_fallback.py)."""
     if name == "reference":
         from . import reference
 
         return reference
     if name == "metal":
-        from . import metal
+        from . import metal, stage_fallback
 
-        return metal
+        return stage_fallback.routed(metal)
     if name == "cpu":
         from . import cpu
 

@@ -15,6 +15,18 @@
 #include <metal_stdlib>
 using namespace metal;
 
+// Safe math, whatever torch was told: with PYTORCH_MPS_FAST_MATH set, torch compiles every library with
+// fast math, under which NaN tests, forward and backward agreeing at the ALPHA_MIN threshold, and
+// isect_count / isect_emit agreeing on a tile rectangle no longer hold. From MSL 3.2 (macOS 15, torch
+// >= 2.11) the source declares its math mode, which the compile option does not override; below it
+// cannot, and the self-check (which runs the kernels as compiled, keyed on PYTORCH_MPS_FAST_MATH) turns
+// a fast-math mismatch into a failed stage that runs on the reference (splat_metal_method/self_check.py).
+// The emulator compiles as MSL 3.2 (msl_shim.h) with exactly this math: no fast math, -ffp-contract=off.
+#if __METAL_VERSION__ >= 320
+#pragma METAL fp math_mode(safe)
+#pragma METAL fp contract(off)
+#endif
+
 #ifndef SPLAT_TILE_SIZE
 #error "SPLAT_TILE_SIZE must be injected by kernels.py (from ops/constants.py)"
 #endif
@@ -30,6 +42,16 @@ using namespace metal;
 
 // Threads of one rasterization threadgroup: one per pixel of a tile.
 #define SPLAT_TILE_PIXELS (SPLAT_TILE_SIZE * SPLAT_TILE_SIZE)
+// Rows of its tile one rasterizer threadgroup covers: all of them, unless this GPU's pipeline allows fewer
+// threads per group (kernels.tile_library injects a divisor of SPLAT_TILE_SIZE); each strip's group then
+// walks the whole tile list for its pixels, so every pixel computes exactly what it does in a full tile.
+#ifndef SPLAT_GROUP_ROWS
+#define SPLAT_GROUP_ROWS SPLAT_TILE_SIZE
+#endif
+#if SPLAT_TILE_SIZE % SPLAT_GROUP_ROWS != 0
+#error "SPLAT_GROUP_ROWS must divide SPLAT_TILE_SIZE (a group's rows lie in one tile)"
+#endif
+#define SPLAT_RASTER_THREADS (SPLAT_TILE_SIZE * SPLAT_GROUP_ROWS)
 
 // Every kernel declares [[max_total_threads_per_threadgroup(N)]] with N = the group size its host
 // code dispatches: SPLAT_TILE_PIXELS (rasterizer), SPLAT_RADIX_THREADS (sort),

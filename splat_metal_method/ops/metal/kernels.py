@@ -63,6 +63,93 @@ def library(device: torch.device, stage_file: str, tile_size: int = constants.TI
     return library_for(device, stage_source(stage_file, tile_size, extra), name=stage_file)
 
 
+# The first MSL version whose source can declare its math mode (common.h's `#pragma METAL fp math_mode(safe)`);
+# below it, PYTORCH_MPS_FAST_MATH compiles our kernels with fast math.
+SAFE_MATH_MSL = 320
+_MSL_VERSION_PROBE = """#include <metal_stdlib>
+using namespace metal;
+kernel void msl_version(device int* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  if (i == 0) {
+    out[0] = __METAL_VERSION__;
+  }
+}
+"""
+
+
+@lru_cache(maxsize=None)
+def msl_version(device_type: str) -> int:
+    """__METAL_VERSION__ of the libraries built for `device_type` ("mps": the version torch compiles at on
+    this macOS, e.g. 310 for MSL 3.1; "cpu": the emulator's 320). One tiny probe kernel, once per process."""
+    device = torch.device(device_type)
+    out = torch.zeros(1, dtype=torch.int32, device=device)
+    library_for(device, _MSL_VERSION_PROBE, name="msl_version_probe").msl_version(out, threads=(1,), group_size=(1,))
+    return int(out.item())
+
+
+def safe_math_declared(device_type: str) -> bool:
+    """Whether our kernels declare safe math at the MSL version they are built at for `device_type` (then
+    PYTORCH_MPS_FAST_MATH cannot change them)."""
+    return msl_version(device_type) >= SAFE_MATH_MSL
+
+
+_fitted_groups: dict = {}  # (device type, stage file, kernel, variant) -> the group geometry its pipeline allows
+
+
+def tile_library(device: torch.device, stage_file: str, kernel: str, tile_size: int, extra_for) -> tuple:
+    """(library, rows) of a tile kernel (rasterize_fwd / rasterize_bwd: one thread per pixel of a tile), built
+    for the group this GPU's pipeline allows, chosen at library build time from the limit it reports: the
+    whole tile (rows = tile_size, tile_size^2 threads), or, where a register-heavy pipeline allows fewer
+    threads per group, strips of `rows` rows (the largest divisor of tile_size that fits; SPLAT_GROUP_ROWS).
+    Dispatch with group_size (tile_size, rows, 1). `extra_for(rows)`: the library's other variant defines.
+    Where not even one row fits, the full-tile library is returned and its launch stops with
+    ThreadgroupLimitError."""
+
+    def build(rows):
+        return library(device, stage_file, tile_size,
+                       extra_for(rows) + ((("SPLAT_GROUP_ROWS", rows),) if rows != tile_size else ()))  # fmt: skip
+
+    key = (torch.device(device).type, stage_file, kernel, tile_size, extra_for(tile_size))
+    rows = _fitted_groups.get(key)
+    if rows is None:
+        rows = tile_size
+        while True:
+            limit = build(rows).limits(kernel)["max_threads_per_threadgroup"]
+            if limit is None or tile_size * rows <= limit:
+                break
+            fits = [r for r in range(1, rows) if tile_size % r == 0 and tile_size * r <= limit]
+            if not fits:
+                rows = tile_size
+                break
+            rows = max(fits)
+        _fitted_groups[key] = rows
+    return build(rows), rows
+
+
+def group_library(device: torch.device, stage_file: str, kernel: str, define: str, group: int, multiple: int = 32):
+    """(library, group) of a 1-D kernel whose group size is the define `define` (project_bwd's
+    SPLAT_PROJECT_BWD_GROUP): `group` threads, or, where this GPU's pipeline allows fewer, the largest
+    multiple of `multiple` within its reported limit, chosen at library build time. Where not even
+    `multiple` fits, the `group` library is returned and its launch stops with ThreadgroupLimitError."""
+
+    def build(size):
+        return library(device, stage_file, extra=((define, size),))
+
+    key = (torch.device(device).type, stage_file, kernel, define, group)
+    size = _fitted_groups.get(key)
+    if size is None:
+        size = group
+        while True:
+            limit = build(size).limits(kernel)["max_threads_per_threadgroup"]
+            if limit is None or size <= limit:
+                break
+            if limit < multiple:
+                size = group
+                break
+            size = limit - limit % multiple
+        _fitted_groups[key] = size
+    return build(size), size
+
+
 def grid_1d(n: int) -> dict:
     """Launch arguments for one thread per item (partial last group; kernels bound-check). These kernels
     never synchronise, so the runtime may shrink the group to what a pipeline allows (fit_group)."""

@@ -8,9 +8,10 @@ import torch
 from torch import Tensor
 
 from ..autograd_stages import camera_grads
-from .kernels import library
+from .kernels import group_library
 
-GROUP = 256  # threads per group (injected as SPLAT_PROJECT_BWD_GROUP); a group lies in one camera
+GROUP = 256  # threads per group (injected as SPLAT_PROJECT_BWD_GROUP; fewer where the pipeline allows fewer); a group
+# lies in one camera
 
 
 def project_bwd(
@@ -49,18 +50,19 @@ def project_bwd(
     v_means = torch.empty((C, N, 3), dtype=torch.float32, device=device)
     v_quats = torch.empty((C, N, 4), dtype=torch.float32, device=device)
     v_scales = torch.empty((C, N, 3), dtype=torch.float32, device=device)
-    n_groups = (N + GROUP - 1) // GROUP
+    lib, group = group_library(device, "project_bwd.metal", "project_bwd", "SPLAT_PROJECT_BWD_GROUP", GROUP)
+    n_groups = (N + group - 1) // group
     placeholder = torch.zeros((1,), dtype=torch.float32, device=device)
     camera_grad = bool(viewmats_grad or Ks_grad)
     part = torch.empty((C, n_groups, 16), dtype=torch.float32, device=device) if camera_grad else placeholder
     if C * N > 0:
-        library(device, "project_bwd.metal", extra=(("SPLAT_PROJECT_BWD_GROUP", GROUP),)).project_bwd(
+        lib.project_bwd(
             means.contiguous(), quats.contiguous(), scales.contiguous(), viewmats.contiguous(), Ks.contiguous(),
             radii.contiguous(), v_means2d.contiguous(), v_depths.contiguous(), v_conics.contiguous(),
             v_compensations.contiguous() if v_compensations is not None else placeholder,
             v_means, v_quats, v_scales, part,
             N, int(width), int(height), float(eps2d), int(v_compensations is not None), int(camera_grad), n_groups,
-            threads=(n_groups * GROUP, C), group_size=(GROUP, 1),
+            threads=(n_groups * group, C), group_size=(group, 1),
         )  # fmt: skip
     v_viewmats = v_Ks = None
     if camera_grad:

@@ -14,7 +14,8 @@
 
 // rasterize_fwd: one threadgroup per (tile x, tile y, camera), one thread per pixel of the tile
 // (grid = (tile_width*TS, tile_height*TS, C), group = (TS, TS, 1); threads of pixels outside the image
-// stay alive, masked, because they load gaussians and must reach every barrier).
+// stay alive, masked, because they load gaussians and must reach every barrier). Where the pipeline
+// allows fewer threads, group = (TS, GROUP_ROWS, 1): one group per strip of GROUP_ROWS rows of a tile.
 //
 // Work bound: a pass handles at most `chunk` gaussians of each tile: [start + pass*chunk, ...). The
 // host runs ceil(max tile length / chunk) passes when one is not enough; between passes a pixel's
@@ -23,7 +24,7 @@
 // render_alphas). A group whose tile has nothing left in this pass returns at once: that condition
 // is uniform over the group, so no thread of it ever reaches a barrier.
 //
-// Loop invariant per batch of TILE_PIXELS gaussians (three barriers):
+// Loop invariant per batch of RASTER_THREADS gaussians (three barriers):
 //   A. every simdgroup publishes simd_all(done) in sg_done[]; barrier;
 //   B. all threads read the same sg_done[] -> the same decision to stop (uniform break), else each
 //      thread loads one gaussian (id, mean, conic, opacity) into threadgroup memory; barrier;
@@ -38,7 +39,7 @@
 // also writes pixel_done (then [C, H, W]), the stop state the next chunk resumes from.
 // Threadgroup memory: TILE_PIXELS * (4 + 8 + 16 + 4 / 8) bytes = 7.3 KB for 16x16 tiles. Nothing
 // assumes 32-wide simdgroups (Apple's width) or full ones: tiles of 1 to 32 pixels a side.
-[[max_total_threads_per_threadgroup(SPLAT_TILE_PIXELS)]]
+[[max_total_threads_per_threadgroup(SPLAT_RASTER_THREADS)]]
 kernel void rasterize_fwd(
     const device float* means2d [[buffer(0)]],       // [C*N, 2]
     const device float* conics [[buffer(1)]],        // [C*N, 3]
@@ -70,13 +71,14 @@ kernel void rasterize_fwd(
     uint lane [[thread_index_in_simdgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint n_sg [[simdgroups_per_threadgroup]]) {
-  threadgroup int s_ids[SPLAT_TILE_PIXELS];
-  threadgroup float2 s_xy[SPLAT_TILE_PIXELS];
-  threadgroup float4 s_conic_opac[SPLAT_TILE_PIXELS];
-  threadgroup int s_sg_done[(SPLAT_TILE_PIXELS + 7) / 8];  // one per simdgroup (room for 8-wide ones)
+  threadgroup int s_ids[SPLAT_RASTER_THREADS];
+  threadgroup float2 s_xy[SPLAT_RASTER_THREADS];
+  threadgroup float4 s_conic_opac[SPLAT_RASTER_THREADS];
+  threadgroup int s_sg_done[(SPLAT_RASTER_THREADS + 7) / 8];  // one per simdgroup (room for 8-wide ones)
 
   const long cam = (long)tgp.z;
-  const long tile_flat = (cam * tile_height + (long)tgp.y) * tile_width + (long)tgp.x;
+  const long tile_y = (long)tgp.y / (SPLAT_TILE_SIZE / SPLAT_GROUP_ROWS);  // a group covers GROUP_ROWS rows
+  const long tile_flat = (cam * tile_height + tile_y) * tile_width + (long)tgp.x;
   const long range_start = tile_offsets[tile_flat];
   const long range_end = (tile_flat + 1 < total_tiles) ? (long)tile_offsets[tile_flat + 1] : n_isects;
   const long lo = range_start + pass_index * chunk;
@@ -87,7 +89,7 @@ kernel void rasterize_fwd(
   const bool final_pass = hi == range_end;
 
   const long pix_x = (long)tgp.x * SPLAT_TILE_SIZE + (long)lid.x;
-  const long pix_y = (long)tgp.y * SPLAT_TILE_SIZE + (long)lid.y;
+  const long pix_y = (long)tgp.y * SPLAT_GROUP_ROWS + (long)lid.y;
   const bool inside = pix_x < width && pix_y < height;
   const long pix = (cam * height + pix_y) * width + pix_x;  // meaningful only if inside
   const float px = (float)pix_x + 0.5f;
@@ -113,16 +115,16 @@ kernel void rasterize_fwd(
     done = pixel_done[pix] != 0;
   }
 
-  for (long batch_start = lo; batch_start < hi; batch_start += SPLAT_TILE_PIXELS) {
+  for (long batch_start = lo; batch_start < hi; batch_start += SPLAT_RASTER_THREADS) {
     // A. publish per-simdgroup completion
     const bool sg_all_done = simd_all(done);
-    if (lane == 0 && sgid < (SPLAT_TILE_PIXELS + 7) / 8) {
+    if (lane == 0 && sgid < (SPLAT_RASTER_THREADS + 7) / 8) {
       s_sg_done[sgid] = sg_all_done ? 1 : 0;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // B. uniform stop decision, then cooperative load
     bool all_done = true;
-    for (uint s = 0; s < n_sg && s < (SPLAT_TILE_PIXELS + 7) / 8; ++s) {
+    for (uint s = 0; s < n_sg && s < (SPLAT_RASTER_THREADS + 7) / 8; ++s) {
       all_done = all_done && (s_sg_done[s] != 0);
     }
     if (all_done) {
@@ -138,7 +140,7 @@ kernel void rasterize_fwd(
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // C. composite this batch
     const long remaining = hi - batch_start;
-    const int batch_size = remaining < SPLAT_TILE_PIXELS ? (int)remaining : SPLAT_TILE_PIXELS;
+    const int batch_size = remaining < SPLAT_RASTER_THREADS ? (int)remaining : SPLAT_RASTER_THREADS;
     for (int t = 0; t < batch_size && !done; ++t) {
       const float4 co = s_conic_opac[t];
       const float2 xy = s_xy[t];

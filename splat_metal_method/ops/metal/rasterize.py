@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import runtime
-from .kernels import library
+from .kernels import tile_library
 
 # Gaussians of one tile composited per pass, at most. Pass p composites entries [p chunk, (p+1) chunk)
 # of every tile's list; a pass costs at most TILE_PIXELS x chunk gaussian-pixel evaluations per tile.
@@ -124,9 +124,10 @@ class Band(NamedTuple):
         return t if self.camera is None or t.dim() < 2 else t[self.camera:]
 
 
-def band(d: Dispatch, C: int, height: int, tile_size: int, tile_width: int, tile_height: int) -> Band:
+def band(d: Dispatch, C: int, height: int, tile_size: int, tile_width: int, tile_height: int,
+         rows: Optional[int] = None) -> Band:
     """The Band of dispatch `d`. Gaussian and intersection indices stay global."""
-    group = (tile_size, tile_size, 1)
+    group = (tile_size, rows or tile_size, 1)  # rows of a tile per group (kernels.tile_library)
     if d.camera is None:
         grid = (tile_width * tile_size, tile_height * tile_size, C)
         return Band(None, 0, height, tile_height, 0, {"threads": grid, "group_size": group})
@@ -215,13 +216,14 @@ def rasterize_to_pixels_fwd(
     if M == 0:  # kernels bind every buffer; give flatten_ids one (never read) element
         flatten_ids = torch.zeros((1,), dtype=torch.int32, device=device)
 
-    lib = library(device, "rasterize.metal", tile_size=tile_size, extra=(("SPLAT_CHANNELS", D),))
+    lib, rows = tile_library(device, "rasterize.metal", "rasterize_fwd", tile_size,
+                             lambda _rows: (("SPLAT_CHANNELS", D),))  # rows: of a tile per group (kernels.py)
     means2d, others = means2d.contiguous(), (conics.contiguous(), colors.contiguous(), opacities.contiguous())
     offsets, flatten_ids = isect_offsets.contiguous().view(-1), flatten_ids.contiguous()
     per_pixel = (render_colors, render_alphas, transmittance, last_ids, pixel_done)
     total_tiles = C * tile_width * tile_height
     for d in plan.dispatches:
-        b = band(d, C, height, tile_size, tile_width, tile_height)
+        b = band(d, C, height, tile_size, tile_width, tile_height, rows)
         runtime.reserve_work(device, d.work)
         lib.rasterize_fwd(
             b.means(means2d), *others, b.table(bg), offsets[b.first_tile:], flatten_ids, *map(b.rows, per_pixel),

@@ -14,8 +14,8 @@
 #ifndef SPLAT_BWD_BATCH
 #error "SPLAT_BWD_BATCH must be injected by rasterize_bwd.py"
 #endif
-#if SPLAT_BWD_BATCH > SPLAT_TILE_PIXELS || SPLAT_BWD_BATCH < 1
-#error "SPLAT_BWD_BATCH must be in 1..TILE_PIXELS (one loading thread per gaussian)"
+#if SPLAT_BWD_BATCH > SPLAT_RASTER_THREADS || SPLAT_BWD_BATCH < 1
+#error "SPLAT_BWD_BATCH must be in 1..RASTER_THREADS (one loading thread per gaussian)"
 #endif
 
 // Colour gradients are reduced four channels at a time (simd_sum of a float4).
@@ -26,7 +26,8 @@
 
 // rasterize_bwd: one threadgroup per (tile x, tile y, camera), one thread per pixel of the tile
 // (grid = (tile_width*TS, tile_height*TS, C), group = (TS, TS, 1)); the launch geometry of
-// rasterize_fwd. Threads of pixels outside the image stay alive (masked): they load gaussians and
+// rasterize_fwd, also where the pipeline allows fewer threads: group = (TS, GROUP_ROWS, 1), one group
+// per strip of a tile. Threads of pixels outside the image stay alive (masked): they load gaussians and
 // reach every barrier.
 //
 // The walk is back to front (gsplat's): each pixel starts from the forward's final transmittance
@@ -61,7 +62,7 @@
 // threads tid < batch_size load gaussian (batch_end - 1 - tid) into slot tid, so slot 0 is the
 // furthest back; barrier; each simdgroup walks the slots in order.
 // Threadgroup memory: BATCH * (4 + 8 + 16 + 4 D) bytes = 10 KB for 16x16 tiles and D = 3.
-[[max_total_threads_per_threadgroup(SPLAT_TILE_PIXELS)]]
+[[max_total_threads_per_threadgroup(SPLAT_RASTER_THREADS)]]
 kernel void rasterize_bwd(
     const device float* means2d [[buffer(0)]],          // [C*N, 2]
     const device float* conics [[buffer(1)]],           // [C*N, 3]
@@ -100,7 +101,8 @@ kernel void rasterize_bwd(
   threadgroup float s_rgb[SPLAT_BWD_BATCH * SPLAT_CHANNELS];
 
   const long cam = (long)tgp.z;
-  const long tile_flat = (cam * tile_height + (long)tgp.y) * tile_width + (long)tgp.x;
+  const long tile_y = (long)tgp.y / (SPLAT_TILE_SIZE / SPLAT_GROUP_ROWS);  // a group covers GROUP_ROWS rows
+  const long tile_flat = (cam * tile_height + tile_y) * tile_width + (long)tgp.x;
   const long range_start = tile_offsets[tile_flat];
   const long range_end = (tile_flat + 1 < total_tiles) ? (long)tile_offsets[tile_flat + 1] : n_isects;
   const long hi = range_end - pass_index * chunk;  // exclusive end of this pass (back to front)
@@ -111,7 +113,7 @@ kernel void rasterize_bwd(
   const bool more_passes = lo > range_start;
 
   const long pix_x = (long)tgp.x * SPLAT_TILE_SIZE + (long)lid.x;
-  const long pix_y = (long)tgp.y * SPLAT_TILE_SIZE + (long)lid.y;
+  const long pix_y = (long)tgp.y * SPLAT_GROUP_ROWS + (long)lid.y;
   const bool inside = pix_x < width && pix_y < height;
   const long pix = (cam * height + pix_y) * width + pix_x;  // meaningful only if inside
   const float px = (float)pix_x + 0.5f;

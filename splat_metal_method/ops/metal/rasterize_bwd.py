@@ -9,21 +9,23 @@ import torch
 from torch import Tensor
 
 from . import runtime
-from .kernels import library
+from .kernels import tile_library
 from .rasterize import MAX_CHANNELS, RASTER_CHUNK, PassPlan, band, plan_passes
 
 # Threadgroup memory the backward's shared-memory batch may use (Metal allows 32 KiB per group).
 BWD_BATCH_BYTES = 28 * 1024
 
 
-def bwd_batch(tile_size: int, channels: int) -> int:
-    """Gaussians per shared-memory batch: one per pixel of a tile, fewer when D is large.
+def bwd_batch(tile_size: int, channels: int, rows: Optional[int] = None) -> int:
+    """Gaussians per shared-memory batch: one per thread of a group (tile_size x rows pixels, the whole
+    tile by default), fewer when D is large.
 
     A gaussian takes 4 (id) + 8 (mean) + 16 (conic, opacity) + 4 D (colour) bytes; the batch is
     rounded down to whole simdgroups (32) when it has to shrink."""
+    threads = tile_size * (rows or tile_size)
     per_gaussian = 4 + 8 + 16 + 4 * channels
-    batch = min(tile_size * tile_size, BWD_BATCH_BYTES // per_gaussian)
-    if batch < tile_size * tile_size and batch >= 32:
+    batch = min(threads, BWD_BATCH_BYTES // per_gaussian)
+    if batch < threads and batch >= 32:
         batch -= batch % 32
     return max(1, batch)
 
@@ -96,15 +98,15 @@ def rasterize_to_pixels_bwd(
     bg = backgrounds.contiguous() if backgrounds is not None else placeholder
     abs_buf = absgrad_out if absgrad_out is not None else placeholder
 
-    lib = library(device, "rasterize_bwd.metal", tile_size=tile_size,
-                  extra=(("SPLAT_CHANNELS", D), ("SPLAT_BWD_BATCH", bwd_batch(tile_size, D))))  # fmt: skip
+    lib, rows = tile_library(device, "rasterize_bwd.metal", "rasterize_bwd", tile_size,
+                             lambda rows: (("SPLAT_CHANNELS", D), ("SPLAT_BWD_BATCH", bwd_batch(tile_size, D, rows))))
     means2d, others = means2d.contiguous(), (conics.contiguous(), colors.contiguous(), opacities.contiguous())
     offsets, flatten_ids = isect_offsets.contiguous().view(-1), flatten_ids.contiguous()
     per_pixel = (transmittance.contiguous(), last_ids.contiguous(), v_render_colors.contiguous(),
                  v_render_alphas.contiguous(), pix_T, pix_buf)  # fmt: skip
     total_tiles = C * tile_width * tile_height
     for d in plan.dispatches:  # a band's shifted means2d has the same gradients (d/dy of y - y0 is 1)
-        b = band(d, C, height, tile_size, tile_width, tile_height)
+        b = band(d, C, height, tile_size, tile_width, tile_height, rows)
         runtime.reserve_work(device, d.work * runtime.BWD_WORK_FACTOR)
         lib.rasterize_bwd(
             b.means(means2d), *others, b.table(bg), offsets[b.first_tile:], flatten_ids, *map(b.rows, per_pixel),

@@ -35,6 +35,7 @@ _FLAGS = [
     "-ffp-contract=off",  # no silent fma contraction: torch.mps.compile_shader has fast-math off
     "-U_FORTIFY_SOURCE",  # fortified longjmp refuses to jump between fiber stacks
     "-Werror=vla",  # variable-length arrays are not MSL
+    "-Wno-unknown-pragmas",  # `#pragma METAL fp ...` (common.h): msl_subset.py checks every pragma instead
 ]
 _ASAN_FLAGS = ["-fsanitize=address", "-fno-omit-frame-pointer", "-O1"]
 _GCC_ONLY_FLAGS = ["-fsingle-precision-constant"]  # `0.5` is a float literal in MSL, not a double

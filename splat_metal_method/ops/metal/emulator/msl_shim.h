@@ -46,6 +46,11 @@ typedef unsigned short ushort;
 typedef unsigned int uint;
 typedef unsigned long ulong;
 
+// The MSL version the emulator compiles as (Apple's compiler predefines __METAL_VERSION__): 3.2, the first
+// with `#pragma METAL fp math_mode(safe)` and `fp contract(off)` (common.h). That is the only math the
+// emulator runs (no fast math; -ffp-contract=off), and msl_subset.py refuses any other math pragma.
+#define __METAL_VERSION__ 320
+
 // ================================================================================================
 // Part 1: MSL surface
 // ================================================================================================

@@ -8,7 +8,10 @@ MetalCompileError naming the .metal file and line. Refused:
   * ``double``, ``std::``, C library calls (printf, malloc, ...), exceptions (throw/try/catch),
     ``virtual``, function pointers, recursion (direct or through other functions of the source;
     the call graph is by name, so overloads of one name that call each other count as recursion),
-    ``#include`` of anything but <metal_stdlib>; variable-length arrays are refused by the compilers
+    ``#include`` of anything but <metal_stdlib>, ``#pragma`` other than ``once``,
+    ``METAL fp math_mode(safe)`` and ``METAL fp contract(off)`` (the only math the emulator runs: a
+    fast-math pragma would make the GPU compute what the emulator never tested); variable-length arrays
+    are refused by the compilers
     (``-Werror=vla`` for g++ and the address-space check's clang);
   * kernel signatures Metal rejects: a buffer index above 30 (Metal binds at most 31 buffers), a
     buffer that is not a ``device``/``constant`` pointer or reference, a pointer or reference
@@ -45,6 +48,8 @@ _BANNED = [  # (regex over comment-free source, why Metal refuses it)
     (r"\(\s*\*\s*\w*\s*\)\s*\(", "a function pointer: MSL kernels cannot use function pointers"),
 ]
 _INCLUDE = re.compile(r"^[ \t]*#[ \t]*include\b[^\n]*", re.M)
+_PRAGMA = re.compile(r"^[ \t]*#[ \t]*pragma\b([^\n]*)", re.M)
+_ALLOWED_PRAGMAS = {"once", "METAL fp math_mode(safe)", "METAL fp contract(off)"}
 _LINE_DIRECTIVE = re.compile(r'^[ \t]*#[ \t]*line[ \t]+(\d+)(?:[ \t]+"([^"\n]*)")?', re.M)
 _NOT_CALLS = {"if", "for", "while", "switch", "return", "sizeof", "alignof", "defined", "static_assert"}
 
@@ -195,6 +200,10 @@ def check_msl_subset(source: str, clean: str, kernels: dict, name: str) -> None:
         if not re.search(r"#\s*include\s*<metal_stdlib>", raw):
             _fail(name, source, m.start(), f"`{raw.strip()}`: include only <metal_stdlib> "
                   "(torch.mps.compile_shader compiles one string and has no include path)")
+    for m in _PRAGMA.finditer(clean):
+        if " ".join(m.group(1).split()) not in _ALLOWED_PRAGMAS:
+            _fail(name, source, m.start(), f"`{m.group(0).strip()}`: the MSL emulator runs safe math only; allowed "
+                  f"pragmas: {', '.join('#pragma ' + p for p in sorted(_ALLOWED_PRAGMAS))}")
     funcs = _functions(clean)
     _check_recursion(name, source, clean, funcs)
     _check_kernel_signatures(name, source, kernels)
