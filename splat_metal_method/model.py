@@ -24,6 +24,7 @@ from nerfstudio.utils.rich_utils import CONSOLE
 
 from . import distributed, memory, reliability, render_device, self_check
 from .ops import rasterization
+from .ssim import FusedSSIM
 
 def viewmat_from_c2w(camera_to_world: torch.Tensor) -> torch.Tensor:  # [C, 3(4), 4] -> [C, 4, 4]
     """splatfacto's get_viewmat (same values and gradients), built from device ops only: splatfacto's
@@ -157,6 +158,7 @@ class SplatMetalModel(SplatfactoModel):
                 else:
                     self.features_dc.copy_(torch.logit(rgb, eps=1e-10))
                 self.features_rest.zero_()
+        self.ssim = FusedSSIM(data_range=1.0, channel=3)  # splatfacto's SSIM in fewer device ops (ssim.py)
         self._train_sizes = {}
         self.memory = memory.setup_model_memory(self)  # caps self.strategy; hooks via get_training_callbacks
         reliability.install_atomic_ply_export()  # in ns-export only: the .ply is written, then renamed
