@@ -47,6 +47,9 @@ GAUSSIAN_MEMORY_FRACTION = 0.5  # the rest: images, per-pixel buffers, intersect
 # gathers of the compositing that is recomputed in backward.
 BYTES_PER_INTERSECTION = 128
 INTERSECTION_MEMORY_FRACTION = 0.25
+# A training render skips the depth-chunk plan (a host read) while the previous render used at most
+# this fraction of the intersection budget: views of one scene differ by less than this factor.
+PLAN_HEADROOM = 4
 
 DeviceLike = Union[str, torch.device]
 
@@ -257,6 +260,29 @@ class BudgetedStrategy(DefaultStrategy):
         if step < self.refine_stop_iter and step % self.reset_every == 0:
             self.events.append((step, "reset"))
 
+    def _update_state(self, params, state, info, packed: bool = False):
+        """gsplat 1.4's running statistics (grad2d, count, radii) without its host read: gsplat
+        gathers the visible gaussians with torch.where (nonzero, a sync on MPS); here the same sums
+        are taken densely over [C, N], adding zero where a gaussian is not visible (bit-identical for
+        one camera, whose ids do not repeat)."""
+        if packed:
+            return super()._update_state(params, state, info, packed=packed)
+        grads = info[self.key_for_gradient].absgrad if self.absgrad else info[self.key_for_gradient].grad
+        grads = grads.clone()  # [C, N, 2]
+        grads[..., 0] *= info["width"] / 2.0 * info["n_cameras"]
+        grads[..., 1] *= info["height"] / 2.0 * info["n_cameras"]
+        n = len(params["means"])
+        for key in ("grad2d", "count") + (("radii",) if self.refine_scale2d_stop_iter > 0 else ()):
+            if state[key] is None:
+                state[key] = torch.zeros(n, device=grads.device)
+        visible = info["radii"] > 0.0  # [C, N]
+        norms = torch.where(visible, grads.norm(dim=-1), 0.0)  # [C, N]
+        state["grad2d"] += norms.sum(dim=0)
+        state["count"] += visible.sum(dim=0)
+        if self.refine_scale2d_stop_iter > 0:  # radii normalised to [0, 1] screen space; 0 where not visible
+            radii = info["radii"].amax(dim=0) / float(max(info["width"], info["height"]))  # [N]
+            torch.maximum(state["radii"], radii, out=state["radii"])
+
     def pop_events(self) -> List[Tuple[int, str]]:
         events = list(self.events)
         self.events.clear()
@@ -368,6 +394,7 @@ class MemoryManager:
         self.last_stats: Optional[MemoryStats] = None
         self._peak = 0
         self._eval_renders = 0
+        self._last_intersections: Optional[int] = None  # of the last training render (render_budget)
         self._lock: Optional[threading.Lock] = None
         if isinstance(strategy, BudgetedStrategy) and strategy.on_cap is None:
             strategy.on_cap = say
@@ -416,11 +443,25 @@ class MemoryManager:
             parts.append(f"RSS now {stats.rss / MiB:.0f} MiB")
         return "; ".join(parts)
 
-    def note_render(self, training: bool) -> None:
-        """Called by the model for every render. Eval-mode renders on the main thread are eval passes
-        (the viewer renders on its own thread and does not count)."""
+    def render_budget(self, training: bool) -> Optional[int]:
+        """``max_intersections`` for the model's next render: None (no depth-chunk plan, whose total is
+        a host read) for a training render when the previous one needed at most 1/PLAN_HEADROOM of the
+        budget; the budget otherwise (first render, eval and viewer renders, after a refine, or when
+        the previous render came near it or was chunked)."""
+        last = self._last_intersections
+        if training and self.max_intersections and last is not None and last * PLAN_HEADROOM <= self.max_intersections:
+            return None
+        return self.max_intersections
+
+    def note_render(self, training: bool, meta: Optional[dict] = None) -> None:
+        """Called by the model for every render with the render's meta. Eval-mode renders on the main
+        thread are eval passes (the viewer renders on its own thread and does not count). A training
+        render's intersection count (the size of flatten_ids, known on the host) sets render_budget."""
         if not training and threading.current_thread() is threading.main_thread():
             self._eval_renders += 1
+        if training:
+            ids = (meta or {}).get("flatten_ids")
+            self._last_intersections = int(ids.numel()) if isinstance(ids, torch.Tensor) else None
 
     # -- callbacks -------------------------------------------------------------------------------
     def before_iteration(self, step: int) -> None:
@@ -433,6 +474,8 @@ class MemoryManager:
         reasons = []
         pop_events = getattr(self.strategy, "pop_events", None)  # BudgetedStrategy, SplatMetalMCMCStrategy
         events = pop_events() if pop_events is not None else []
+        if any(kind == "refine" for _, kind in events):
+            self._last_intersections = None  # the gaussians changed: the next render plans again
         if self.empty_cache_after_refine:
             reasons += sorted({kind for _, kind in events})
         if self.empty_cache_every > 0 and step % self.empty_cache_every == 0:

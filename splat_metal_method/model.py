@@ -15,22 +15,43 @@ import contextlib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Literal, Type, Union
+from typing import Dict, List, Literal, Tuple, Type, Union
 
 import torch
 from nerfstudio.cameras.cameras import Cameras
-from nerfstudio.models.splatfacto import RGB2SH, SplatfactoModel, SplatfactoModelConfig, get_viewmat
+from nerfstudio.models.splatfacto import RGB2SH, SplatfactoModel, SplatfactoModelConfig
 from nerfstudio.utils.rich_utils import CONSOLE
 
 from . import distributed, memory, reliability, render_device, self_check
 from .ops import rasterization
+from .ssim import FusedSSIM
 
-# splatfacto's get_viewmat without its torch.compile wrapper (same values). Compiled, it ran no faster
-# (CPU: 601 vs 589 us forward+backward) and each new mode compiled for 2.7 s, so also the first viewer
-# render. Worse, the viewer interrupts a render by raising from a sys.settrace hook at the next Python
-# line; during dynamo's compile that became InternalTorchDynamoError, which the viewer does not catch:
-# the render thread for that browser died and it never got a frame.
-viewmat_from_c2w = getattr(get_viewmat, "__wrapped__", get_viewmat)
+def viewmat_from_c2w(camera_to_world: torch.Tensor) -> torch.Tensor:  # [C, 3(4), 4] -> [C, 4, 4]
+    """splatfacto's get_viewmat (same values and gradients), built from device ops only: splatfacto's
+    flips the y and z axes with a ``torch.tensor`` made on the host (a host-to-device copy every step,
+    which waits on MPS) and writes into a zeros matrix. Not compiled: splatfacto's torch.compile wrapper
+    ran no faster (CPU: 601 vs 589 us forward+backward), compiled 2.7 s per new mode (also the first
+    viewer render) and turned the viewer's render interrupt into an InternalTorchDynamoError."""
+    R = camera_to_world[:, :3, :3]  # [C, 3, 3]
+    T = camera_to_world[:, :3, 3:4]  # [C, 3, 1]
+    R = torch.cat([R[..., :1], -R[..., 1:]], dim=-1)  # flip the y and z axes (gsplat's convention)
+    R_inv = R.transpose(1, 2)  # analytic inverse of a rigid transform
+    T_inv = -torch.bmm(R_inv, T)
+    homogeneous = torch.zeros_like(camera_to_world[:, :1, :4])  # [C, 1, 4]: 0 0 0 1
+    homogeneous[..., 3] = 1.0
+    return torch.cat([torch.cat([R_inv, T_inv], dim=2), homogeneous], dim=1)
+
+
+def intrinsics(camera: Cameras, scale: int = 1) -> torch.Tensor:  # [C, 3, 3] on the camera's device
+    """``camera.get_intrinsics_matrices()`` of the camera rescaled by ``1 / scale`` (same values), built
+    where the camera lives. nerfstudio's builds K on the host and copies fx, fy, cx, cy into it: four
+    device-to-host reads, each waiting for the GPU, and then a copy back."""
+    fx, fy, cx, cy = camera.fx, camera.fy, camera.cx, camera.cy  # [C, 1]
+    if scale != 1:
+        fx, fy, cx, cy = fx * (1 / scale), fy * (1 / scale), cx * (1 / scale), cy * (1 / scale)
+    zero, one = torch.zeros_like(fx), torch.ones_like(fx)
+    return torch.cat([fx, zero, cx, zero, fy, cy, zero, zero, one], dim=-1).view(-1, 3, 3)
+
 
 # torchvision's AlexNet weights, which torchmetrics' LPIPS loads at construction.
 ALEXNET_WEIGHTS = "alexnet-owt-7be5be79.pth"
@@ -119,6 +140,7 @@ def max_downscale(width: int, height: int, min_size: int) -> int:
 class SplatMetalModel(SplatfactoModel):
     config: SplatMetalModelConfig
     _downscale_limit: int = 1 << 30  # max_downscale of the current training camera (get_outputs)
+    _train_sizes: Dict[int, Tuple[int, int]]  # cam_idx -> (width, height) of training cameras (get_outputs)
     gathered_params = None  # distributed runs, rank 0: every shard's gaussians, for the viewer and eval
 
     def populate_modules(self):
@@ -138,6 +160,8 @@ class SplatMetalModel(SplatfactoModel):
                 else:
                     self.features_dc.copy_(torch.logit(rgb, eps=1e-10))
                 self.features_rest.zero_()
+        self.ssim = FusedSSIM(data_range=1.0, channel=3)  # splatfacto's SSIM in fewer device ops (ssim.py)
+        self._train_sizes = {}
         self.memory = memory.setup_model_memory(self)  # caps self.strategy; hooks via get_training_callbacks
         reliability.install_atomic_ply_export()  # in ns-export only: the .ply is written, then renamed
 
@@ -187,6 +211,19 @@ class SplatMetalModel(SplatfactoModel):
             + self.nonfinite_guard.training_callbacks()
         )
 
+    def _train_camera_size(self, camera: Cameras) -> Tuple[int, int]:
+        """(width, height) of a training camera at full resolution, as ints. Read from the device the
+        first time each camera of the training set (metadata "cam_idx", which nerfstudio's datamanagers
+        set) is seen, then cached; a camera without an index is read every time."""
+        idx = (camera.metadata or {}).get("cam_idx")
+        idx = idx if isinstance(idx, int) else None
+        size = self._train_sizes.get(idx) if idx is not None else None
+        if size is None:
+            size = (int(camera.width.max()), int(camera.height.max()))
+            if idx is not None:
+                self._train_sizes[idx] = size
+        return size
+
     def get_outputs(self, camera: Cameras) -> Dict[str, Union[torch.Tensor, List]]:
         if not isinstance(camera, Cameras):
             raise TypeError(f"SplatMetalModel.get_outputs needs a Cameras object, got {type(camera).__name__}")
@@ -208,16 +245,22 @@ class SplatMetalModel(SplatfactoModel):
             params = {k: v[crop_ids] for k, v in params.items()}
         colors = torch.cat((params["features_dc"][:, None, :], params["features_rest"]), dim=1)  # [N, K, 3]
 
-        if self.training:
-            width, height = int(camera.width.max()), int(camera.height.max())
-            self._downscale_limit = max_downscale(width, height, self.config.min_train_size)
-        scale = self._get_downscale_factor()
-        camera.rescale_output_resolution(1 / scale)
         viewmat = viewmat_from_c2w(camera_to_world)  # [1, 4, 4]
-        K = camera.get_intrinsics_matrices().to(device)  # [1, 3, 3]
-        W, H = int(camera.width.item()), int(camera.height.item())
+        if self.training:
+            # Sizes as Python ints, read from the device once per training camera: a read per step
+            # would wait for the GPU's queue to drain (camera.width is a device tensor).
+            width, height = self._train_camera_size(camera)
+            self._downscale_limit = max_downscale(width, height, self.config.min_train_size)
+            scale = self._get_downscale_factor()
+            K = intrinsics(camera, scale).to(device)  # [1, 3, 3]
+            W, H = width // scale, height // scale  # as rescale_output_resolution(1 / scale): scale is a power of 2
+        else:
+            scale = self._get_downscale_factor()
+            camera.rescale_output_resolution(1 / scale)
+            K = camera.get_intrinsics_matrices().to(device)  # [1, 3, 3]
+            W, H = int(camera.width.item()), int(camera.height.item())
+            camera.rescale_output_resolution(scale)
         self.last_size = (H, W)
-        camera.rescale_output_resolution(scale)
 
         render_mode = "RGB+ED" if (self.config.output_depth_during_training or not self.training) else "RGB"
         if self.config.sh_degree > 0:
@@ -247,9 +290,9 @@ class SplatMetalModel(SplatfactoModel):
             absgrad=self.strategy.absgrad,
             rasterize_mode=self.config.rasterize_mode,
             backend=backend,
-            max_intersections=self.memory.max_intersections,
+            max_intersections=self.memory.render_budget(self.training),
         )
-        self.memory.note_render(self.training)
+        self.memory.note_render(self.training, self.info)
         if self.training:
             self.strategy.step_pre_backward(self.gauss_params, self.optimizers, self.strategy_state, self.step, self.info)
 
@@ -265,6 +308,28 @@ class SplatMetalModel(SplatfactoModel):
         if background.shape[0] == 3 and not self.training:
             background = background.expand(H, W, 3)
         return {"rgb": rgb.squeeze(0), "depth": depth, "accumulation": alpha.squeeze(0), "background": background}
+
+    def get_gt_img(self, image: torch.Tensor):
+        """splatfacto's, converted once per batch image: splatfacto converts the same uint8 image in
+        get_metrics_dict and again in get_loss_dict."""
+        cached = getattr(self, "_gt_img_cache", None)
+        if cached is not None and cached[0] is image and cached[1] == self._get_downscale_factor():
+            return cached[2]
+        gt_img = super().get_gt_img(image)
+        self._gt_img_cache = (image, self._get_downscale_factor(), gt_img)
+        return gt_img
+
+    def get_metrics_dict(self, outputs, batch) -> Dict[str, torch.Tensor]:
+        """splatfacto's; a training step's PSNR as -10 log10(MSE) (4 ops) instead of torchmetrics' stateful
+        metric (about 25 ops and copies of its state every step). Eval metrics are splatfacto's."""
+        if not self.training or self.config.color_corrected_metrics:
+            return super().get_metrics_dict(outputs, batch)
+        gt_rgb = self.composite_with_background(self.get_gt_img(batch["image"]), outputs["background"])
+        with torch.no_grad():
+            metrics = {"psnr": -10.0 * torch.log10(torch.mean((outputs["rgb"] - gt_rgb) ** 2))}
+        metrics["gaussian_count"] = self.num_points
+        self.camera_optimizer.get_metrics_dict(metrics)
+        return metrics
 
     @torch.no_grad()
     def get_outputs_for_camera(self, camera: Cameras, obb_box=None) -> Dict[str, torch.Tensor]:

@@ -285,6 +285,51 @@ def test_budgeted_strategy_without_cap_equals_default_strategy():
         assert torch.equal(results[0][k], results[1][k]), k
 
 
+@pytest.mark.parametrize("absgrad", [False, True])
+def test_running_statistics_without_host_read_equal_gsplat(absgrad):
+    """BudgetedStrategy._update_state (dense, no torch.where) leaves grad2d, count and radii exactly as
+    gsplat's (which gathers the visible gaussians on the host), one camera at a time, non-square."""
+    g = torch.Generator().manual_seed(3)
+    N = 50
+    states = []
+    for cls in (DefaultStrategy, memory.BudgetedStrategy):
+        strategy = cls(absgrad=absgrad, refine_scale2d_stop_iter=100)
+        state = strategy.initialize_state(scene_scale=1.0)
+        params = {"means": torch.zeros(N, 3)}
+        g.manual_seed(3)
+        for _ in range(3):
+            means2d = torch.zeros(1, N, 2, requires_grad=True)
+            means2d.grad = torch.randn(1, N, 2, generator=g)
+            means2d.absgrad = means2d.grad.abs() * 2
+            radii = torch.randint(-1, 9, (1, N), generator=g, dtype=torch.int32).clamp_min(0)  # some culled
+            info = {"width": 96, "height": 64, "n_cameras": 1, "radii": radii, "gaussian_ids": None, "means2d": means2d}
+            strategy._update_state(params, state, info)
+        states.append(state)
+    for key in ("grad2d", "count", "radii"):
+        assert torch.equal(states[0][key], states[1][key]), key
+    assert states[1]["count"].max() >= 2 and (states[1]["count"] < 3).any()  # visibility varied
+
+
+def test_depth_chunk_plan_is_skipped_only_well_under_the_budget():
+    """render_budget: a training render skips chunked.plan (its host read) when the previous one used
+    at most 1/PLAN_HEADROOM of the budget; first render, eval, after a refine, near the budget: plans."""
+    strategy = memory.BudgetedStrategy()
+    manager = memory.MemoryManager("cpu", strategy=strategy, max_intersections=4000, say=lambda m: None)
+    ids = lambda n: {"flatten_ids": torch.zeros(n, dtype=torch.int32)}  # noqa: E731
+    assert manager.render_budget(training=True) == 4000  # nothing known yet
+    manager.note_render(True, ids(1000))
+    assert manager.render_budget(training=True) is None and manager.render_budget(training=False) == 4000
+    manager.note_render(True, ids(1001))
+    assert manager.render_budget(training=True) == 4000  # too close to the budget
+    manager.note_render(True, {"flatten_ids": None})  # a depth-chunked render
+    assert manager.render_budget(training=True) == 4000
+    manager.note_render(True, ids(10))
+    strategy.events.append((100, "refine"))
+    manager.after_iteration(100)
+    assert manager.render_budget(training=True) == 4000  # the gaussians changed
+    assert memory.MemoryManager("cpu", max_intersections=None).render_budget(training=True) is None
+
+
 @pytest.mark.parametrize("screen_size_rule", [False, True], ids=["grad-only", "screen-size-split"])
 def test_cap_holds_and_pruning_continues(screen_size_rule):
     cap = 100

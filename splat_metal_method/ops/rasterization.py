@@ -231,7 +231,7 @@ def rasterization(
     if sh_degree is None:
         colors = colors.expand(C, -1, -1)  # [C, N, D]
     else:
-        campos = torch.linalg.inv(viewmats)[:, :3, 3]  # [C, 3]
+        campos = torch.linalg.inv_ex(viewmats).inverse[:, :3, 3]  # [C, 3]; inv_ex: no host read of the error flag
         dirs = means[None, :, :] - campos[:, None, :]  # [C, N, 3]
         coeffs = colors.expand(C, -1, -1, -1)  # [C, N, K, 3]
         colors = torch.clamp_min(ops.spherical_harmonics(sh_degree, dirs, coeffs, radii > 0) + 0.5, 0.0)
