@@ -219,18 +219,36 @@ def rasterization(
     ops = backend_module(name)
     C, N = viewmats.shape[0], means.shape[0]
 
+    # Non-finite inputs (README "Known limits"). Projection culls a gaussian with a non-finite mean,
+    # quaternion or scale and a camera with a non-finite view matrix itself (every backend, explicitly);
+    # what it cannot see is culled here, the same way for every backend: a gaussian with a non-finite
+    # opacity or colour, and (with SH colours) a camera whose position inv(viewmat) is not finite.
+    # Culled: radius 0, so no tile lists it and every gradient it would get is exactly 0; its opacity is
+    # replaced by 0 so that no NaN meets a zero gradient (compensations * opacity). No host sync.
     radii, means2d, depths, conics, compensations = ops.project(
         means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane, radius_clip,
         rasterize_mode == "antialiased",
     )  # fmt: skip
-    opacities = opacities.expand(C, N)  # [C, N]
+    drawable = torch.isfinite(opacities) & torch.isfinite(colors.detach().flatten(1)).all(dim=-1)  # [N]
+    campos = None
+    if sh_degree is not None:
+        finite_cam = torch.isfinite(viewmats.detach()).flatten(1).all(dim=1)  # [C]
+        eye = torch.eye(4, device=viewmats.device, dtype=viewmats.dtype)
+        campos = torch.linalg.inv_ex(torch.where(finite_cam[:, None, None], viewmats, eye))[0][:, :3, 3]  # [C, 3]
+        finite_cam = finite_cam & torch.isfinite(campos.detach()).all(dim=-1)
+        campos = torch.where(finite_cam[:, None], campos, 0.0)
+        drawable = drawable[None, :] & finite_cam[:, None]  # [C, N]
+    culled = ~drawable.expand(C, N)  # [C, N]
+    radii = radii.masked_fill(culled, 0)
+    means2d, depths, conics = (torch.where(culled[..., None], 0.0, x) for x in (means2d, depths[..., None], conics))
+    depths = depths[..., 0]
+    opacities = torch.where(culled, 0.0, opacities.expand(C, N))  # [C, N]
     if compensations is not None:
         opacities = opacities * compensations
 
     if sh_degree is None:
         colors = colors.expand(C, -1, -1)  # [C, N, D]
     else:
-        campos = torch.linalg.inv(viewmats)[:, :3, 3]  # [C, 3]
         dirs = means[None, :, :] - campos[:, None, :]  # [C, N, 3]
         coeffs = colors.expand(C, -1, -1, -1)  # [C, N, K, 3]
         colors = torch.clamp_min(ops.spherical_harmonics(sh_degree, dirs, coeffs, radii > 0) + 0.5, 0.0)
