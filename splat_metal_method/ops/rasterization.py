@@ -9,6 +9,25 @@ Backends:
   - "auto":      by tensor device: cuda -> gsplat, mps -> metal, cpu -> "cpu" (or "reference", with
                  one warning, where no C++ compiler can build it).
 The environment variable SPLAT_METAL_BACKEND overrides "auto" for the whole process.
+
+Non-finite inputs: one meaning on reference, cpu and metal (tests/ops/test_nonfinite.py), by explicit
+isfinite checks in each backend's kernels (covar.h splat_params_finite / splat_projection_finite,
+the alpha test) and, for what projection cannot see, here:
+  * a gaussian with a non-finite mean, quaternion, scale, opacity or colour (any SH coefficient), or
+    whose quaternion's squared norm or projected values (means2d, conic, radius) overflow float32, or
+    whose radius does not fit int32, is culled: radius 0, no contribution, zero gradients;
+  * a camera whose view matrix (the 12 entries projection reads; all 16 with SH colours, whose camera
+    position inv(viewmat) must be finite too) is not finite is culled whole: background only;
+  * a (gaussian, pixel) pair is composited only if sigma and opacity * exp(-sigma) are finite, sigma
+    >= 0 and alpha >= ALPHA_MIN, identically in forward and backward;
+  * backgrounds are composited as given (non-finite ones give non-finite pixels and gradients);
+  * finite values render as the math says (1e30 opacity is alpha 0.999; zero scales are the eps2d blur).
+gsplat 1.4's CUDA kernels (backend "gsplat", passed through unchanged) have no such checks: its
+projection culls by `z < near`, `det <= 0`, `radius <= clip` comparisons, which NaN passes, so NaN
+reaches `(int32_t)radius`, which CUDA converts to 0 (culled by accident, also in backward); an
+overflowing quaternion normalises (rsqrt) to the identity rotation; its rasterizer's
+`min(0.999f, opac * __expf(-sigma))` turns a NaN or +inf opacity into 0.999 (painted nearly opaque,
+as our Metal kernels did before these checks); NaN colours reach every pixel the gaussian touches.
 """
 
 from __future__ import annotations

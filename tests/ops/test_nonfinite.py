@@ -65,9 +65,13 @@ def _without_bad(scene):
 
 @functools.lru_cache(maxsize=None)
 def _render(scene_key, backend: str):
-    """(colors, alphas, radii, grads by name) of a scene; scene_key = (param, value) or ("base", "without")."""
+    """(colors, alphas, radii, grads by name) of a scene; scene_key = (param, value), or ("base", "with")
+    / ("base", "without") for the base scene with / without gaussian BAD."""
     param, value = scene_key
-    scene = _without_bad(_base()) if param == "base" else _with_value(param, VALUES[value])
+    if param == "base":
+        scene = _base() if value == "with" else _without_bad(_base())
+    else:
+        scene = _with_value(param, VALUES[value])
     inputs = {k: getattr(scene, k).clone().requires_grad_(True) for k in PARAMS}
     colors, alphas, meta = rasterization(
         **inputs, Ks=scene.Ks, width=WIDTH, height=HEIGHT, sh_degree=scene.sh_degree, backend=backend,
@@ -92,7 +96,7 @@ def _grad_close(actual, expected, what):
 
 
 def test_bad_gaussian_is_visible_in_the_base_scene():
-    _, alphas, radii, _ = _render(("colors", "zero"), "reference")
+    _, alphas, radii, _ = _render(("base", "with"), "reference")
     _, alphas_without, _, _ = _render(("base", "without"), "reference")
     assert radii[0, BAD] > 0 and (radii > 0).sum() > 12 and alphas.max() > 0.5
     assert ((alphas - alphas_without).abs() > 1e-3).sum() > 20, "culling gaussian BAD must change the picture"
@@ -127,13 +131,12 @@ def test_nonfinite_input_has_one_meaning(param, value, backend):
         assert torch.equal(colors[..., :3], _base().backgrounds[:, None, None, :].expand(1, HEIGHT, WIDTH, 3))
         for name in ("means", "quats", "scales", "opacities", "colors", "viewmats"):
             assert not grads[name].any(), f"viewmats={value} {backend}: gradient of {name} not zero"
-    elif param == "backgrounds":  # composited as given: bg (1 - alpha) on top of the render
-        _, _, _, _ = _render(("colors", "zero"), backend)
-        bg = _base().backgrounds.clone()
-        bg[ENTRY["backgrounds"]] = VALUES[value]
-        assert torch.isfinite(alphas).all() and (alphas < 1).all()
-        expected_channel = bg[0, 1] * (1 - alphas[..., 0])  # plus the finite render of channel 1
-        assert torch.equal(torch.isnan(colors[..., 1]), torch.isnan(expected_channel))
+    elif param == "backgrounds":  # composited as given: channel 1 is the finite render + bg (1 - alpha)
+        base_colors, base_alphas, _, _ = _render(("base", "with"), backend)
+        assert torch.equal(alphas, base_alphas) and (alphas < 1).all()
+        assert torch.equal(colors[..., [0, 2, 3]], base_colors[..., [0, 2, 3]]), "other channels must not change"
+        expected = base_colors[..., 1] + (VALUES[value] - _base().backgrounds[0, 1]) * (1 - alphas[..., 0])
+        _close(colors[..., 1], expected, f"backgrounds={value} {backend}", rtol=1e-3)
     else:  # finite inputs: finite outputs and gradients
         assert torch.isfinite(colors).all() and torch.isfinite(alphas).all()
         for name, g in grads.items():
@@ -148,9 +151,8 @@ def test_rasterizer_skips_a_nonfinite_opacity(backend, value):
     scene = _base()
     ops = backend_module(backend)
     radii, means2d, depths, conics, _ = reference.project(
-        scene.means, scene.quats, scale := scene.scales, scene.viewmats, scene.Ks, WIDTH, HEIGHT
+        scene.means, scene.quats, scene.scales, scene.viewmats, scene.Ks, WIDTH, HEIGHT
     )
-    del scale
     tw, th = math.ceil(WIDTH / 16), math.ceil(HEIGHT / 16)
     _, isect_ids, flatten_ids = reference.isect_tiles(means2d, radii, depths, 16, tw, th)
     offsets = reference.isect_offset_encode(isect_ids, 1, tw, th)

@@ -11,8 +11,11 @@
 //   * the arithmetic follows ops/reference.py::project term by term (same operation order), so the
 //     only differences to the oracle are float32 rounding of library functions;
 //   * quats are normalised here (q / max(|q|, 1e-12), as F.normalize);
-//   * a gaussian is kept iff near < depth < far, det(cov2d + eps2d I) > 0, radius > radius_clip and
-//     its 3-sigma square touches the image; radius = ceil(3 sqrt(b + sqrt(max(b^2 - det, 0.01)))).
+//   * a gaussian is kept iff its parameters and the camera's view matrix are finite (covar.h
+//     splat_params_finite, splat_viewmat_finite), near < depth < far, det(cov2d + eps2d I) > 0,
+//     radius > radius_clip, its 3-sigma square touches the image, and means2d, conic, radius (and the
+//     compensation ratio when asked) are finite with radius < 2^31 (splat_projection_finite, checked
+//     before (int)radius, which is undefined otherwise); radius = ceil(3 sqrt(b + sqrt(max(b^2 - det, 0.01)))).
 // Bounds: idx < C*N < 2^32 (checked on the host); compensations is written only if calc_comp != 0
 // (otherwise the host passes a 1-element placeholder).
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
