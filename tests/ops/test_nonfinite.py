@@ -174,3 +174,23 @@ def test_rasterizer_skips_a_nonfinite_opacity(backend, value):
     for g, e, name in zip(got[2], expected[2], ("means2d", "conics", "colors", "opacities")):
         assert torch.isfinite(g).all(), f"{backend} opacity={value}: non-finite gradient of {name}"
         _close(g, e, f"{backend} opacity={value} grad of {name}", 1e-6, 1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_projection_culls_a_camera_with_a_nonfinite_viewmat(backend):
+    """RGB colours (no SH, so the public API computes no camera position): the projection stage's own
+    check culls the whole camera, with zero gradients."""
+    scene = random_scene(n=24, C=2, width=WIDTH, height=HEIGHT, seed=7)
+    viewmats = scene.viewmats.clone()
+    viewmats[1, 0, 3] = math.nan  # a translation entry of camera 1
+    inputs = {k: getattr(scene, k).clone().requires_grad_(True) for k in ("means", "quats", "scales", "opacities",
+                                                                         "colors")}  # fmt: skip
+    viewmats.requires_grad_(True)
+    colors, alphas, meta = rasterization(**inputs, viewmats=viewmats, Ks=scene.Ks, width=WIDTH, height=HEIGHT,
+                                         backend=backend)  # fmt: skip
+    (colors.sum() + alphas.sum()).backward()
+    assert (meta["radii"][1] == 0).all() and (meta["radii"][0] > 0).sum() > 12
+    assert not colors[1].any() and not alphas[1].any() and alphas[0].max() > 0.5
+    assert not viewmats.grad[1].any() and torch.isfinite(viewmats.grad).all() and viewmats.grad[0].any()
+    for name, t in inputs.items():
+        assert torch.isfinite(t.grad).all(), f"{backend}: non-finite gradient of {name}"
