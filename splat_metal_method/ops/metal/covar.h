@@ -3,7 +3,8 @@
 //
 //   * Metal: kernels.py assembles every library as defines + common.h + this file + the stage file
 //     (torch.mps.compile_shader has no include path); sqrt, max and isfinite are metal::'s.
-//   * CPU: ops/cpu/shared.h #includes it inside a namespace that has `using std::sqrt; using std::max; using std::isfinite;`
+//   * CPU: ops/cpu/shared.h #includes it inside a namespace that has `using std::sqrt; using std::max;
+//     using std::isfinite;`
 //     (this file includes nothing and names no std::, which MSL has not).
 //
 // So it is written in the subset both compile: no pointers or references (MSL would need an address

@@ -31,7 +31,8 @@
 // Compositing (identical to ops/reference.py): d = mean - (x+0.5, y+0.5),
 // sigma = 0.5 (a dx^2 + c dy^2) + b dx dy, alpha = min(ALPHA_MAX, opacity exp(-sigma)); skip unless
 // sigma and opacity exp(-sigma) are finite, sigma >= 0 and alpha >= ALPHA_MIN (explicit isfinite: a NaN
-// opacity or conic is skipped, never clamped to ALPHA_MAX by Metal's NaN-ignoring min); stop (without contributing) once T (1 - alpha) <= TRANSMITTANCE_MIN.
+// opacity or conic is skipped, never clamped to ALPHA_MAX by Metal's NaN-ignoring min); stop (without
+// contributing) once T (1 - alpha) <= TRANSMITTANCE_MIN.
 // Recorded for the backward pass: transmittance = final T, last_ids = index into flatten_ids of the
 // last gaussian that contributed (-1 if none).
 // Resuming a depth chunk (has_resume != 0, ops/chunked.py): pass 0 starts each pixel from trans_in

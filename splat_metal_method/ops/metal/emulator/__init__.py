@@ -140,11 +140,11 @@ from .library import (
     EmulatorLibrary,
     MetalCompileError,
     asan_runtime,
-    ubsan_enabled,
     cache_dir,
     compile_count,
     compile_library,
     schedule_seed,
+    ubsan_enabled,
 )
 
 __all__ = [
@@ -152,9 +152,9 @@ __all__ = [
     "EmulatorLibrary",
     "MetalCompileError",
     "asan_runtime",
-    "ubsan_enabled",
     "cache_dir",
     "compile_count",
     "compile_library",
     "schedule_seed",
+    "ubsan_enabled",
 ]
