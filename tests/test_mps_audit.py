@@ -38,6 +38,7 @@ import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from splat_metal_method import step_ledger
 from splat_metal_method.step_ledger import aten_key, where  # the step ledger counts with the same keys
 
 NATIVE_FUNCTIONS = Path(torchgen.__file__).parent / "packaged" / "ATen" / "native" / "native_functions.yaml"
@@ -382,30 +383,12 @@ def test_no_integer_cumsum_on_the_metal_training_path(audits):
 # ------------------------------------------------------------------------------------------------
 # What one steady training step asks of the device: host reads and aten dispatches
 # ------------------------------------------------------------------------------------------------
-# Ops that hand a device value to the host: each waits for the MPS queue to drain.
-HOST_READ_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_consecutive"}
-# Budgets for one steady step (demo scene 96x64, metal backend, SH degree 3, no refine): measured
-# 2 reads and 358 aten dispatches, 107 of them views (before issue 23's cuts: 14 and 537). The reads:
-# isect_tiles' sizing of the intersection buffers (M) and the NaN/Inf guard's verdict (reliability.py).
+# Budgets for one steady step (demo scene 96x64, metal backend, SH degree 3, no refine), counted by the
+# step ledger (splat_metal_method/step_ledger.py: host syncs as on a Mac, aten dispatches). Measured 2 host
+# syncs (isect_tiles' sizing of the intersection buffers, M, and the NaN/Inf guard's verdict) and ~360 aten
+# dispatches (before issue 23's cuts: 14 and 537).
 STEADY_STEP_HOST_READS = 2
 STEADY_STEP_ATEN_DISPATCHES = 370
-
-
-class CountOps(TorchDispatchMode):
-    """aten dispatches (profiler markers, which never reach the device, left out) and host reads with
-    where they came from."""
-
-    def __init__(self):
-        super().__init__()
-        self.dispatches = 0
-        self.reads = collections.Counter()  # where -> count
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "aten":
-            self.dispatches += 1
-            if func._schema.name.split("::")[-1] in HOST_READ_OPS:
-                self.reads[where()] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(scope="module")
@@ -445,9 +428,8 @@ def steady_step(tmp_path_factory):
 
         for s in range(2990, 3003):  # every camera once, and the refine + reset of step 3000
             step(s)
-        counts = CountOps()
         reset_launch_counts()
-        with counts:
+        with step_ledger.count("steady", step_ledger.host_resident(trainer)) as counts:
             step(3003)
         return counts, launch_counts(), trainer.pipeline.model
     finally:
@@ -457,15 +439,14 @@ def steady_step(tmp_path_factory):
 def test_steady_step_host_reads_within_budget(steady_step):
     counts, _, model = steady_step
     assert model.info["backend"] == "metal" and model.info["depth_chunks"] == 1
-    total = sum(counts.reads.values())
-    assert 1 <= total <= STEADY_STEP_HOST_READS, "host reads in one steady step:\n" + "\n".join(
-        f"  {n} x {where}" for where, n in counts.reads.most_common()
+    assert 1 <= counts.host_syncs <= STEADY_STEP_HOST_READS, "host syncs in one steady step:\n" + "\n".join(
+        f"  {what} at {where}" for what, where in counts.host_reads + counts.host_writes
     )
 
 
 def test_steady_step_aten_dispatches_within_budget(steady_step):
     counts, launches, model = steady_step
     assert launches.get("rasterize_fwd", 0) >= 1 and launches.get("rasterize_bwd", 0) >= 1, launches
-    assert 100 < counts.dispatches <= STEADY_STEP_ATEN_DISPATCHES, counts.dispatches
+    assert 100 < counts.aten_dispatches <= STEADY_STEP_ATEN_DISPATCHES, counts.aten_dispatches
     # torch's fused Adam: one kernel per parameter group, step counters on the device
     assert all(g["fused"] for opt in model.optimizers.values() for g in opt.param_groups)

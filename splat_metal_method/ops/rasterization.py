@@ -9,6 +9,25 @@ Backends:
   - "auto":      by tensor device: cuda -> gsplat, mps -> metal, cpu -> "cpu" (or "reference", with
                  one warning, where no C++ compiler can build it).
 The environment variable SPLAT_METAL_BACKEND overrides "auto" for the whole process.
+
+Non-finite inputs: one meaning on reference, cpu and metal (tests/ops/test_nonfinite.py), by explicit
+isfinite checks in each backend's kernels (covar.h splat_params_finite / splat_projection_finite,
+the alpha test) and, for what projection cannot see, here:
+  * a gaussian with a non-finite mean, quaternion, scale, opacity or colour (any SH coefficient), or
+    whose quaternion's squared norm or projected values (means2d, conic, radius) overflow float32, or
+    whose radius does not fit int32, is culled: radius 0, no contribution, zero gradients;
+  * a camera whose view matrix (the 12 entries projection reads; all 16 with SH colours, whose camera
+    position inv(viewmat) must be finite too) is not finite is culled whole: background only;
+  * a (gaussian, pixel) pair is composited only if sigma and opacity * exp(-sigma) are finite, sigma
+    >= 0 and alpha >= ALPHA_MIN, identically in forward and backward;
+  * backgrounds are composited as given (non-finite ones give non-finite pixels and gradients);
+  * finite values render as the math says (1e30 opacity is alpha 0.999; zero scales are the eps2d blur).
+gsplat 1.4's CUDA kernels (backend "gsplat", passed through unchanged) have no such checks: its
+projection culls by `z < near`, `det <= 0`, `radius <= clip` comparisons, which NaN passes, so NaN
+reaches `(int32_t)radius`, which CUDA converts to 0 (culled by accident, also in backward); an
+overflowing quaternion normalises (rsqrt) to the identity rotation; its rasterizer's
+`min(0.999f, opac * __expf(-sigma))` turns a NaN or +inf opacity into 0.999 (painted nearly opaque,
+as our Metal kernels did before these checks); NaN colours reach every pixel the gaussian touches.
 """
 
 from __future__ import annotations
@@ -220,18 +239,36 @@ def rasterization(
     ops = backend_module(name)
     C, N = viewmats.shape[0], means.shape[0]
 
+    # Non-finite inputs (README "Known limits"). Projection culls a gaussian with a non-finite mean,
+    # quaternion or scale and a camera with a non-finite view matrix itself (every backend, explicitly);
+    # what it cannot see is culled here, the same way for every backend: a gaussian with a non-finite
+    # opacity or colour, and (with SH colours) a camera whose position inv(viewmat) is not finite.
+    # Culled: radius 0, so no tile lists it and every gradient it would get is exactly 0; its opacity is
+    # replaced by 0 so that no NaN meets a zero gradient (compensations * opacity). No host sync.
     radii, means2d, depths, conics, compensations = ops.project(
         means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane, radius_clip,
         rasterize_mode == "antialiased",
     )  # fmt: skip
-    opacities = opacities.expand(C, N)  # [C, N]
+    drawable = torch.isfinite(opacities) & torch.isfinite(colors.detach().flatten(1)).all(dim=-1)  # [N]
+    campos = None
+    if sh_degree is not None:
+        finite_cam = torch.isfinite(viewmats.detach()).flatten(1).all(dim=1)  # [C]
+        eye = torch.eye(4, device=viewmats.device, dtype=viewmats.dtype)
+        campos = torch.linalg.inv_ex(torch.where(finite_cam[:, None, None], viewmats, eye))[0][:, :3, 3]  # [C, 3]
+        finite_cam = finite_cam & torch.isfinite(campos.detach()).all(dim=-1)
+        campos = torch.where(finite_cam[:, None], campos, 0.0)
+        drawable = drawable[None, :] & finite_cam[:, None]  # [C, N]
+    culled = ~drawable.expand(C, N)  # [C, N]
+    radii = radii.masked_fill(culled, 0)
+    means2d, depths, conics = (torch.where(culled[..., None], 0.0, x) for x in (means2d, depths[..., None], conics))
+    depths = depths[..., 0]
+    opacities = torch.where(culled, 0.0, opacities.expand(C, N))  # [C, N]
     if compensations is not None:
         opacities = opacities * compensations
 
     if sh_degree is None:
         colors = colors.expand(C, -1, -1)  # [C, N, D]
     else:
-        campos = torch.linalg.inv_ex(viewmats).inverse[:, :3, 3]  # [C, 3]; inv_ex: no host read of the error flag
         dirs = means[None, :, :] - campos[:, None, :]  # [C, N, 3]
         coeffs = colors.expand(C, -1, -1, -1)  # [C, N, K, 3]
         colors = torch.clamp_min(ops.spherical_harmonics(sh_degree, dirs, coeffs, radii > 0) + 0.5, 0.0)

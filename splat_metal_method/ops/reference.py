@@ -38,6 +38,13 @@ def quat_to_rotmat(quats: Tensor) -> Tensor:  # [..., 4] wxyz -> [..., 3, 3]
     return torch.stack(rows, dim=-1).reshape(quats.shape[:-1] + (3, 3))
 
 
+RADIUS_LIMIT = 2.0**31  # radii are int32: a radius must be below this (covar.h SPLAT_RADIUS_LIMIT)
+
+
+def _rows_finite(x: Tensor, dims: int = 1) -> Tensor:  # [..., *row] -> [...] bool
+    return torch.isfinite(x).flatten(-dims).all(dim=-1)
+
+
 def project(
     means: Tensor,  # [N, 3]
     quats: Tensor,  # [N, 4] wxyz, normalised here
@@ -53,13 +60,52 @@ def project(
     calc_compensations: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
     """EWA projection. Returns radii [C,N] int32, means2d [C,N,2], depths [C,N], conics [C,N,3],
-    compensations [C,N] (or None). Culled entries have radius 0 and zero outputs."""
+    compensations [C,N] (or None). Culled entries have radius 0 and zero outputs.
+
+    Non-finite inputs (README "Known limits"), by explicit checks as in covar.h: a gaussian whose
+    mean, quaternion, scale or quaternion squared norm is not finite, or a camera whose view matrix
+    is not, is culled; so is a pair whose projected values (means2d, conic, radius, depth, and the
+    compensation ratio when asked) are not finite or whose radius does not fit int32. Culled pairs get
+    exactly zero gradients: the values are computed once to find them, then again with every culled
+    pair's inputs replaced by a harmless constant, so no NaN or inf meets a zero gradient (0 * inf)."""
+    C, N = viewmats.shape[0], means.shape[0]
+    quat_sq = (quats * quats).sum(dim=-1)  # [N]
+    gauss_ok = _rows_finite(means) & _rows_finite(quats) & torch.isfinite(quat_sq) & _rows_finite(scales)  # [N]
+    cam_ok = _rows_finite(viewmats[:, :3, :], 2)  # [C] (the 12 entries projection reads)
+    with torch.no_grad():
+        pair_ok = cam_ok[:, None] & gauss_ok[None, :]
+        keep = _project_pairs(
+            means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane, radius_clip,
+            calc_compensations, pair_ok,
+        )[0]  # fmt: skip
+    return _project_pairs(
+        means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane, radius_clip,
+        calc_compensations, keep,
+    )[1]  # fmt: skip
+
+
+def _project_pairs(means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane, radius_clip,
+                   calc_compensations, pair_ok):  # fmt: skip
+    """project's math for the (camera, gaussian) pairs where pair_ok [C,N]; the others use a unit
+    gaussian 1 in front of an identity camera instead of their inputs. Returns (keep [C,N], outputs)."""
+    C, N = pair_ok.shape
+    gauss_any = pair_ok.any(dim=0)  # [N]
+    cam_any = pair_ok.any(dim=1)  # [C]
+    eye = torch.eye(4, device=viewmats.device, dtype=viewmats.dtype)
+    viewmats = torch.where(cam_any[:, None, None], viewmats, eye)
+    means = torch.where(gauss_any[:, None], means, 0.0)
+    quats = torch.where(gauss_any[:, None], quats, torch.tensor([1.0, 0.0, 0.0, 0.0], device=quats.device))
+    scales = torch.where(gauss_any[:, None], scales, 1.0)
     M = quat_to_rotmat(quats) * scales[:, None, :]  # [N, 3, 3]
     covars = M @ M.transpose(-1, -2)  # [N, 3, 3]
     R = viewmats[:, :3, :3]  # [C, 3, 3]
     t = viewmats[:, :3, 3]  # [C, 3]
     means_c = torch.einsum("cij,nj->cni", R, means) + t[:, None, :]  # [C, N, 3]
     covars_c = torch.einsum("cij,njk,clk->cnil", R, covars, R)  # [C, N, 3, 3]
+    # Per pair: a pair that is not ok (or whose camera-space values overflowed) gets the constant.
+    ok = pair_ok & _rows_finite(means_c) & _rows_finite(covars_c, 2)
+    means_c = torch.where(ok[..., None], means_c, torch.tensor([0.0, 0.0, 1.0], device=means.device))
+    covars_c = torch.where(ok[..., None, None], covars_c, eye[:3, :3])
 
     tx, ty, tz = means_c.unbind(-1)  # [C, N]
     in_depth = (tz >= near_plane) & (tz <= far_plane)  # gsplat's kernel culls z < near or z > far
@@ -84,9 +130,10 @@ def project(
     det_orig = a * c - b * b
     a, c = a + eps2d, c + eps2d
     det = a * c - b * b
-    valid = in_depth & (det > 0)
+    valid = ok & in_depth & (det > 0)
     det = torch.where(valid, det, torch.ones_like(det))
     conics = torch.stack([c / det, -b / det, a / det], dim=-1)  # [C, N, 3]
+    ratio = det_orig / det
 
     with torch.no_grad():
         half_trace = 0.5 * (a + c)
@@ -94,16 +141,18 @@ def project(
         radius = torch.ceil(3.0 * torch.sqrt(v1))
         x, y = means2d[..., 0], means2d[..., 1]
         inside = (x + radius > 0) & (x - radius < width) & (y + radius > 0) & (y - radius < height)
-        keep = valid & (radius > radius_clip) & inside
-        radii = torch.where(keep, radius, torch.zeros_like(radius)).int()
+        finite = _rows_finite(means2d) & _rows_finite(conics) & torch.isfinite(radius) & (radius < RADIUS_LIMIT)
+        if calc_compensations:
+            finite &= torch.isfinite(ratio)
+        keep = valid & (radius > radius_clip) & inside & finite
+        radii = torch.where(keep, radius, torch.zeros_like(radius)).int()  # keep: finite and < 2^31
 
     compensations = None
     if calc_compensations:
-        ratio = det_orig / det
         positive = keep & (ratio > 0)
         compensations = torch.where(positive, torch.sqrt(torch.where(positive, ratio, 1.0)), 0.0)
     k = keep[..., None]
-    return (
+    return keep, (
         radii,
         torch.where(k, means2d, 0.0),
         torch.where(keep, means_c[..., 2], 0.0),
@@ -151,8 +200,12 @@ def spherical_harmonics(
     masks: Optional[Tensor] = None,  # [C, N] bool; False -> output 0
 ) -> Tensor:  # [C, N, 3] (no +0.5 offset; the public API adds it)
     n_bases = (degree + 1) ** 2
+    coeffs = coeffs[..., :n_bases, :]
+    if masks is not None:  # masked entries compute with zeros, so their gradients are exactly 0 (no 0 * NaN)
+        dirs = torch.where(masks[..., None], dirs, 1.0)
+        coeffs = torch.where(masks[..., None, None], coeffs, 0.0)
     bases = sh_bases(degree, F.normalize(dirs, p=2, dim=-1))  # [C, N, n_bases]
-    colors = (bases[..., None] * coeffs[..., :n_bases, :]).sum(dim=-2)
+    colors = (bases[..., None] * coeffs).sum(dim=-2)
     if masks is not None:
         colors = torch.where(masks[..., None], colors, 0.0)
     return colors
@@ -266,8 +319,13 @@ def _composite_tiles(
     dx, dy = delta[..., 0], delta[..., 1]
     a, b, c = (conics[..., i, None] for i in range(3))
     sigma = 0.5 * (a * dx * dx + c * dy * dy) + b * dx * dy  # [T, L, P]
-    alpha = torch.clamp_max(opacities[..., None] * torch.exp(-sigma), ALPHA_MAX)
-    used = (sigma >= 0) & (alpha >= ALPHA_MIN) & valid[..., None] & pixel_ok[:, None, :]
+    # The alpha test, explicit about non-finite values and identical in every backend's forward and
+    # backward: sigma finite and >= 0, opacity * exp(-sigma) finite, alpha >= ALPHA_MIN. A failing sigma
+    # is replaced by +inf before exp (alpha 0, gradient exactly 0).
+    sigma_ok = torch.isfinite(sigma) & (sigma >= 0)
+    raw_alpha = opacities[..., None] * torch.exp(-torch.where(sigma_ok, sigma, torch.inf))
+    alpha = torch.clamp_max(raw_alpha, ALPHA_MAX)
+    used = sigma_ok & torch.isfinite(raw_alpha) & (alpha >= ALPHA_MIN) & valid[..., None] & pixel_ok[:, None, :]
     alpha = torch.where(used, alpha, 0.0)
     with torch.no_grad():  # a pixel stops before the gaussian that would drop T to the floor
         reach = _running_transmittance(alpha, trans_in)
@@ -369,6 +427,12 @@ def _rasterize(
     conics_flat = conics.reshape(C * N, 3)
     colors_flat = colors.reshape(C * N, D)
     opac_flat = opacities.reshape(C * N)
+    # A gaussian whose mean, conic or opacity is not finite fails the alpha test at every pixel (as in
+    # the kernels); here it is given zeros (alpha 0) so that no NaN meets a zero gradient.
+    finite = _rows_finite(means_flat) & _rows_finite(conics_flat) & torch.isfinite(opac_flat)  # [C*N]
+    means_flat = torch.where(finite[:, None], means_flat, 0.0)
+    conics_flat = torch.where(finite[:, None], conics_flat, 0.0)
+    opac_flat = torch.where(finite, opac_flat, 0.0)
 
     # Pixel centres of every tile: [n_tiles, P, 2] built lazily per chunk from the tile index.
     local = torch.arange(P, device=device)

@@ -28,7 +28,11 @@ Bounds tile_bounds(const float* means2d, const int32_t* radii, int64_t g, int ti
     if (radii[g] <= 0) return b;
     float ts = (float)tile_size;
     float tx = means2d[2 * g] / ts, ty = means2d[2 * g + 1] / ts, tr = (float)radii[g] / ts;
-    auto clip = [](double v, int64_t limit) { return std::min<int64_t>(std::max<int64_t>((int64_t)v, 0), limit); };
+    // A centre that is not finite covers no tile (projection never keeps one; this stage may be called
+    // alone). Finite values are clamped to [0, limit] in floating point before the conversion, which
+    // is undefined in C++ for a value outside int64's range.
+    if (!std::isfinite(tx) || !std::isfinite(ty)) return b;
+    auto clip = [](double v, int64_t limit) { return (int64_t)std::min(std::max(v, 0.0), (double)limit); };
     int64_t x0 = clip(std::floor(tx - tr), tile_w), x1 = clip(std::ceil(tx + tr), tile_w);
     int64_t y0 = clip(std::floor(ty - tr), tile_h), y1 = clip(std::ceil(ty + tr), tile_h);
     b.x0 = x0, b.y0 = y0, b.w = x1 - x0, b.h = y1 - y0;

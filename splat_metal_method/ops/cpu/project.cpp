@@ -77,6 +77,14 @@ int splat_project_fwd(int64_t C, int64_t N, int64_t width, int64_t height, float
       const float* V = viewmats + cam * 16;
       float Rv[9] = {V[0], V[1], V[2], V[4], V[5], V[6], V[8], V[9], V[10]};
       const float mx = means[3 * g + 0], my = means[3 * g + 1], mz = means[3 * g + 2];
+      // Non-finite or overflowing parameters, or a non-finite camera: culled (explicit; README Known limits).
+      const float* q = quats + 4 * g;
+      if (!splat_covar::splat_params_finite(mx, my, mz, q[0], q[1], q[2], q[3], scales[3 * g + 0],
+                                            scales[3 * g + 1], scales[3 * g + 2]) ||
+          !splat_covar::splat_viewmat_finite(V[0], V[1], V[2], V[3], V[4], V[5], V[6], V[7], V[8], V[9], V[10],
+                                             V[11])) {
+        return;
+      }
       const float tx = Rv[0] * mx + Rv[1] * my + Rv[2] * mz + V[3];
       const float ty = Rv[3] * mx + Rv[4] * my + Rv[5] * mz + V[7];
       const float tz = Rv[6] * mx + Rv[7] * my + Rv[8] * mz + V[11];
@@ -85,7 +93,6 @@ int splat_project_fwd(int64_t C, int64_t N, int64_t width, int64_t height, float
       }
 
       // covar = (R S)(R S)^T, R from the normalised quaternion (covar.h, shared with the Metal kernels).
-      const float* q = quats + 4 * g;
       const splat_covar::SplatMat3 cov = splat_covar::splat_covariance(
           splat_covar::splat_quat_to_rotmat(q[0], q[1], q[2], q[3]), scales[3 * g + 0], scales[3 * g + 1],
           scales[3 * g + 2]);
@@ -138,15 +145,21 @@ int splat_project_fwd(int64_t C, int64_t N, int64_t width, int64_t height, float
         return;
       }
 
+      const float conic_a = c / det, conic_b = -b / det, conic_c = a / det;
+      // Finite outputs and a radius that fits int32 (explicit: also the guard of the float-to-int below).
+      const float ratio = det_orig / det;
+      if (!splat_covar::splat_projection_finite(u, v, conic_a, conic_b, conic_c, radius) || !std::isfinite(tz) ||
+          (calc_comp != 0 && !std::isfinite(ratio))) {
+        return;
+      }
       radii[idx] = (int)radius;
       means2d[2 * idx + 0] = u;
       means2d[2 * idx + 1] = v;
       depths[idx] = tz;
-      conics[3 * idx + 0] = c / det;
-      conics[3 * idx + 1] = -b / det;
-      conics[3 * idx + 2] = a / det;
+      conics[3 * idx + 0] = conic_a;
+      conics[3 * idx + 1] = conic_b;
+      conics[3 * idx + 2] = conic_c;
       if (calc_comp != 0) {
-        const float ratio = det_orig / det;
         compensations[idx] = ratio > 0.0f ? std::sqrt(ratio) : 0.0f;
       }
     });

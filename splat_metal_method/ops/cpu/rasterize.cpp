@@ -1,9 +1,12 @@
 // Native CPU rasterization: tile-parallel alpha compositing, forward and backward.
 //
 // Semantics are the reference backend's (ops/reference.py) and gsplat 1.4's: per pixel, the tile's
-// depth-sorted gaussians are composited front to back; a gaussian is skipped where sigma < 0 or its
-// alpha < alpha_min, alpha is clamped to alpha_max, and a pixel stops before the gaussian that would
-// take its transmittance to <= t_min.
+// depth-sorted gaussians are composited front to back; a gaussian is skipped where sigma is not
+// finite or < 0, or its unclamped alpha (opacity exp(-sigma)) is not finite, or its alpha < alpha_min
+// (explicit isfinite checks, the same in forward and backward: README "Known limits"); alpha is clamped
+// to alpha_max, and a pixel stops before the gaussian that would take its transmittance to <= t_min.
+// A gaussian whose mean, conic or opacity is not finite fails that rule at every pixel, so it is
+// skipped whole (make_splat).
 //
 // Speed comes from doing only the work that matters and doing it in vector registers: each gaussian
 // visits only the rows of its tile that its alpha >= alpha_min ellipse crosses (with slack, so every
@@ -67,7 +70,11 @@ TileRect tile_rect(const Params& p, int64_t tile) {
 // exp(x) for float x, to about 1 ulp, as plain arithmetic so pixel loops vectorise (a libm call
 // would stop that). Cephes' expf: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial.
 inline float fast_exp(float x) {
-    x = std::min(std::max(x, -87.0f), 88.0f);
+    // Clamped so that NaN becomes -87 too: the float-to-int conversion below must see a finite value
+    // (converting NaN or an out-of-range float to int is undefined behaviour). Callers test sigma with
+    // isfinite themselves.
+    x = x > -87.0f ? x : -87.0f;
+    x = x < 88.0f ? x : 88.0f;
     // n = round(x / ln2): t + 128.5 > 0 here, so truncation is floor (branch-free, vectorises).
     int32_t n = (int32_t)(x * 1.44269504088896341f + 128.5f) - 128;
     float fn = (float)n;
@@ -101,9 +108,13 @@ struct Splat {
 bool make_splat(const Params& p, const TileRect& r, const float* means2d, const float* conics, const float* colors,
                 const float* opacities, int64_t g, Splat& s) {
     s.opacity = opacities[g];
-    if (!(s.opacity >= p.alpha_min)) return false;  // alpha = opacity * exp(-sigma) <= opacity
     s.mx = means2d[2 * g], s.my = means2d[2 * g + 1];
     s.a = conics[3 * g], s.b = conics[3 * g + 1], s.c = conics[3 * g + 2];
+    // Not finite: sigma or opacity exp(-sigma) is not finite at any pixel, so the per-pixel rule skips it.
+    if (!(std::isfinite(s.opacity) && std::isfinite(s.mx) && std::isfinite(s.my) && std::isfinite(s.a) &&
+          std::isfinite(s.b) && std::isfinite(s.c)))
+        return false;
+    if (!(s.opacity >= p.alpha_min)) return false;  // alpha = opacity * exp(-sigma) <= opacity
     s.color = colors + g * p.D;
     int h = r.y1 - r.y0;
     s.ly0 = 0, s.ly1 = h;
@@ -151,7 +162,8 @@ void backward_row_alphas(int w, float x0, float dy, const Splat& s, float alpha_
         float alpha = std::min(alpha_max, raw);
         // 1 where the pixel composited this gaussian, else 0: multiplying by it (exact, everything
         // is finite) instead of selecting keeps the loop vectorisable.
-        float used = (float)((last_row[x] >= i) & (sigma >= 0.0f) & (alpha >= alpha_min));
+        float used = (float)((last_row[x] >= i) & std::isfinite(sigma) & (sigma >= 0.0f) & std::isfinite(raw) &
+                             (alpha >= alpha_min));
         float r_alpha = 1.0f / (1.0f - alpha);
         float T_b = used != 0.0f ? T_row[x] * r_alpha : T_row[x];  // transmittance before this gaussian
         T_row[x] = T_b;
@@ -258,9 +270,11 @@ int splat_rasterize_fwd(int C, int D, int width, int height, int tile_size, int 
                 for (int x = 0; x < w; ++x) {
                     float dx = mx - ((float)(r.x0 + x) + 0.5f);
                     float sigma = 0.5f * (a * dx * dx + c * dy * dy) + b * dx * dy;
-                    float alpha = std::min(alpha_max, opacity * fast_exp(-sigma));
+                    float raw = opacity * fast_exp(-sigma);
+                    float alpha = std::min(alpha_max, raw);
                     float next_T = T_row[x] * (1.0f - alpha);
-                    bool hit = (sigma >= 0.0f) & (alpha >= alpha_min) & (stopped_row[x] == 0.0f);
+                    bool hit = std::isfinite(sigma) & (sigma >= 0.0f) & std::isfinite(raw) & (alpha >= alpha_min) &
+                               (stopped_row[x] == 0.0f);
                     bool use = hit & (next_T > t_min);
                     bool stop = hit & (next_T <= t_min);  // the pixel stops before this gaussian
                     weight[x] = use ? alpha * T_row[x] : 0.0f;

@@ -11,8 +11,11 @@
 //   * the arithmetic follows ops/reference.py::project term by term (same operation order), so the
 //     only differences to the oracle are float32 rounding of library functions;
 //   * quats are normalised here (q / max(|q|, 1e-12), as F.normalize);
-//   * a gaussian is kept iff near < depth < far, det(cov2d + eps2d I) > 0, radius > radius_clip and
-//     its 3-sigma square touches the image; radius = ceil(3 sqrt(b + sqrt(max(b^2 - det, 0.01)))).
+//   * a gaussian is kept iff its parameters and the camera's view matrix are finite (covar.h
+//     splat_params_finite, splat_viewmat_finite), near < depth < far, det(cov2d + eps2d I) > 0,
+//     radius > radius_clip, its 3-sigma square touches the image, and means2d, conic, radius (and the
+//     compensation ratio when asked) are finite with radius < 2^31 (splat_projection_finite, checked
+//     before (int)radius, which is undefined otherwise); radius = ceil(3 sqrt(b + sqrt(max(b^2 - det, 0.01)))).
 // Bounds: idx < C*N < 2^32 (checked on the host); compensations is written only if calc_comp != 0
 // (otherwise the host passes a 1-element placeholder).
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
@@ -59,6 +62,13 @@ kernel void project_fwd(
   const device float* V = viewmats + cam * 16;
   float Rv[9] = {V[0], V[1], V[2], V[4], V[5], V[6], V[8], V[9], V[10]};
   const float mx = means[3 * g + 0], my = means[3 * g + 1], mz = means[3 * g + 2];
+  // Non-finite or overflowing parameters, or a non-finite camera: culled (explicit; README Known limits).
+  const device float* q = quats + 4 * g;
+  if (!splat_params_finite(mx, my, mz, q[0], q[1], q[2], q[3], scales[3 * g + 0], scales[3 * g + 1],
+                           scales[3 * g + 2]) ||
+      !splat_viewmat_finite(V[0], V[1], V[2], V[3], V[4], V[5], V[6], V[7], V[8], V[9], V[10], V[11])) {
+    return;
+  }
   const float tx = Rv[0] * mx + Rv[1] * my + Rv[2] * mz + V[3];
   const float ty = Rv[3] * mx + Rv[4] * my + Rv[5] * mz + V[7];
   const float tz = Rv[6] * mx + Rv[7] * my + Rv[8] * mz + V[11];
@@ -67,7 +77,6 @@ kernel void project_fwd(
   }
 
   // covar = (R S)(R S)^T, R from the normalised quaternion (covar.h, shared with the CPU backend).
-  const device float* q = quats + 4 * g;
   const SplatMat3 cov = splat_covariance(splat_quat_to_rotmat(q[0], q[1], q[2], q[3]), scales[3 * g + 0],
                                          scales[3 * g + 1], scales[3 * g + 2]);
   float tmp[9];
@@ -119,15 +128,21 @@ kernel void project_fwd(
     return;
   }
 
+  const float conic_a = c / det, conic_b = -b / det, conic_c = a / det;
+  // Finite outputs and a radius that fits int32 (explicit: also the guard of the float-to-int below).
+  const float ratio = det_orig / det;
+  if (!splat_projection_finite(u, v, conic_a, conic_b, conic_c, radius) || !isfinite(tz) ||
+      (calc_comp != 0 && !isfinite(ratio))) {
+    return;
+  }
   radii[idx] = (int)radius;
   means2d[2 * idx + 0] = u;
   means2d[2 * idx + 1] = v;
   depths[idx] = tz;
-  conics[3 * idx + 0] = c / det;
-  conics[3 * idx + 1] = -b / det;
-  conics[3 * idx + 2] = a / det;
+  conics[3 * idx + 0] = conic_a;
+  conics[3 * idx + 1] = conic_b;
+  conics[3 * idx + 2] = conic_c;
   if (calc_comp != 0) {
-    const float ratio = det_orig / det;
     compensations[idx] = ratio > 0.0f ? sqrt(ratio) : 0.0f;
   }
 }

@@ -30,8 +30,10 @@
 //      thread loads one gaussian (id, mean, conic, opacity) into threadgroup memory; barrier;
 //   C. each live pixel composites the batch in order; barrier (before the next batch overwrites it).
 // Compositing (identical to ops/reference.py): d = mean - (x+0.5, y+0.5),
-// sigma = 0.5 (a dx^2 + c dy^2) + b dx dy, alpha = min(ALPHA_MAX, opacity exp(-sigma)); skip if
-// sigma < 0 or alpha < ALPHA_MIN; stop (without contributing) once T (1 - alpha) <= TRANSMITTANCE_MIN.
+// sigma = 0.5 (a dx^2 + c dy^2) + b dx dy, alpha = min(ALPHA_MAX, opacity exp(-sigma)); skip unless
+// sigma and opacity exp(-sigma) are finite, sigma >= 0 and alpha >= ALPHA_MIN (explicit isfinite: a NaN
+// opacity or conic is skipped, never clamped to ALPHA_MAX by Metal's NaN-ignoring min); stop (without
+// contributing) once T (1 - alpha) <= TRANSMITTANCE_MIN.
 // Recorded for the backward pass: transmittance = final T, last_ids = index into flatten_ids of the
 // last gaussian that contributed (-1 if none).
 // Resuming a depth chunk (has_resume != 0, ops/chunked.py): pass 0 starts each pixel from trans_in
@@ -147,8 +149,11 @@ kernel void rasterize_fwd(
       const float dx = xy.x - px;
       const float dy = xy.y - py;
       const float sigma = 0.5f * (co.x * dx * dx + co.z * dy * dy) + co.y * dx * dy;
-      const float alpha = min(SPLAT_ALPHA_MAX, co.w * exp(-sigma));
-      if (sigma < 0.0f || alpha < SPLAT_ALPHA_MIN) {
+      // Explicit: Metal's min(ALPHA_MAX, NaN) is ALPHA_MAX, so a NaN must be rejected before the clamp
+      // decides anything. The same test as rasterize_bwd.metal's, the reference's and the CPU backend's.
+      const float raw_alpha = co.w * exp(-sigma);
+      const float alpha = min(SPLAT_ALPHA_MAX, raw_alpha);
+      if (!(isfinite(sigma) && sigma >= 0.0f && isfinite(raw_alpha) && alpha >= SPLAT_ALPHA_MIN)) {
         continue;
       }
       const float next_T = T * (1.0f - alpha);

@@ -33,8 +33,9 @@
 // The walk is back to front (gsplat's): each pixel starts from the forward's final transmittance
 // T_final and "un-composites" one gaussian at a time, T_i = T_{i+1} / (1 - alpha_i), keeping in
 // `buf` the colour composited behind the current gaussian. Only gaussians at list positions
-// <= last_ids[pixel] (the forward's last contributor) and passing the forward's tests
-// (sigma >= 0, alpha >= ALPHA_MIN) are differentiated, which is exactly the set the forward used.
+// <= last_ids[pixel] (the forward's last contributor) and passing the forward's tests (sigma and
+// raw alpha finite, sigma >= 0, alpha >= ALPHA_MIN) are differentiated, which is exactly the set the
+// forward used.
 // Per pixel and gaussian (v_c = dL/d colour_out, v_a = dL/d alpha_out, bg = background):
 //   v_alpha = sum_k (c_k T_i - buf_k / (1 - alpha)) v_c_k + T_final / (1 - alpha) (v_a - sum_k bg_k v_c_k)
 //   v_colour_k = alpha T_i v_c_k;  if opacity*exp(-sigma) <= ALPHA_MAX (alpha not clamped):
@@ -182,8 +183,11 @@ kernel void rasterize_bwd(
       const float dy = xy.y - py;
       const float sigma = 0.5f * (co.x * dx * dx + co.z * dy * dy) + co.y * dx * dy;
       const float vis = exp(-sigma);
-      const float alpha = min(SPLAT_ALPHA_MAX, co.w * vis);
-      const bool valid = inside && pos <= bin_final && sigma >= 0.0f && alpha >= SPLAT_ALPHA_MIN;
+      const float raw_alpha = co.w * vis;
+      const float alpha = min(SPLAT_ALPHA_MAX, raw_alpha);
+      // rasterize.metal's test, term for term (explicit isfinite: Metal's min ignores a NaN).
+      const bool valid = inside && pos <= bin_final && isfinite(sigma) && sigma >= 0.0f && isfinite(raw_alpha) &&
+                         alpha >= SPLAT_ALPHA_MIN;
       if (!simd_any(valid)) {
         continue;
       }

@@ -104,6 +104,12 @@ Checks (every compile_library; a violation raises MetalCompileError naming the .
     process must preload the runtime: ``LD_PRELOAD=$(g++ -print-file-name=libasan.so)
     ASAN_OPTIONS=detect_leaks=0`` (``asan_runtime()`` gives the path; the tests run part of the
     kernel suite that way in a subprocess). Fiber stack switches are annotated for ASan.
+  * ``SPLAT_METAL_EMU_UBSAN=1`` builds them with UndefinedBehaviorSanitizer (float-cast-overflow,
+    signed-integer-overflow, shift, bounds; no recovery), and ``SPLAT_METAL_EMU_ASAN=1`` does too. A
+    float-to-int conversion of NaN, inf or an out-of-range value, undefined in C++ and MSL (x86 gives
+    INT_MIN, an Apple GPU may saturate to INT_MAX), then ends the process with a ``runtime error:``
+    report instead of passing silently. Its runtime loads with the library (no LD_PRELOAD), but a
+    report exits the process: tests run it in a subprocess (tests/ops/metal/test_emulator_ubsan.py).
 
 What the emulator cannot see (the Mac-side doctor command and the macOS CI job cover these)
 ------------------------------------------------------------------------------------------
@@ -116,6 +122,7 @@ What the emulator cannot see (the Mac-side doctor command and the macOS CI job c
     value; lanes of a simdgroup are not in lockstep here (stricter than the GPU). Races through
     device memory between different groups are not shuffled (groups run whole, on several OS
     threads). Atomics are real.
+  * Undefined behaviour only under ``SPLAT_METAL_EMU_UBSAN=1`` / ``SPLAT_METAL_EMU_ASAN=1``.
   * Out-of-bounds accesses only under ``SPLAT_METAL_EMU_ASAN=1``, and only past a tensor's
     allocation (an index into another part of the same storage is not caught). The GPU watchdog
     (~2 s per command buffer), GPU memory limits and the register-dependent
@@ -137,6 +144,7 @@ from .library import (
     compile_count,
     compile_library,
     schedule_seed,
+    ubsan_enabled,
 )
 
 __all__ = [
@@ -148,4 +156,5 @@ __all__ = [
     "compile_count",
     "compile_library",
     "schedule_seed",
+    "ubsan_enabled",
 ]

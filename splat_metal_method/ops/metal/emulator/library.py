@@ -38,6 +38,10 @@ _FLAGS = [
     "-Wno-unknown-pragmas",  # `#pragma METAL fp ...` (common.h): msl_subset.py checks every pragma instead
 ]
 _ASAN_FLAGS = ["-fsanitize=address", "-fno-omit-frame-pointer", "-O1"]
+# Undefined behaviour x86 hides and a GPU may not: float-to-int of NaN/inf/out-of-range values (x86
+# gives INT_MIN, an Apple GPU may saturate), signed overflow, oversized shifts, constant-size array
+# indices out of range. No recovery: the first report ends the process (exit code 1).
+_UBSAN_FLAGS = ["-fsanitize=float-cast-overflow,signed-integer-overflow,shift,bounds", "-fno-sanitize-recover=all"]
 _GCC_ONLY_FLAGS = ["-fsingle-precision-constant"]  # `0.5` is a float literal in MSL, not a double
 
 
@@ -92,6 +96,13 @@ def asan_enabled() -> bool:
     return os.environ.get("SPLAT_METAL_EMU_ASAN", "") not in ("", "0")
 
 
+def ubsan_enabled() -> bool:
+    """SPLAT_METAL_EMU_UBSAN=1 (or SPLAT_METAL_EMU_ASAN=1) builds every library with UBSan (_UBSAN_FLAGS).
+
+    The UBSan runtime loads with the library (no LD_PRELOAD); a report ends the process."""
+    return os.environ.get("SPLAT_METAL_EMU_UBSAN", "") not in ("", "0") or asan_enabled()
+
+
 def asan_runtime() -> str:
     """Path of the compiler's ASan runtime, which a Python process must LD_PRELOAD to load ASan builds."""
     lib = "libclang_rt.asan-x86_64.so" if "clang" in _compiler_version() else "libasan.so"
@@ -133,8 +144,13 @@ def _compiler_version() -> str:
 
 
 def _flags() -> list[str]:
-    return (_FLAGS + (["-Wno-unknown-attributes", "-Wno-deprecated-declarations"] if "clang" in _compiler_version()
-                      else _GCC_ONLY_FLAGS) + (_ASAN_FLAGS if asan_enabled() else []))
+    clang = "clang" in _compiler_version()
+    flags = _FLAGS + (["-Wno-unknown-attributes", "-Wno-deprecated-declarations"] if clang else _GCC_ONLY_FLAGS)
+    if asan_enabled():
+        flags = flags + _ASAN_FLAGS
+    if ubsan_enabled():  # clang links its sanitizer runtime into a shared object only with -shared-libsan
+        flags = flags + _UBSAN_FLAGS + (["-shared-libsan"] if clang else [])
+    return flags
 
 
 def _shim_text() -> str:
