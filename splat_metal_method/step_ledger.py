@@ -275,6 +275,7 @@ class _TransferCounter(TorchFunctionMode):
                 s.mark_host(out)
         elif name in _READS and args and isinstance(args[0], torch.Tensor) and not s.is_host(args[0]):
             led.host_reads.append((f"Tensor.{name}", where()))
+            s.mark_host(out)  # what came back is on the host: reading it (.item()) is no second sync
         elif name == "to" and args and isinstance(args[0], torch.Tensor) and s.is_host(args[0]):
             target = kwargs.get("device", args[1] if len(args) > 1 else None)
             if isinstance(target, (torch.device, torch.Tensor)):

@@ -19,14 +19,14 @@ from splat_metal_method import step_ledger, step_model
 # (method, phase) -> count -> the most allowed. Measured on the 64x48 demo scene (10 views): host syncs and
 # launches exactly, aten dispatches +3%, work inside the kernels +15% (it follows the trained gaussians).
 BUDGETS = {
-    ("splat-metal", "steady"): {"host_syncs": 16, "aten_dispatches": 550, "kernel_launches": 28,
-                                "simd_reductions": 100_000, "device_atomics": 92_000},
-    ("splat-metal", "refine"): {"host_syncs": 25, "aten_dispatches": 815, "kernel_launches": 28},
-    ("splat-metal", "eval"): {"host_syncs": 8, "aten_dispatches": 215, "kernel_launches": 25},
-    ("splat-metal-mcmc", "steady"): {"host_syncs": 13, "aten_dispatches": 580, "kernel_launches": 29,
+    ("splat-metal", "steady"): {"host_syncs": 5, "aten_dispatches": 435, "kernel_launches": 38,
+                                "simd_reductions": 103_000, "device_atomics": 94_000},
+    ("splat-metal", "refine"): {"host_syncs": 14, "aten_dispatches": 700, "kernel_launches": 38},
+    ("splat-metal", "eval"): {"host_syncs": 7, "aten_dispatches": 267, "kernel_launches": 35},
+    ("splat-metal-mcmc", "steady"): {"host_syncs": 5, "aten_dispatches": 466, "kernel_launches": 39,
                                      "simd_reductions": 51_000, "device_atomics": 38_000},
-    ("splat-metal-mcmc", "refine"): {"host_syncs": 17, "aten_dispatches": 670, "kernel_launches": 29},
-    ("splat-metal-mcmc", "eval"): {"host_syncs": 8, "aten_dispatches": 215, "kernel_launches": 25},
+    ("splat-metal-mcmc", "refine"): {"host_syncs": 9, "aten_dispatches": 555, "kernel_launches": 39},
+    ("splat-metal-mcmc", "eval"): {"host_syncs": 7, "aten_dispatches": 266, "kernel_launches": 35},
 }  # fmt: skip
 WIDTH, HEIGHT = 64, 48
 
@@ -57,10 +57,12 @@ def test_ledger_sees_the_whole_step(ledgers):
         assert bwd.launches == 1 and bwd.simd_reductions > 0 and bwd.device_atomics > 0, (method, bwd)
         assert steady.kernels["rasterize_fwd"].barriers > 0 and bwd.threadgroup_bytes > 0
         assert "rasterize_bwd" not in ev.kernels and ev.kernel_launches > 0  # a render has no backward
-        # every part of a training step issued aten ops; the optimizer reads host-side step counters only
+        # every part of a training step issued aten ops
         for part in ("rasterization op", "optimizer", "strategy", "autograd backward", "model, loss, camera opt"):
             assert steady.parts[part] > 0, (method, part, dict(steady.parts))
-        assert steady.host_local and all("adam" in where or "optimizer" in where for _, where in steady.host_local)
+        # host-local reads: of tensors already on the host (an explicit copy, e.g. runtime.host_read, or
+        # host-side step counters of an unfused optimizer), never a second sync
+        assert all(any(k in where for k in ("adam", "optimizer", "isect")) for _, where in steady.host_local), steady.host_local
         # refining adds host reads (data-dependent sizes) and aten ops
         assert refine.host_syncs > steady.host_syncs and refine.aten_dispatches > steady.aten_dispatches
         assert steady.intersections > 0 and steady.pixels == WIDTH * HEIGHT and steady.n_gaussians > 0

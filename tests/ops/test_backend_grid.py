@@ -153,7 +153,12 @@ def test_backend_matches_reference_over_the_grid(backend, case, monkeypatch):
         import splat_metal_method.ops.metal.rasterize_bwd as metal_rasterize_bwd
 
         monkeypatch.setattr(metal_rasterize_bwd, "RASTER_CHUNK", 3)
+    from splat_metal_method.ops.metal import runtime
+
+    runtime.reset_launch_counts()
     rc, ra, grads, meta = _render(backend, case, max_intersections=max_isect)
+    if case.passes and backend == "metal":  # the lowered chunk really split the render into passes
+        assert runtime.launch_counts().get("rasterize_fwd", 0) > (meta.get("depth_chunks") or 1)
     if case.depth_chunks:
         assert meta["depth_chunks"] > 1, "max_intersections should have split the render"
     _close(f"{backend}[{case}].colors", rc, ref_rc)

@@ -24,7 +24,8 @@ from ..constants import TRANSMITTANCE_MIN
 from .isect import isect_offset_encode_fwd, isect_tiles_fwd
 from .project import project_fwd
 from .project_bwd import project_bwd
-from .rasterize import RASTER_CHUNK, plan_passes, rasterize_to_pixels_fwd
+from . import rasterize as _rasterize  # _rasterize.RASTER_CHUNK read at each call (tests lower it)
+from .rasterize import plan_passes, rasterize_to_pixels_fwd
 from .rasterize_bwd import rasterize_to_pixels_bwd
 from .sh import spherical_harmonics_fwd
 from .sh_bwd import spherical_harmonics_bwd
@@ -50,10 +51,10 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
     def forward(ctx, means2d, conics, colors, opacities, backgrounds, width, height, tile_size,
                 isect_offsets, flatten_ids, absgrad_buf):  # fmt: skip
         # One pass plan for forward and backward: at most one host sync (rasterize.plan_passes).
-        plan = plan_passes(isect_offsets, flatten_ids.numel(), tile_size, RASTER_CHUNK, colors.shape[1])
+        plan = plan_passes(isect_offsets, flatten_ids.numel(), tile_size, _rasterize.RASTER_CHUNK, colors.shape[1])
         render_colors, render_alphas, transmittance, last_ids = rasterize_to_pixels_fwd(
             means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, backgrounds,
-            chunk=RASTER_CHUNK, plan=plan,
+            chunk=_rasterize.RASTER_CHUNK, plan=plan,
         )  # fmt: skip
         ctx.save_for_backward(means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids,
                               transmittance, last_ids)  # fmt: skip
@@ -76,7 +77,7 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
         v_means2d, v_conics, v_colors, v_opacities, v_backgrounds = rasterize_to_pixels_bwd(
             means2d, conics, colors, opacities, backgrounds, width, height, tile_size, isect_offsets,
             flatten_ids, transmittance, last_ids, v_render_colors.contiguous(), v_render_alphas.contiguous(),
-            absgrad_out=ctx.absgrad_buf, chunk=RASTER_CHUNK, plan=plan,
+            absgrad_out=ctx.absgrad_buf, chunk=_rasterize.RASTER_CHUNK, plan=plan,
         )  # fmt: skip
         return (
             v_means2d if need[0] else None,
@@ -96,11 +97,11 @@ class _RasterizeDepthChunkFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, means2d, conics, colors, opacities, trans_in, stopped_in, width, height, tile_size,
                 isect_offsets, flatten_ids, absgrad_buf):  # fmt: skip
-        plan = plan_passes(isect_offsets, flatten_ids.numel(), tile_size, RASTER_CHUNK, colors.shape[1])
+        plan = plan_passes(isect_offsets, flatten_ids.numel(), tile_size, _rasterize.RASTER_CHUNK, colors.shape[1])
         stopped_out = torch.zeros(trans_in.shape, dtype=torch.int32, device=trans_in.device)  # [C, H, W]
         chunk_colors, _, trans_out, last_ids = rasterize_to_pixels_fwd(
             means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, None,
-            chunk=RASTER_CHUNK, plan=plan, trans_in=trans_in, stopped_in=stopped_in, stopped_out=stopped_out,
+            chunk=_rasterize.RASTER_CHUNK, plan=plan, trans_in=trans_in, stopped_in=stopped_in, stopped_out=stopped_out,
         )  # fmt: skip
         ctx.save_for_backward(means2d, conics, colors, opacities, isect_offsets, flatten_ids, trans_out, last_ids,
                               trans_in, stopped_in, chunk_colors)  # fmt: skip
@@ -121,7 +122,7 @@ class _RasterizeDepthChunkFn(torch.autograd.Function):
         v_means2d, v_conics, v_colors, v_opacities, _ = rasterize_to_pixels_bwd(
             means2d, conics, colors, opacities, None, width, height, tile_size, isect_offsets, flatten_ids,
             trans_out, last_ids, v_chunk_colors.contiguous(), v_alphas.contiguous(), absgrad_out=ctx.absgrad_buf,
-            chunk=RASTER_CHUNK, plan=plan,
+            chunk=_rasterize.RASTER_CHUNK, plan=plan,
         )  # fmt: skip
         v_trans_in = resumed_transmittance_grad(chunk_colors, v_chunk_colors, trans_out, v_trans_out, trans_in,
                                                 stopped_in, TRANSMITTANCE_MIN)  # fmt: skip
