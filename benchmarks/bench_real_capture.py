@@ -147,7 +147,9 @@ def plot(rows, views, path: Path, title: str) -> None:
         ax = fig.add_subplot(grid[0, col])
         for r in rows:
             series = {int(k): v for k, v in json.loads(r[key]).items()}
-            ax.plot(sorted(series), [series[k] for k in sorted(series)], label=r["method"], marker="." if key[0] == "p" else None)
+            steps = sorted(series)
+            ax.plot(steps, [series[k] for k in steps], label=r["method"],
+                    marker="." if key == "psnr_over_steps" else None)
         ax.set_xlabel("step")
         ax.set_title(label, fontsize=10)
         ax.legend(fontsize=8)
@@ -167,7 +169,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=FULL_STEPS)
     p.add_argument("--schedule", choices=("default", "scaled"), default="default")
-    p.add_argument("--width", type=int, default=None, help="resize the photos to this width (default: 785, as captured)")
+    p.add_argument("--width", type=int, default=None, help="photo width (default 785, as captured)")
     p.add_argument("--points", type=int, default=None, help="random seed points kept (default: all 25,784)")
     p.add_argument("--methods", nargs="+", default=["default", "mcmc", "mcmc-third"],
                    choices=("default", "mcmc", "mcmc-third"))  # fmt: skip
@@ -204,15 +206,18 @@ def main(argv=None):
         plot(rows, views, png_path, f"snowmiku ({scale}), {args.steps} steps, {args.schedule} schedule, {args.device}")
     for r in rows:
         r.pop("run_dir")
-        r.update(width=args.width or 785, seed_points=args.points or 25784, device=args.device, threads=args.threads or "")
+        r.update(width=args.width or 785, seed_points=args.points or 25784, device=args.device,
+                 threads=args.threads or "")
     with open(csv_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"\n| method | held-out PSNR | SSIM | gaussians | median step | peak RSS | wall |\n|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| method | held-out PSNR | SSIM | gaussians | median step | peak RSS | wall |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['method']}{' (cap ' + format(r['cap_max'], ',') + ')' if r['cap_max'] else ''} | {r['psnr']:.2f} dB | "
-              f"{r['ssim']:.3f} | {r['gaussians']:,} | {r['median_step_ms']} ms | {r['peak_rss_mib']:,} MiB | {r['wall_s']:.0f} s |")  # fmt: skip
+        cap = f" (cap {r['cap_max']:,})" if r["cap_max"] else ""
+        print(f"| {r['method']}{cap} | {r['psnr']:.2f} dB | {r['ssim']:.3f} | {r['gaussians']:,} | "
+              f"{r['median_step_ms']} ms | {r['peak_rss_mib']:,} MiB | {r['wall_s']:.0f} s |")
     print(f"wrote {csv_path} and {png_path}")
 
 

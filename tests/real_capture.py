@@ -75,7 +75,9 @@ def make_cut(out: Path, frames: Optional[Sequence[int]] = None, width: Optional[
     (out / "images").mkdir(parents=True, exist_ok=True)
     for frame in kept:
         with Image.open(Path(source) / frame["file_path"]) as im:
-            small = im.convert("RGB") if (new_w, new_h) == im.size else im.convert("RGB").resize((new_w, new_h), Image.LANCZOS)
+            small = im.convert("RGB")
+            if small.size != (new_w, new_h):
+                small = small.resize((new_w, new_h), Image.LANCZOS)
             small.save(out / frame["file_path"], quality=95)
     meta.update(w=new_w, h=new_h, fl_x=meta["fl_x"] * sx, fl_y=meta["fl_y"] * sy, cx=meta["cx"] * sx,
                 cy=meta["cy"] * sy, frames=kept)  # fmt: skip

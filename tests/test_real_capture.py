@@ -14,6 +14,7 @@ CI (CI=true), where a missing capture is a failure.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -82,7 +83,7 @@ def _held_out_metrics(pipeline) -> dict:
 
 def _constant_colour_psnr(cut, frames) -> float:
     """Mean PSNR over the held-out photos of one colour: the mean colour of the training photos."""
-    names = [f["file_path"] for f in __import__("json").loads((cut / "transforms.json").read_text())["frames"]]
+    names = [f["file_path"] for f in json.loads((cut / "transforms.json").read_text())["frames"]]
     photos = [np.asarray(Image.open(cut / name), dtype=np.float64) / 255 for name in names]  # [H, W, 3] each
     held = set(frames)
     colour = np.mean([p.reshape(-1, 3).mean(0) for i, p in enumerate(photos) if i not in held], axis=0)  # [3]
