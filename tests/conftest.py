@@ -32,3 +32,12 @@ def garden():
     if data is None:
         pytest.skip(f"garden data not found at {GARDEN_PATH} (it lives outside the repo, see DESIGN.md §5)")
     return data
+
+
+def pytest_configure(config):
+    """One random grid seed for the whole run (tests/ops/test_backend_grid.py puts it in its test ids):
+    pytest-xdist's workers inherit it from the controller and so collect the same tests."""
+    import os
+    import random
+
+    os.environ.setdefault("SPLAT_METAL_GRID_SEED", str(random.SystemRandom().randrange(10**6)))
