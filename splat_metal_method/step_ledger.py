@@ -390,7 +390,11 @@ def measure(data: Path, method: str = "splat-metal", backend: str = "metal", out
     trainer = build_trainer(data, method, backend, output_dir)
     try:
         model = trainer.pipeline.model
-        train_step(trainer, WARM_STEP)
+        # one pass over the training cameras first: a steady step never reads a camera's size again
+        # (model.py caches it per camera), and one warm-up step would leave that read in the count
+        n_cameras = len(trainer.pipeline.datamanager.train_dataset.cameras)
+        for step in range(max(3001, WARM_STEP - n_cameras), WARM_STEP + 1):  # 3000 refines
+            train_step(trainer, step)
         reset_launch_counts()
         out: Dict[str, Ledger] = {}
         for phase in phases:
