@@ -84,6 +84,21 @@ class FusedAdamOptimizerConfig(AdamOptimizerConfig):
 
     fused: bool = True
 
+    def setup(self, params) -> torch.optim.Optimizer:
+        optimizer = super().setup(params)
+        if self.fused:
+            optimizer.register_step_post_hook(_bump_param_versions)
+        return optimizer
+
+
+def _bump_param_versions(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """torch's fused Adam updates the parameters without bumping their in-place version counters (the
+    single-tensor path does): bump them, so what watches `_version` sees every step (the viewer's copy
+    of the gaussians on its render device, render_device.py, stayed stale between densifications)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            torch.autograd.graph.increment_version(p)
+
 
 def _adam(lr: float) -> AdamOptimizerConfig:
     return FusedAdamOptimizerConfig(lr=lr, eps=1e-15)

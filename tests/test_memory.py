@@ -462,9 +462,9 @@ def test_chunked_equals_unchunked_reference_forward_and_backward(budget, backend
 def test_metal_chunks_resume_across_several_passes(monkeypatch):
     """Metal bounds the gaussians of a tile per dispatch (RASTER_CHUNK); a resumed depth chunk whose
     tiles need several dispatches carries T and the stop state from pass to pass."""
-    import splat_metal_method.ops.metal as metal
+    import splat_metal_method.ops.metal.rasterize as metal_rasterize
 
-    monkeypatch.setattr(metal, "RASTER_CHUNK", 16)
+    monkeypatch.setattr(metal_rasterize, "RASTER_CHUNK", 16)
     monkeypatch.setattr(reference, "rasterize_depth_chunk", None)  # no fallback: calling it fails
     scene = _dense_scene()
     want = _render(scene, "reference", None)

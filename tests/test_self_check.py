@@ -9,6 +9,7 @@ strict mode's stop is tested in-process in tests/test_stage_fallback.py."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 import json
 import shutil
 from pathlib import Path
@@ -50,7 +51,11 @@ def test_ns_train_checks_metal_kernels_first_and_falls_back_on_a_wrong_one(tmp_p
     # package-relative #line names, which the emulator compiles.
     spec = importlib.util.spec_from_file_location("copied_runtime", install / "splat_metal_method/ops/metal/runtime.py")
     copied = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(copied)
+    sys.modules[spec.name] = copied  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(copied)
+    finally:
+        del sys.modules[spec.name]
     assert "\u00e9" in str(copied.KERNEL_DIR)
     src = copied.load_source("common.h", "sh.metal", defines={**kernels._base_defines(16)})
     assert src.isascii() and '#line 1 "splat_metal_method/ops/metal/sh.metal"' in src

@@ -113,10 +113,8 @@ def test_a_low_budget_commits_between_dispatches_and_keeps_the_results(monkeypat
     """Bands of tile rows (per camera, means shifted to the band) and commits between them: same colours,
     alphas and gradients as one dispatch per pass; with depth chunks the bands also resume T and the
     stop state."""
-    import splat_metal_method.ops.metal as metal
-
     want = render(max_intersections)
-    monkeypatch.setattr(metal, "RASTER_CHUNK", 24)  # several passes per tile
+    monkeypatch.setattr(rasterize, "RASTER_CHUNK", 24)  # several passes per tile
     per_pass_tile = 8 * 8 * 24
     budget = 6 * per_pass_tile * runtime.BWD_WORK_FACTOR  # a few tiles' worth of backward per command buffer
     monkeypatch.setattr(runtime, "COMMAND_BUFFER_BUDGET", budget)
