@@ -214,3 +214,19 @@ def test_resume_state_that_does_not_fit_is_left_out_with_a_note():
     smaller.datamanager.train_dataset = [None] * 2  # another dataset
     (note,) = resume_state.restore(smaller, state)
     assert "camera order does not fit this dataset" in note
+
+
+def test_fused_adam_steps_are_seen_by_version_counters():
+    """torch's fused Adam does not bump a parameter's in-place version counter (its single-tensor path
+    does); splat-metal's optimizer config bumps it after each step, because the viewer's device copy of
+    the gaussians (render_device.py) is refreshed only when a parameter's version changes."""
+    from splat_metal_method.config import FusedAdamOptimizerConfig
+
+    p = torch.nn.Parameter(torch.randn(8))
+    optimizer = FusedAdamOptimizerConfig(lr=0.1, eps=1e-15).setup([p])
+    assert all(g["fused"] for g in optimizer.param_groups)
+    for step in range(1, 3):
+        p.grad = torch.randn(8)
+        before, version = p.detach().clone(), p._version
+        optimizer.step()
+        assert not torch.equal(p.detach(), before) and p._version > version, step
