@@ -396,7 +396,7 @@ STEADY_STEP_ATEN_DISPATCHES = 430
 def steady_step(tmp_path_factory):
     """One steady training step (3003: SH degree 3, neither refine nor reset) of splat-metal on the
     metal backend, counted; run after a full pass over the cameras (whose sizes are read once)."""
-    from nerfstudio.engine.callbacks import TrainingCallbackLocation
+    from nerfstudio.engine.callbacks import TrainingCallbackLocation  # noqa: F401 (before writer: import order)
     from nerfstudio.utils import writer
 
     from splat_metal_method import demo_scene
@@ -417,21 +417,11 @@ def steady_step(tmp_path_factory):
     trainer = cfg.setup(local_rank=0, world_size=1)
     trainer.setup()
     try:
-
-        def step(s: int):
-            with trainer.train_lock:
-                trainer.pipeline.train()
-                for cb in trainer.callbacks:
-                    cb.run_callback_at_location(s, TrainingCallbackLocation.BEFORE_TRAIN_ITERATION)
-                trainer.train_iteration(s)
-                for cb in trainer.callbacks:
-                    cb.run_callback_at_location(s, TrainingCallbackLocation.AFTER_TRAIN_ITERATION)
-
         for s in range(2990, 3003):  # every camera once, and the refine + reset of step 3000
-            step(s)
+            step_ledger.train_step(trainer, s)
         reset_launch_counts()
         with step_ledger.count("steady", step_ledger.host_resident(trainer)) as counts:
-            step(3003)
+            step_ledger.train_step(trainer, 3003)
         return counts, launch_counts(), trainer.pipeline.model
     finally:
         writer.EVENT_WRITERS[:] = writers
