@@ -93,7 +93,7 @@ def main() -> int:
     ratio = statistics.median(times["splat-metal"]) / statistics.median(times["splatfacto"])
     print(f"step-time ratio splat-metal / splatfacto: {ratio:.3f} (target <= 1.02)")
 
-    from splat_metal_method.doctor import full_op_checks
+    from splat_metal_method.kernel_checks import full_op_checks
 
     checks = full_op_checks(torch.device("cuda"), "gsplat", 61, 37)
     for c in checks:

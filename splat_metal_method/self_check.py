@@ -138,7 +138,7 @@ def kernel_source_hash() -> str:
 
 
 def _key(device: torch.device, run: RunKernels) -> Tuple[str, dict]:
-    from .doctor import BWD_RTOL, FWD_ATOL
+    from .kernel_checks import BWD_RTOL, FWD_ATOL
     from .ops.metal.kernels import msl_version
 
     facts = {
@@ -176,10 +176,10 @@ def _store(path: Path, key: str, entry: dict) -> None:
 
 
 def run_checks(device: torch.device, run: RunKernels):
-    """doctor.stage_checks restricted to what `run` uses, Metal vs reference on `device`; with depth
+    """kernel_checks.stage_checks restricted to what `run` uses, Metal vs reference on `device`; with depth
     chunks, also the whole op cut into about 3 chunks (resumed compositing) vs the unchunked reference;
     for MCMC, also the covariance kernel."""
-    from .doctor import covariance_checks, full_op_checks, stage_checks
+    from .kernel_checks import covariance_checks, full_op_checks, stage_checks
     from .ops import metal, reference
 
     with torch.inference_mode(False), torch.enable_grad():  # renders run under no_grad; the check needs grads
