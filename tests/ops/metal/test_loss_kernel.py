@@ -1,0 +1,168 @@
+"""ops/metal/loss.metal (the fused L1 + SSIM training loss) against the reference (ssim.FusedSSIM + L1),
+value and gradient in pred, and SplatMetalModel.get_loss_dict against splatfacto's own."""
+
+from __future__ import annotations
+
+import pytest
+import pytorch_msssim
+import torch
+from nerfstudio.cameras.camera_optimizers import CameraOptimizerConfig
+from nerfstudio.data.scene_box import SceneBox
+from nerfstudio.models.splatfacto import SplatfactoModel
+
+from splat_metal_method.model import SplatMetalModelConfig
+from splat_metal_method.ops.loss import l1_ssim_loss, l1_ssim_loss_reference
+from splat_metal_method.ops.metal import runtime
+
+SHAPES = {  # [H, W, C] or [B, H, W, C]
+    "48x64": (48, 64, 3),
+    "odd-37x23": (37, 23, 3),
+    "window-11x11": (11, 11, 3),
+    "window+1-12x29": (12, 29, 3),
+    "blocks+1-17x33": (17, 33, 3),
+    "batch-2x21x15": (2, 21, 15, 3),
+    "one-channel-30x19": (30, 19, 1),
+}
+
+
+def images(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    gt = torch.rand(shape, generator=g)
+    pred = (gt + 0.2 * torch.randn(shape, generator=g)).clamp(0, 1)  # correlated, as a render and its photo
+    return pred, gt
+
+
+def loss_and_grad(pred, gt, ssim_lambda, backend):
+    pred = pred.clone().requires_grad_(True)
+    if backend == "reference":
+        loss, l1, ssim = l1_ssim_loss_reference(pred, gt, ssim_lambda)
+    else:
+        loss, l1, ssim = l1_ssim_loss(pred, gt, ssim_lambda, backend)
+    (grad,) = torch.autograd.grad(loss, pred)
+    return loss.detach(), l1.detach(), ssim.detach(), grad
+
+
+def assert_matches(ours, ref):
+    """Float32 rounding apart: values to 1e-5 relative (SSIM, which can be near 0, to 1e-6 absolute), the
+    gradient to 1e-5 of its largest entry."""
+    loss, l1, ssim, grad = ours
+    r_loss, r_l1, r_ssim, r_grad = ref
+    torch.testing.assert_close(loss, r_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(l1, r_l1, rtol=1e-5, atol=0)
+    torch.testing.assert_close(ssim, r_ssim, rtol=0, atol=1e-6)
+    torch.testing.assert_close(grad, r_grad, rtol=1e-5, atol=1e-5 * float(r_grad.abs().max()))
+
+
+@pytest.mark.parametrize("ssim_lambda", [0.0, 0.2, 1.0])
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+def test_metal_loss_equals_reference(shape, ssim_lambda):
+    pred, gt = images(shape, seed=len(shape) * 100 + shape[-2])
+    runtime.reset_launch_counts()
+    ours = loss_and_grad(pred, gt, ssim_lambda, "metal")
+    assert runtime.launch_counts() == {"l1_ssim_fwd": 1, "l1_ssim_reduce": 1, "l1_ssim_bwd": 1}
+    ref = loss_and_grad(pred, gt, ssim_lambda, "reference")
+    assert 0.05 < float(ref[2]) < 0.95 and ref[3].abs().max() > 0  # a real comparison
+    assert_matches(ours, ref)
+
+
+def test_planted_errors_fail_the_comparison():
+    pred, gt = images((23, 31, 3), seed=3)
+    ours, ref = loss_and_grad(pred, gt, 0.2, "metal"), loss_and_grad(pred, gt, 0.2, "reference")
+    assert_matches(ours, ref)
+    loss, l1, ssim, grad = ours
+    # lambda off by 1e-3 changes the loss by ~1e-4 relative
+    off_lambda = loss_and_grad(pred, gt, 0.2002, "metal")
+    with pytest.raises(AssertionError):
+        assert_matches(off_lambda, ref)
+    for planted in (
+        (loss * (1 + 1e-4), l1, ssim, grad),
+        (loss, l1, ssim + 1e-5, grad),
+        (loss, l1, ssim, grad.index_put((torch.tensor(11), torch.tensor(7), torch.tensor(1)), grad[11, 7, 1] * 1.01)),
+        (loss, l1, ssim, grad.flip(0)),
+    ):
+        with pytest.raises(AssertionError):
+            assert_matches(planted, ref)
+
+
+def test_what_the_kernels_do_not_cover_runs_the_reference():
+    runtime.reset_launch_counts()
+    for shape in [(10, 40, 3), (40, 10, 3)]:  # shorter than the window along one axis
+        pred, gt = images(shape, seed=5)
+        assert_matches(loss_and_grad(pred, gt, 0.2, "metal"), loss_and_grad(pred, gt, 0.2, "reference"))
+    pred, gt = images((20, 20, 3), seed=6)
+    pred64, gt64 = pred.double(), gt.double()
+    ours = loss_and_grad(pred64, gt64, 0.2, "metal")
+    assert ours[0].dtype == torch.float64
+    assert runtime.launch_counts() == {}
+    with pytest.raises(ValueError, match="l1_ssim_loss"):
+        l1_ssim_loss(pred, gt[:-1], 0.2, "metal")
+
+
+def test_gradient_of_the_loss_scales_with_the_incoming_gradient():
+    pred, gt = images((19, 26, 3), seed=7)
+    pred = pred.requires_grad_(True)
+    loss, _, _ = l1_ssim_loss(pred, gt, 0.2, "metal")
+    (g1,) = torch.autograd.grad(loss, pred, retain_graph=True)
+    (g3,) = torch.autograd.grad(-3.0 * loss, pred)
+    torch.testing.assert_close(g3, -3.0 * g1, rtol=1e-6, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# SplatMetalModel.get_loss_dict vs splatfacto's
+
+
+def small_model(scale_regularization: bool):
+    gen = torch.Generator().manual_seed(1)
+    means, colors = torch.rand(50, 3, generator=gen) - 0.5, (torch.rand(50, 3, generator=gen) * 255).to(torch.uint8)
+    config = SplatMetalModelConfig(backend="metal", background_color="random",
+                                   camera_optimizer=CameraOptimizerConfig(mode="SO3xR3"),
+                                   use_scale_regularization=scale_regularization)  # fmt: skip
+    model = config.setup(scene_box=SceneBox(aabb=torch.tensor([[-1.0, -1, -1], [1, 1, 1]])), num_train_data=2,
+                         metadata={}, seed_points=(means, colors))  # fmt: skip
+    model.config.num_downscales = 0
+    with torch.no_grad():
+        model.gauss_params["scales"].copy_(torch.randn(50, 3, generator=gen))  # some ratios above max_gauss_ratio
+        for p in model.camera_optimizer.parameters():
+            p.copy_(0.01 * torch.randn(p.shape, generator=gen))
+    return model.train()
+
+
+@pytest.mark.parametrize("scale_regularization, step", [(False, 10), (True, 10), (True, 11)],
+                         ids=["no-scale-reg", "scale-reg-step", "scale-reg-off-step"])  # fmt: skip
+@pytest.mark.parametrize("with_mask", [False, True], ids=["no-mask", "mask"])
+def test_model_loss_dict_equals_splatfactos(scale_regularization, step, with_mask):
+    torch.manual_seed(0)  # the random background
+    model = small_model(scale_regularization)
+    model.step = step
+    H, W = 30, 41
+    g = torch.Generator().manual_seed(2)
+    pred = torch.rand(H, W, 3, generator=g)
+    batch = {"image": (torch.rand(H, W, 4, generator=g) * 255).to(torch.uint8)}  # RGBA: composited on background
+    if with_mask:
+        batch["mask"] = torch.rand(H, W, 1, generator=g) > 0.3
+
+    def run(get_loss_dict):
+        rgb = pred.clone().requires_grad_(True)
+        outputs = {"rgb": rgb, "background": torch.rand(3, generator=torch.Generator().manual_seed(4))}
+        runtime.reset_launch_counts()
+        losses = get_loss_dict(model, outputs, batch)
+        launches = runtime.launch_counts()
+        params = [rgb, model.gauss_params["scales"], *model.camera_optimizer.parameters()]
+        grads = torch.autograd.grad(sum(losses.values()), params, allow_unused=True)
+        return {k: v.detach() for k, v in losses.items()}, grads, launches
+
+    ours, our_grads, launches = run(type(model).get_loss_dict)
+    assert launches.get("l1_ssim_fwd") == 1 and launches.get("l1_ssim_bwd") is None  # backward not yet run
+    model.ssim = pytorch_msssim.SSIM(data_range=1.0, size_average=True, channel=3)  # splatfacto's own SSIM
+    theirs, their_grads, _ = run(SplatfactoModel.get_loss_dict)
+    assert set(ours) == set(theirs) == {"main_loss", "scale_reg", "camera_opt_regularizer"}
+    for k in theirs:
+        assert ours[k].shape == theirs[k].shape and ours[k].device == theirs[k].device, k
+        torch.testing.assert_close(ours[k], theirs[k], rtol=1e-5, atol=1e-7, msg=k)
+    assert (float(theirs["scale_reg"]) > 0) == (scale_regularization and step % 10 == 0)
+    for ours_g, theirs_g in zip(our_grads, their_grads):
+        if theirs_g is None:
+            assert ours_g is None or not ours_g.any()
+            continue
+        torch.testing.assert_close(ours_g, theirs_g, rtol=1e-5, atol=1e-5 * float(theirs_g.abs().max()))
+    assert our_grads[0].abs().max() > 0
