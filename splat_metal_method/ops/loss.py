@@ -48,9 +48,7 @@ def l1_ssim_loss(pred: Tensor, gt: Tensor, ssim_lambda: float, backend: str = "a
     if resolve_backend(backend, pred.device) == "metal" and _metal_covers(pred, gt):
         from .metal.loss import l1_ssim_loss as metal_loss
 
-        pred4 = (pred if pred.dim() == 4 else pred[None]).contiguous()  # [B, H, W, C]
-        gt4 = (gt if gt.dim() == 4 else gt[None]).contiguous()
-        return metal_loss(pred4, gt4, ssim_lambda)
+        return metal_loss(pred.contiguous(), gt.contiguous(), ssim_lambda)
     return l1_ssim_loss_reference(pred, gt, ssim_lambda)
 
 

@@ -23,8 +23,11 @@
 // Bounds: every device read is guarded by i < H, j < W (images) or i < H', j < W' (partials); threadgroup
 // arrays are indexed by loop bounds derived from LOSS_T and LOSS_WIN only.
 
-#define LOSS_T 16                          // pixels per side of a threadgroup's block
-#define LOSS_WIN 11                        // the gaussian window's taps
+#ifndef SPLAT_LOSS_TILE
+#error "SPLAT_LOSS_TILE and SPLAT_LOSS_WIN must be injected by loss.py (kernels.library extra defines)"
+#endif
+#define LOSS_T SPLAT_LOSS_TILE             // pixels per side of a threadgroup's block
+#define LOSS_WIN SPLAT_LOSS_WIN            // the gaussian window's taps
 #define LOSS_SPAN (LOSS_T + LOSS_WIN - 1)  // input rows/columns a block's SSIM windows cover
 #define LOSS_THREADS (LOSS_T * LOSS_T)
 #define LOSS_C1 0.0001f                    // (0.01 * data_range)^2

@@ -15,8 +15,9 @@ from torch import Tensor
 
 from .kernels import library
 
-TILE = 16  # LOSS_T of loss.metal: pixels per side of a threadgroup's block
-WIN = 11  # LOSS_WIN of loss.metal: taps of the gaussian window (sigma 1.5, as pytorch_msssim / FusedSSIM)
+TILE = 16  # SPLAT_LOSS_TILE: pixels per side of a threadgroup's block (TILE^2 threads)
+WIN = 11  # SPLAT_LOSS_WIN: taps of the gaussian window (sigma 1.5, as pytorch_msssim / FusedSSIM)
+VARIANT = ("loss.metal", (("SPLAT_LOSS_TILE", TILE), ("SPLAT_LOSS_WIN", WIN)))  # kernels.standard_variants
 _windows: Dict[torch.device, Tensor] = {}
 
 
@@ -32,38 +33,43 @@ def _grid(B: int, H: int, W: int) -> dict:
     return {"threads": (-(-W // TILE) * TILE, -(-H // TILE) * TILE, B), "group_size": (TILE, TILE, 1)}
 
 
+def _dims(pred: Tensor) -> Tuple[int, int, int, int]:
+    """(B, H, W, C) of [H, W, C] (B = 1) or [B, H, W, C]: read from the shape, no view op."""
+    return (pred.shape[0] if pred.dim() == 4 else 1,) + tuple(pred.shape[-3:])
+
+
 def l1_ssim_fwd(
-    pred: Tensor,  # [B, H, W, C] float32 contiguous, H, W >= WIN
-    gt: Tensor,  # [B, H, W, C]
+    pred: Tensor,  # [B, H, W, C] or [H, W, C], float32 contiguous, H, W >= WIN
+    gt: Tensor,  # same shape
     ssim_lambda: float,
     with_partials: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:  # loss [], l1 [], ssim [], partials [B, H-10, W-10, C, 3] (or [1])
-    B, H, W, C = pred.shape
+    B, H, W, C = _dims(pred)
     device = pred.device
     groups_x, groups_y = -(-W // TILE), -(-H // TILE)
     groups = B * groups_x * groups_y
     shape = (B, H - WIN + 1, W - WIN + 1, C, 3) if with_partials else (1,)
     partials = torch.empty(shape, dtype=torch.float32, device=device)
     sums = torch.empty((groups, 2), dtype=torch.float32, device=device)
-    lib = library(device, "loss.metal")
+    lib = library(device, VARIANT[0], extra=VARIANT[1])
     lib.l1_ssim_fwd(pred, gt, _window(device), partials, sums, H, W, C, groups_x, groups_y, int(with_partials),
                     **_grid(B, H, W))  # fmt: skip
     loss, l1, ssim = (torch.empty((), dtype=torch.float32, device=device) for _ in range(3))
     lib.l1_ssim_reduce(sums, loss, l1, ssim, groups, float(B * H * W * C), float(B * (H - WIN + 1) * (W - WIN + 1) * C),
-                       float(1.0 - ssim_lambda), float(ssim_lambda), threads=(256,), group_size=(256,))  # fmt: skip
+                       float(1.0 - ssim_lambda), float(ssim_lambda), threads=(TILE * TILE,), group_size=(TILE * TILE,))  # fmt: skip
     return loss, l1, ssim, partials
 
 
 def l1_ssim_bwd(
-    pred: Tensor,  # [B, H, W, C]
-    gt: Tensor,  # [B, H, W, C]
+    pred: Tensor,  # [B, H, W, C] or [H, W, C]
+    gt: Tensor,  # same shape
     partials: Tensor,  # [B, H-10, W-10, C, 3] from l1_ssim_fwd
     grad_loss: Tensor,  # [] on pred's device
     ssim_lambda: float,
-) -> Tensor:  # [B, H, W, C] d loss / d pred
-    B, H, W, C = pred.shape
+) -> Tensor:  # pred's shape: d loss / d pred
+    B, H, W, C = _dims(pred)
     grad_pred = torch.empty_like(pred)
-    library(pred.device, "loss.metal").l1_ssim_bwd(
+    library(pred.device, VARIANT[0], extra=VARIANT[1]).l1_ssim_bwd(
         pred, gt, _window(pred.device), partials, grad_loss, grad_pred, H, W, C,
         float((1.0 - ssim_lambda) / (B * H * W * C)), float(ssim_lambda / (B * (H - WIN + 1) * (W - WIN + 1) * C)),
         **_grid(B, H, W),
@@ -72,7 +78,7 @@ def l1_ssim_bwd(
 
 
 class L1SSIMLossFn(torch.autograd.Function):
-    """(loss, l1, ssim) of [B, H, W, C] images; gradient to pred only (gt is a target, as in training)."""
+    """(loss, l1, ssim) of [B, H, W, C] or [H, W, C] images; gradient to pred only (gt is a target)."""
 
     @staticmethod
     def forward(ctx, pred, gt, ssim_lambda):
@@ -93,5 +99,5 @@ class L1SSIMLossFn(torch.autograd.Function):
 
 
 def l1_ssim_loss(pred: Tensor, gt: Tensor, ssim_lambda: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """[B, H, W, C] float32 contiguous images with H, W >= 11 (ops/loss.py checks) -> loss, l1, ssim []."""
+    """[B, H, W, C] or [H, W, C] float32 contiguous images, H, W >= 11 (ops/loss.py checks) -> loss, l1, ssim []."""
     return L1SSIMLossFn.apply(pred, gt, float(ssim_lambda))
