@@ -8,8 +8,9 @@ metal backend), the mean |gt - pred| and the mean SSIM (pytorch_msssim's, as spl
 gaussian window, sigma 1.5, valid padding, data range 1), both detached when the metal kernels ran.
 
 backend: as rasterization's ("auto" resolves by device). "metal" runs ops/metal/loss.metal (three launches);
-every other backend, and what those kernels do not cover (float32 images at least 11 x 11 pixels), runs
-the reference: ssim.FusedSSIM + L1 with torch ops, splatfacto's own formula.
+every other backend, what those kernels do not cover (float32 images at least 11 x 11 pixels), and a GPU on
+which they failed the self-check (stage "loss", ops/stage_fallback.py) run the reference: ssim.FusedSSIM + L1
+with torch ops, splatfacto's own formula.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def l1_ssim_loss(pred: Tensor, gt: Tensor, ssim_lambda: float, backend: str = "a
                          f"{list(pred.shape)} and {list(gt.shape)}")  # fmt: skip
     from .rasterization import resolve_backend
 
-    if resolve_backend(backend, pred.device) == "metal" and _metal_covers(pred, gt):
+    from .stage_fallback import failed
+
+    if resolve_backend(backend, pred.device) == "metal" and _metal_covers(pred, gt) and "loss" not in failed():
         from .metal.loss import l1_ssim_loss as metal_loss
 
         return metal_loss(pred.contiguous(), gt.contiguous(), ssim_lambda)

@@ -166,3 +166,26 @@ def test_model_loss_dict_equals_splatfactos(scale_regularization, step, with_mas
             continue
         torch.testing.assert_close(ours_g, theirs_g, rtol=1e-5, atol=1e-5 * float(theirs_g.abs().max()))
     assert our_grads[0].abs().max() > 0
+
+
+def test_the_self_check_verifies_the_loss_and_a_failed_check_falls_back(monkeypatch):
+    """The doctor's check of the loss kernels passes, catches a planted wrong backward, and once the stage
+    "loss" failed (the self-check's verdict on a GPU) l1_ssim_loss runs the reference."""
+    from splat_metal_method import doctor
+    from splat_metal_method.ops import stage_fallback
+    from splat_metal_method.ops.metal import loss as metal_loss
+
+    checks = doctor.loss_checks(torch.device("cpu"))
+    assert [c.direction for c in checks] == ["forward", "backward"] and all(c.ok for c in checks), checks
+    assert {stage_fallback.stage_of(c.stage) for c in checks} == {"loss"}
+    wrong_bwd = metal_loss.l1_ssim_bwd
+    monkeypatch.setattr(metal_loss, "l1_ssim_bwd", lambda *a: wrong_bwd(*a) * 1.01)  # a backward 1% off
+    assert [c.ok for c in doctor.loss_checks(torch.device("cpu"))] == [True, False]
+    monkeypatch.undo()
+
+    pred, gt = images((20, 20, 3), seed=8)
+    monkeypatch.setattr(stage_fallback, "_failed", {"loss"})
+    runtime.reset_launch_counts()
+    fallback = loss_and_grad(pred, gt, 0.2, "metal")
+    assert runtime.launch_counts() == {}
+    assert_matches(fallback, loss_and_grad(pred, gt, 0.2, "reference"))
