@@ -19,7 +19,7 @@ from typing import Dict, Sequence
 
 import torch
 
-from .kernel_checks import Check, _timed, covariance_checks, full_op_checks, stage_checks
+from .kernel_checks import Check, _timed, covariance_checks, full_op_checks, loss_checks, stage_checks
 
 def _native_cpu_fact() -> str:
     from .ops.cpu import build
@@ -169,6 +169,7 @@ def main(argv=None) -> int:
             # Every standard rasterizer variant (depth only, RGB, RGB+depth), with absgrad as training uses it.
             checks += stage_checks(device, metal, reference, width, height, channels=(1, 3, 4), absgrad=True)
             checks += covariance_checks(device, "metal")
+            checks += loss_checks(device)
         from .ops.cpu import available
 
         if available():  # the native CPU backend (what "auto" uses for CPU tensors)

@@ -202,6 +202,24 @@ def covariance_checks(device: torch.device, backend: str) -> List[Check]:
     return checks
 
 
+def loss_checks(device: torch.device) -> List[Check]:
+    """The fused training loss (ops/metal/loss.py, (1 - 0.2) * L1 + 0.2 * (1 - SSIM)) vs the reference, forward
+    (loss, L1, SSIM) and backward (d loss / d pred), on a seeded non-square image pair."""
+    from .ops.loss import l1_ssim_loss_reference
+    from .ops.metal.loss import l1_ssim_loss
+
+    g = torch.Generator().manual_seed(0)
+    gt = torch.rand(29, 37, 3, generator=g)
+    pred = (gt + 0.2 * torch.randn(29, 37, 3, generator=g)).clamp(0, 1)
+
+    def run(backend, pred, gt):  # gt is a target and L1, SSIM are for logging: gradients of the loss in pred only
+        loss, l1, ssim = (l1_ssim_loss if backend == "metal" else l1_ssim_loss_reference)(pred, gt.detach(), 0.2)
+        return loss, l1.detach(), ssim.detach()
+
+    return _compare_stage("l1 + ssim loss (metal)", run, {"pred": pred.to(device), "gt": gt.to(device)}, "metal",
+                          "reference", device)  # fmt: skip
+
+
 def full_op_checks(
     device: torch.device, backend: str, width: int, height: int, *, depth_chunks: int = 0, n: int = 300,
     cameras: int = 2, absgrad: bool = False, rasterize_mode: str = "classic",

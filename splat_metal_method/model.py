@@ -7,6 +7,7 @@ Only what must differ from SplatfactoModel is overridden:
   - get_outputs: splatfacto calls gsplat directly and ``.cuda()`` on the intrinsics; here the
     device-aware op layer renders on whatever device the model lives on.
   - get_image_metrics_and_images: leaves LPIPS out of the metrics when it was skipped.
+  - get_loss_dict: the L1 + SSIM main loss as one fused op (ops/loss.py), scale_reg's zero made on the device.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from typing import Dict, List, Literal, Tuple, Type, Union
 
 import torch
 from nerfstudio.cameras.cameras import Cameras
+from nerfstudio.model_components.lib_bilagrid import total_variation_loss
 from nerfstudio.models.splatfacto import RGB2SH, SplatfactoModel, SplatfactoModelConfig
 from nerfstudio.utils.rich_utils import CONSOLE
 
 from . import distributed, memory, reliability, render_device, self_check
 from .ops import rasterization
+from .ops.loss import l1_ssim_loss
 from .ssim import FusedSSIM
 
 def viewmat_from_c2w(camera_to_world: torch.Tensor) -> torch.Tensor:  # [C, 3(4), 4] -> [C, 4, 4]
@@ -330,6 +333,31 @@ class SplatMetalModel(SplatfactoModel):
         metrics["gaussian_count"] = self.num_points
         self.camera_optimizer.get_metrics_dict(metrics)
         return metrics
+
+    def get_loss_dict(self, outputs, batch, metrics_dict=None) -> Dict[str, torch.Tensor]:
+        """splatfacto's (same keys and values), with two differences: main_loss is ops/loss.py's l1_ssim_loss
+        (on the metal backend one fused kernel pair instead of ~25 torch ops and their backward), and the
+        zero scale_reg is made on the device (splatfacto copies a host zero there: a host sync on a Mac)."""
+        gt_img = self.composite_with_background(self.get_gt_img(batch["image"]), outputs["background"])
+        pred_img = outputs["rgb"]  # [H, W, 3]
+        if "mask" in batch:  # as splatfacto: masked pixels black in both images
+            mask = self._downscale_if_required(batch["mask"]).to(self.device)  # [H, W, 1]
+            assert mask.shape[:2] == gt_img.shape[:2] == pred_img.shape[:2]
+            gt_img, pred_img = gt_img * mask, pred_img * mask
+        main_loss, _, _ = l1_ssim_loss(pred_img, gt_img, self.config.ssim_lambda, self.config.backend)
+        if self.config.use_scale_regularization and self.step % 10 == 0:  # splatfacto's formula
+            scale_exp = torch.exp(self.scales)
+            ratio = scale_exp.amax(dim=-1) / scale_exp.amin(dim=-1)
+            max_ratio = self.config.max_gauss_ratio
+            scale_reg = 0.1 * (torch.maximum(ratio, torch.tensor(max_ratio)) - max_ratio).mean()
+        else:
+            scale_reg = torch.zeros((), device=self.device)
+        loss_dict = {"main_loss": main_loss, "scale_reg": scale_reg}
+        if self.training:
+            self.camera_optimizer.get_loss_dict(loss_dict)
+            if self.config.use_bilateral_grid:
+                loss_dict["tv_loss"] = 10 * total_variation_loss(self.bil_grids.grids)
+        return loss_dict
 
     @torch.no_grad()
     def get_outputs_for_camera(self, camera: Cameras, obb_box=None) -> Dict[str, torch.Tensor]:

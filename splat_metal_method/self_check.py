@@ -19,7 +19,7 @@ A stage that mismatches (or raises) falls back (``--pipeline.model.metal-self-ch
 default, or "fallback"): it runs on the PyTorch reference on the same device for the rest of the
 process (ops/stage_fallback.py), the other stages keep their Metal kernels, and the run says so in
 one line at start (the stage, its error, the doctor command to paste into an issue). Stages:
-projection, sh, isect+sort, rasterize, covariance. The cached verdict names the failed stages, so a
+projection, sh, isect+sort, rasterize, covariance, loss (the fused L1 + SSIM training loss). The cached verdict names the failed stages, so a
 later run falls back without checking again. ``strict`` stops the run before its first step (so
 before any checkpoint) instead; ``False`` skips the check. Fast math: where the MSL version cannot
 declare safe math in the source (below 3.2, see common.h), PYTORCH_MPS_FAST_MATH compiles the kernels
@@ -178,8 +178,8 @@ def _store(path: Path, key: str, entry: dict) -> None:
 def run_checks(device: torch.device, run: RunKernels):
     """kernel_checks.stage_checks restricted to what `run` uses, Metal vs reference on `device`; with depth
     chunks, also the whole op cut into about 3 chunks (resumed compositing) vs the unchunked reference;
-    for MCMC, also the covariance kernel."""
-    from .kernel_checks import covariance_checks, full_op_checks, stage_checks
+    for MCMC, also the covariance kernel; always the fused training loss."""
+    from .kernel_checks import covariance_checks, full_op_checks, loss_checks, stage_checks
     from .ops import metal, reference
 
     with torch.inference_mode(False), torch.enable_grad():  # renders run under no_grad; the check needs grads
@@ -196,6 +196,7 @@ def run_checks(device: torch.device, run: RunKernels):
                                          rasterize_mode=run.rasterize_mode)  # fmt: skip
         if run.covariance:
             checks += covariance_checks(device, "metal")
+        checks += loss_checks(device)  # the training loss (a render-only run never calls it; the check is small)
         return checks
 
 

@@ -18,6 +18,7 @@ def test_doctor_passes_on_cpu():
     assert "rasterization (cpu)" in res.stdout and "MISMATCH" not in res.stdout
     assert "rasterize (tile 16, 3 channels, absgrad)" in res.stdout  # what training uses
     assert "covariance + precision (triu, metal)" in res.stdout and "covariance + precision (3x3, cpu)" in res.stdout
+    assert "l1 + ssim loss (metal)" in res.stdout  # the fused training loss (ops/metal/loss.py)
     assert "Metal pipelines" in res.stdout and "radix_scatter" in res.stdout  # each kernel's threadgroup limit
     passed, total = res.stdout.rsplit(" checks passed", 1)[0].rsplit("\n", 1)[-1].split("/")
     assert passed == total and int(total) >= 18, res.stdout

@@ -174,8 +174,11 @@ _STANDARD_VARIANTS = {
 def group_threads(kernel: str, tile_size: int = constants.TILE_SIZE) -> int:
     """Threads per threadgroup the host dispatches `kernel` with: the N of its
     [[max_total_threads_per_threadgroup(N)]] (the same injected define)."""
+    from .loss import TILE as LOSS_TILE
     from .project_bwd import GROUP as PROJECT_BWD_GROUP
 
+    if kernel.startswith("l1_ssim_"):
+        return LOSS_TILE * LOSS_TILE
     if kernel in ("rasterize_fwd", "rasterize_bwd"):
         return tile_size * tile_size
     if kernel.startswith("radix_"):
@@ -191,14 +194,16 @@ def standard_variants() -> dict:
 
 
 def _variants() -> dict:
-    """_STANDARD_VARIANTS plus the backward libraries, whose defines come from their dispatch modules
-    (imported here, not at module level: they import this module)."""
+    """_STANDARD_VARIANTS plus the backward libraries and the training loss, whose defines come from their
+    dispatch modules (imported here, not at module level: they import this module)."""
+    from .loss import VARIANT as LOSS_VARIANT
     from .project_bwd import GROUP as PROJECT_BWD_GROUP
     from .rasterize_bwd import bwd_batch
 
     variants = dict(_STANDARD_VARIANTS)
     variants["project_bwd"] = ("project_bwd.metal", (("SPLAT_PROJECT_BWD_GROUP", PROJECT_BWD_GROUP),))
     variants["sh_bwd"] = ("sh_bwd.metal", ())
+    variants["loss"] = LOSS_VARIANT
     for name, channels in (("rgb", 3), ("rgbd", 4), ("d", 1)):
         batch = bwd_batch(constants.TILE_SIZE, channels)
         variants[f"rasterize_bwd_{name}"] = (

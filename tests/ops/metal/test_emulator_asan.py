@@ -4,8 +4,8 @@ SPLAT_METAL_EMU_ASAN=1 builds every kernel library with -fsanitize=address (and 
 test_emulator_ubsan.py, which catch an index past a fixed-size array first). A Python process can load
 such a library only if the compiler's ASan runtime was preloaded (LD_PRELOAD, library.asan_runtime()),
 so everything here runs in Python subprocesses: part of the kernel suite (the emulator's own kernels,
-with fibers, simdgroups, atomics and threadgroup memory, and the whole Metal pipeline forward and
-backward against the reference), and two planted out-of-bounds kernels.
+with fibers, simdgroups, atomics and threadgroup memory, the whole Metal pipeline forward and
+backward against the reference, and the fused training loss), and two planted out-of-bounds kernels.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ KERNELS = Path(__file__).parent / "kernels"
 SUITE = [  # the part of the kernel tests that also runs under ASan (the emulator tests that run kernels)
     "tests/ops/metal/test_emulator.py", "-k", "not cache_hit and not runtime_seam and not compile_error and not swizzle",
     "tests/ops/metal/test_forward_kernels.py::test_gradients_and_absgrad_flow_like_the_reference",
+    "tests/ops/metal/test_loss_kernel.py::test_metal_loss_equals_reference",
 ]
 
 
