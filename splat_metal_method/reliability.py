@@ -5,14 +5,16 @@ Two mechanisms, each small:
 
 * ``NonFiniteGuard`` (a TrainingCallback the model registers): after every training step, after the
   optimizer step and the densification strategy, it checks every parameter and gradient for NaN/Inf.
-  The common case costs three device ops (one ``_foreach_norm`` over every parameter and gradient,
+  The common case costs three aten ops (one ``_foreach_norm`` over every parameter and gradient,
   stacked and summed into one flag that is finite exactly when all of them are, but for an overflow
-  that the scan below sorts out). On CPU and CUDA the flag is read at once (one host read a step).
+  that the scan below sorts out; MPS has no fused ``_foreach_norm``: torch encodes one
+  ``linalg_vector_norm`` per tensor, each reading its tensor once). On CPU and CUDA the flag is read at once (one host read a step).
   On MPS, where every read drains the GPU's queue, it is copied to the host without waiting
   (``non_blocking``) and read at a later step once its ``torch.mps.Event`` has completed: no host
-  sync a step, and a detection lag of however many steps the GPU runs behind the host (usually one
-  or two). Pending flags are waited for before a checkpoint is written and when training ends
-  (SplatMetalTrainer.save_checkpoint calls ``flush``). When a flag is not finite, a scan of every
+  sync a step, and a detection lag of at least one step (as many as the GPU runs behind the host; not
+  measured on a Mac yet). Pending flags are waited for before a checkpoint is written and when
+  training ends (SplatMetalTrainer.save_checkpoint calls ``flush``). ``deferred=True`` runs this path
+  on CPU (tests, and the step ledger, which counts the step as a Mac runs it). When a flag is not finite, a scan of every
   tensor says at which step, in which parameter (value or gradient) and in how many gaussians (a late
   detection scans the current values: NaN/Inf gradients have made their gaussians' values
   non-finite by then, and the rasterizer culls non-finite gaussians, so they got zero gradients in
