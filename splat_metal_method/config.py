@@ -9,7 +9,6 @@ from typing import Type
 
 import torch
 from nerfstudio.configs.base_config import MachineConfig, ViewerConfig
-from nerfstudio.data.datamanagers.full_images_datamanager import FullImageDatamanagerConfig
 from nerfstudio.engine.optimizers import AdamOptimizerConfig
 from nerfstudio.engine.schedulers import ExponentialDecaySchedulerConfig
 from nerfstudio.engine.trainer import TrainerConfig
@@ -17,6 +16,7 @@ from nerfstudio.pipelines.base_pipeline import VanillaPipelineConfig
 from nerfstudio.plugins.types import MethodSpecification
 
 from . import distributed, startup_fix, viewer_fixes
+from .datamanager import SplatMetalDatamanagerConfig
 from .dataparser import SplatMetalDataParserConfig, check_dataset
 from .mcmc import SplatMetalMCMCModelConfig
 from .model import SplatMetalModelConfig
@@ -116,7 +116,7 @@ def splat_metal_trainer_config() -> TrainerConfig:
         mixed_precision=False,
         machine=MachineConfig(device_type=default_device_type()),
         pipeline=VanillaPipelineConfig(
-            datamanager=FullImageDatamanagerConfig(
+            datamanager=SplatMetalDatamanagerConfig(
                 dataparser=SplatMetalDataParserConfig(load_3D_points=True),
                 cache_images_type="uint8",
             ),

@@ -144,6 +144,7 @@ class SplatMetalModel(SplatfactoModel):
     config: SplatMetalModelConfig
     _downscale_limit: int = 1 << 30  # max_downscale of the current training camera (get_outputs)
     _train_sizes: Dict[int, Tuple[int, int]]  # cam_idx -> (width, height) of training cameras (get_outputs)
+    _camera_matrices: Dict[int, tuple]  # cam_idx -> viewmat and K of a training camera (_train_camera_matrices)
     gathered_params = None  # distributed runs, rank 0: every shard's gaussians, for the viewer and eval
 
     def populate_modules(self):
@@ -165,6 +166,7 @@ class SplatMetalModel(SplatfactoModel):
                 self.features_rest.zero_()
         self.ssim = FusedSSIM(data_range=1.0, channel=3)  # splatfacto's SSIM in fewer device ops (ssim.py)
         self._train_sizes = {}
+        self._camera_matrices = {}
         self.memory = memory.setup_model_memory(self)  # caps self.strategy; hooks via get_training_callbacks
         reliability.install_atomic_ply_export()  # in ns-export only: the .ply is written, then renamed
 
@@ -227,6 +229,24 @@ class SplatMetalModel(SplatfactoModel):
                 self._train_sizes[idx] = size
         return size
 
+    def _train_camera_matrices(self, camera: Cameras, camera_to_world: torch.Tensor, scale: int, device):
+        """viewmat_from_c2w(camera_to_world) and intrinsics(camera, scale) on ``device``, made once per
+        training camera and scale (16 + 4 aten ops a step otherwise) and reused while their inputs are
+        the same tensors, unchanged (version counters), needing no gradient: SplatMetalDatamanager hands
+        out one Cameras per image, and with the camera optimizer off apply_to_camera returns its
+        camera_to_worlds. With the camera optimizer on (a new camera_to_world with a gradient every step),
+        or a camera without "cam_idx", they are built every step."""
+        inputs = (camera_to_world, camera.fx, camera.fy, camera.cx, camera.cy)
+        idx = (camera.metadata or {}).get("cam_idx")
+        cached = self._camera_matrices.get(idx) if isinstance(idx, int) else None
+        if cached is not None and cached[0] == (scale, device):
+            if all(t is c and t._version == v for t, (c, v) in zip(inputs, cached[1])):
+                return cached[2], cached[3]
+        viewmat, K = viewmat_from_c2w(camera_to_world), intrinsics(camera, scale).to(device)
+        if isinstance(idx, int) and not camera_to_world.requires_grad:
+            self._camera_matrices[idx] = ((scale, device), [(t, t._version) for t in inputs], viewmat, K)
+        return viewmat, K
+
     def get_outputs(self, camera: Cameras) -> Dict[str, Union[torch.Tensor, List]]:
         if not isinstance(camera, Cameras):
             raise TypeError(f"SplatMetalModel.get_outputs needs a Cameras object, got {type(camera).__name__}")
@@ -248,16 +268,16 @@ class SplatMetalModel(SplatfactoModel):
             params = {k: v[crop_ids] for k, v in params.items()}
         colors = torch.cat((params["features_dc"][:, None, :], params["features_rest"]), dim=1)  # [N, K, 3]
 
-        viewmat = viewmat_from_c2w(camera_to_world)  # [1, 4, 4]
         if self.training:
             # Sizes as Python ints, read from the device once per training camera: a read per step
             # would wait for the GPU's queue to drain (camera.width is a device tensor).
             width, height = self._train_camera_size(camera)
             self._downscale_limit = max_downscale(width, height, self.config.min_train_size)
             scale = self._get_downscale_factor()
-            K = intrinsics(camera, scale).to(device)  # [1, 3, 3]
+            viewmat, K = self._train_camera_matrices(camera, camera_to_world, scale, device)  # [1, 4, 4], [1, 3, 3]
             W, H = width // scale, height // scale  # as rescale_output_resolution(1 / scale): scale is a power of 2
         else:
+            viewmat = viewmat_from_c2w(camera_to_world)  # [1, 4, 4]
             scale = self._get_downscale_factor()
             camera.rescale_output_resolution(1 / scale)
             K = camera.get_intrinsics_matrices().to(device)  # [1, 3, 3]
@@ -300,7 +320,8 @@ class SplatMetalModel(SplatfactoModel):
             self.strategy.step_pre_backward(self.gauss_params, self.optimizers, self.strategy_state, self.step, self.info)
 
         background = self._get_background_color().to(device)
-        rgb = torch.clamp(render[..., :3] + (1 - alpha) * background, 0.0, 1.0)
+        color = render if render.shape[-1] == 3 else render[..., :3]  # "RGB": no slicing view
+        rgb = torch.clamp(color + (1 - alpha) * background, 0.0, 1.0)
         if self.config.use_bilateral_grid and self.training:
             if camera.metadata is not None and "cam_idx" in camera.metadata:
                 rgb = self._apply_bilateral_grid(rgb, camera.metadata["cam_idx"], H, W)
@@ -323,13 +344,14 @@ class SplatMetalModel(SplatfactoModel):
         return gt_img
 
     def get_metrics_dict(self, outputs, batch) -> Dict[str, torch.Tensor]:
-        """splatfacto's; a training step's PSNR as -10 log10(MSE) (4 ops) instead of torchmetrics' stateful
-        metric (about 25 ops and copies of its state every step). Eval metrics are splatfacto's."""
+        """splatfacto's; a training step's PSNR as -10 log10(MSE) (3 ops: mse_loss, log10, mul) instead of
+        torchmetrics' stateful metric (about 25 ops and copies of its state every step). Eval metrics are
+        splatfacto's."""
         if not self.training or self.config.color_corrected_metrics:
             return super().get_metrics_dict(outputs, batch)
         gt_rgb = self.composite_with_background(self.get_gt_img(batch["image"]), outputs["background"])
         with torch.no_grad():
-            metrics = {"psnr": -10.0 * torch.log10(torch.mean((outputs["rgb"] - gt_rgb) ** 2))}
+            metrics = {"psnr": -10.0 * torch.log10(torch.nn.functional.mse_loss(outputs["rgb"], gt_rgb))}
         metrics["gaussian_count"] = self.num_points
         self.camera_optimizer.get_metrics_dict(metrics)
         return metrics

@@ -5,13 +5,25 @@ Two mechanisms, each small:
 
 * ``NonFiniteGuard`` (a TrainingCallback the model registers): after every training step, after the
   optimizer step and the densification strategy, it checks every parameter and gradient for NaN/Inf.
-  The common case costs one reduction per tensor and one device sync. When something is not finite it
-  says at which step, in which parameter (value or gradient) and in how many gaussians, then
-  (``--pipeline.model.nonfinite``):
+  The common case costs three aten ops (one ``_foreach_norm`` over every parameter and gradient,
+  stacked and summed into one flag that is finite exactly when all of them are, but for an overflow
+  that the scan below sorts out; MPS has no fused ``_foreach_norm``: torch encodes one
+  ``linalg_vector_norm`` per tensor, each reading its tensor once). On CPU and CUDA the flag is read at once (one host read a step).
+  On MPS, where every read drains the GPU's queue, it is copied to the host without waiting
+  (``non_blocking``) and read at a later step once its ``torch.mps.Event`` has completed: no host
+  sync a step, and a detection lag of at least one step (as many as the GPU runs behind the host; not
+  measured on a Mac yet). Pending flags are waited for before a checkpoint is written and when
+  training ends (SplatMetalTrainer.save_checkpoint calls ``flush``). ``deferred=True`` runs this path
+  on CPU (tests, and the step ledger, which counts the step as a Mac runs it). When a flag is not finite, a scan of every
+  tensor says at which step, in which parameter (value or gradient) and in how many gaussians (a late
+  detection scans the current values: NaN/Inf gradients have made their gaussians' values
+  non-finite by then, and the rasterizer culls non-finite gaussians, so they got zero gradients in
+  between), then (``--pipeline.model.nonfinite``):
     - ``recover`` (default): drops the offending gaussians with gsplat's ``ops.remove``, which also
       slices the optimizer state and the strategy's running statistics, and training continues;
     - ``stop``: raises ``NonFiniteError`` before the step's checkpoint is written, so the last
-      checkpoint on disk is the last good one; ns-train prints the message (no traceback), exit 1.
+      checkpoint on disk is the last good one (on MPS too: no checkpoint is written while a flag is
+      pending); ns-train prints the message (no traceback), exit 1.
   Non-finite values outside the gaussians (camera pose corrections, bilateral grid) cannot be dropped,
   and neither can every gaussian: those stop training in both modes.
   Why after the step: NaN/Inf gradients always make the Adam update of their rows non-finite, and
@@ -37,6 +49,7 @@ numerical blow-up would. It is meant for tests and for trying the two modes; nev
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -105,6 +118,7 @@ class NonFiniteReport:
     bad_rows: torch.Tensor  # [N] bool
     findings: List[Tuple[str, str, int]] = field(default_factory=list)  # (where, NaN/Inf, gaussians)
     outside: List[Tuple[str, str]] = field(default_factory=list)  # (group, NaN/Inf): not per gaussian
+    flagged_at: Optional[int] = None  # the step whose flag said so, when read late (MPS)
 
     @property
     def n_bad(self) -> int:
@@ -113,7 +127,8 @@ class NonFiniteReport:
     def describe(self) -> str:
         parts = [f"{kind} in {where} ({count:,} gaussian{'s' * (count != 1)})" for where, kind, count in self.findings]
         parts += [f"{kind} in {where}" for where, kind in self.outside]
-        return f"step {self.step}: non-finite values: " + "; ".join(parts)
+        late = f" (flagged after step {self.flagged_at})" if self.flagged_at not in (None, self.step) else ""
+        return f"step {self.step}{late}: non-finite values: " + "; ".join(parts)
 
 
 def _parse_injection(value: str) -> Tuple[int, str, int]:
@@ -128,16 +143,22 @@ def _parse_injection(value: str) -> Tuple[int, str, int]:
 
 
 class NonFiniteGuard:
-    """Checks a SplatfactoModel's parameters and gradients after every step (see the module doc)."""
+    """Checks a SplatfactoModel's parameters and gradients after every step (see the module doc).
 
-    def __init__(self, model, optimizers: Dict[str, torch.optim.Optimizer], mode: str = "recover"):
+    ``deferred``: read the flag a step late, without waiting (None: where the parameters are on MPS).
+    Tests and the step ledger set it on CPU to run the Mac's path."""
+
+    def __init__(self, model, optimizers: Dict[str, torch.optim.Optimizer], mode: str = "recover",
+                 deferred: Optional[bool] = None):  # fmt: skip
         if mode not in NONFINITE_MODES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {mode!r}")
         self.model = model
         self.optimizers = optimizers  # group name -> torch optimizer (nerfstudio's Optimizers.optimizers)
         self.mode = mode
+        self.deferred = deferred
         self.dropped = 0  # gaussians dropped so far (recover)
         self.reports: List[NonFiniteReport] = []
+        self.pending: List[Tuple[int, torch.Tensor, object]] = []  # (step, flag on the host, event or None)
         injection = os.environ.get(INJECT_NAN_ENV)
         if injection:
             self._install_injection(*_parse_injection(injection))
@@ -158,24 +179,33 @@ class NonFiniteGuard:
         ]
 
     @torch.no_grad()
-    def _all_finite(self) -> bool:
-        """One reduction per tensor, three ops to combine them and one sync: 0 * sum is 0 for a finite
-        sum and NaN for a NaN or infinite one. A finite tensor whose sum overflows is a false alarm
-        that scan() sorts out."""
-        tensors = list(self.model.gauss_params.values()) + [p for _, p in self._other_params()]
-        sums = [t.sum() for t in tensors] + [t.grad.sum() for t in tensors if t.grad is not None]
-        if not sums:
-            return True
-        device = sums[0].device
-        return float((torch.stack([s.to(device).float() for s in sums]) * 0).sum()) == 0.0
-
-    def scan(self, step: int) -> Optional[NonFiniteReport]:
-        """None when everything is finite, else what is not (and which gaussians)."""
-        if self._all_finite():
+    def _flag(self) -> Optional[torch.Tensor]:
+        """A device scalar, finite when every parameter and gradient is (None: nothing to check).
+        Three ops: the 1-norm of each tensor in one ``_foreach_norm``, stacked and summed. A NaN or Inf
+        anywhere makes it NaN or Inf; a finite sum that overflows is a false alarm that scan() sorts out."""
+        params = list(self.model.gauss_params.values()) + [p for _, p in self._other_params()]
+        tensors = params + [p.grad for p in params if p.grad is not None]
+        if not tensors:
             return None
+        return torch.stack(torch._foreach_norm(tensors, 1)).sum()
+
+    def _all_finite(self) -> bool:
+        """The flag, read at once (one host sync)."""
+        flag = self._flag()
+        return flag is None or math.isfinite(float(flag))
+
+    def _is_deferred(self) -> bool:
+        if self.deferred is not None:
+            return self.deferred
+        return self.model.gauss_params["means"].device.type == "mps"
+
+    def scan(self, step: int, flagged_at: Optional[int] = None) -> Optional[NonFiniteReport]:
+        """None when everything is finite, else what is not (and which gaussians). Reads every tensor:
+        run it only when a flag said something is not finite."""
         params = self.model.gauss_params
         n = params["means"].shape[0]
         report = NonFiniteReport(step, n, torch.zeros(n, dtype=torch.bool, device=params["means"].device))
+        report.flagged_at = flagged_at
         if n > 0:
             for name, p in params.items():
                 for where, t in ((f"the gradient of {name}", p.grad), (name, p)):
@@ -196,11 +226,51 @@ class NonFiniteGuard:
                 if t is not None and not bool(torch.isfinite(t).all()):
                     report.outside.append((where, _kind(t)))
         if not report.findings and not report.outside:
-            return None  # a sum overflowed; every value is finite
+            return None  # a sum overflowed (every value is finite), or what a late flag saw is gone
         return report
 
     def check(self, step: int) -> None:
-        report = self.scan(step)
+        """After every training step. Deferred (MPS): acts on the flags of earlier steps that the
+        GPU has finished, then sends this step's flag to the host without waiting."""
+        if not self._is_deferred():
+            if not self._all_finite():
+                self._act(self.scan(step))
+            return
+        self._resolve(step, wait=False)
+        flag = self._flag()
+        if flag is not None:
+            host = flag.to("cpu", non_blocking=True)
+            event = None
+            if flag.device.type == "mps":
+                event = torch.mps.Event()
+                event.record()
+            elif flag.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+            self.pending.append((step, host, event))
+
+    def flush(self, step: int) -> None:
+        """Waits for every pending flag and acts on it (raises in stop mode): before a checkpoint is
+        written and when training ends. Nothing to do where flags are read at once."""
+        self._resolve(step, wait=True)
+
+    def _resolve(self, step: int, wait: bool) -> None:
+        flagged_at = None
+        while self.pending:
+            at, host, event = self.pending[0]
+            if event is not None and not event.query():
+                if not wait:
+                    break
+                event.synchronize()
+            self.pending.pop(0)
+            if not math.isfinite(float(host)):
+                flagged_at = at
+                break
+        if flagged_at is not None:
+            self.pending.clear()  # flags of earlier steps than the scan, which sees the state now
+            self._act(self.scan(step, flagged_at))
+
+    def _act(self, report: Optional[NonFiniteReport]) -> None:
         if report is None:
             return
         self.reports.append(report)

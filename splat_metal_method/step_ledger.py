@@ -7,7 +7,9 @@ emulator) and, for one phase at a time (a steady training step, a refine step, a
 - host syncs, counted as a Mac runs the step: on MPS every read of a device tensor on the host drains
   the command queue. Device-to-host reads are aten ``_local_scalar_dense`` (``.item()``, ``int()``,
   ``bool()``, ``float()``), ops whose output size depends on the data (``nonzero``/``torch.where(c)``,
-  ``masked_select``, ``unique``, boolean-mask indexing, ...) and ``.tolist()``/``.cpu()``/``.numpy()``;
+  ``masked_select``, ``unique``, boolean-mask indexing, ...) and ``.tolist()``/``.cpu()``/``.numpy()``,
+  but not ``.to("cpu", non_blocking=True)``: that copy is queued behind the device's work and the
+  host reads it later, once an event says it is done (reliability.NonFiniteGuard);
   Python-to-device writes are ``torch.tensor(data, device=d)`` and ``host_tensor.to(d)``. Tensors that
   stay on the host on a Mac are not syncs: those made without a device (or with the string ``"cpu"``)
   and torch's Adam step counters (CPU scalars unless the optimizer is fused or capturable). On CPU a
@@ -256,6 +258,14 @@ _FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray}
 _READS = {"tolist", "numpy", "cpu"}
 
 
+def _non_blocking_to_host(args, kwargs) -> bool:
+    """``Tensor.to("cpu", non_blocking=True)``. (A blocking ``.to("cpu")`` is not told apart from a
+    no-op: nerfstudio's datamanager moves to its device, the string "cpu" when the ledger runs.)"""
+    target = kwargs.get("device", args[1] if len(args) > 1 else None)
+    non_blocking = bool(kwargs.get("non_blocking")) or any(a is True for a in args[2:])
+    return non_blocking and isinstance(target, str) and target.split(":")[0] == "cpu"
+
+
 class _TransferCounter(TorchFunctionMode):
     def __init__(self, state: _Counting):
         super().__init__()
@@ -276,6 +286,8 @@ class _TransferCounter(TorchFunctionMode):
         elif name in _READS and args and isinstance(args[0], torch.Tensor) and not s.is_host(args[0]):
             led.host_reads.append((f"Tensor.{name}", where()))
             s.mark_host(out)  # what came back is on the host: reading it (.item()) is no second sync
+        elif name == "to" and args and isinstance(args[0], torch.Tensor) and _non_blocking_to_host(args, kwargs):
+            s.mark_host(out)  # queued behind the device's work, no wait: no sync (read it once it is done)
         elif name == "to" and args and isinstance(args[0], torch.Tensor) and s.is_host(args[0]):
             target = kwargs.get("device", args[1] if len(args) > 1 else None)
             if isinstance(target, (torch.device, torch.Tensor)):
@@ -343,6 +355,7 @@ def build_trainer(data: Path, method: str = "splat-metal", backend: str = "metal
     cfg.set_timestamp()
     trainer = cfg.setup(local_rank=0, world_size=1)
     trainer.setup()
+    trainer.pipeline.model.nonfinite_guard.deferred = True  # as on MPS: its flag is read a step late
     return trainer
 
 
@@ -361,8 +374,10 @@ def train_step(trainer, step: int) -> None:
 
 def host_resident(trainer) -> list:
     """Tensors that live on the host on a Mac: torch Adam's step counters unless the optimizer is
-    fused or capturable (torch then keeps them on the parameters' device)."""
-    out = []
+    fused or capturable (torch then keeps them on the parameters' device), and the NaN guard's flags
+    already copied to the host (non_blocking; read once their event completed)."""
+    guard = getattr(trainer.pipeline.model, "nonfinite_guard", None)
+    out = [host for _, host, _ in guard.pending] if guard is not None else []
     for opt in trainer.optimizers.optimizers.values():
         on_device = any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
         for state in opt.state.values():

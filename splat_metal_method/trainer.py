@@ -186,7 +186,12 @@ class SplatMetalTrainer(Trainer):
     # ---- checkpoints
     def save_checkpoint(self, step: int) -> None:
         """nerfstudio's checkpoint (same contents, same name) plus the resume state, written atomically.
-        Distributed: every rank calls it (the shards are gathered), rank 0 writes the whole scene."""
+        Distributed: every rank calls it (the shards are gathered), rank 0 writes the whole scene.
+        First the NaN guard's pending flags (MPS reads them late) are waited for and acted on: in stop
+        mode a non-finite step raises here, before anything is written."""
+        guard = getattr(getattr(self.pipeline, "model", None), "nonfinite_guard", None)
+        if guard is not None:
+            guard.flush(step)
         if self.sharded is not None:
             state = self.sharded.checkpoint_state(step, self._resume_state)
             if state is None:

@@ -44,11 +44,11 @@ class FakeModel(torch.nn.Module):
                 p.flatten(1)[:, 0] = torch.arange(n, dtype=p.dtype)
 
 
-def make(mode: str = "recover", n: int = N):
+def make(mode: str = "recover", n: int = N, deferred=None):
     model = FakeModel(n)
     optimizers = {k: torch.optim.Adam([p], lr=1e-3, eps=1e-15) for k, p in model.gauss_params.items()}
     optimizers["camera_opt"] = torch.optim.Adam([model.camera_opt], lr=1e-4)
-    return model, optimizers, NonFiniteGuard(model, optimizers, mode)
+    return model, optimizers, NonFiniteGuard(model, optimizers, mode, deferred=deferred)
 
 
 def train_step(model, optimizers, poison=None):
@@ -174,6 +174,98 @@ def test_injection_env_var_poisons_the_named_gradient_at_its_step(monkeypatch):
     monkeypatch.setenv(reliability.INJECT_NAN_ENV, "1:nope")
     with pytest.raises(NonFiniteError, match="no optimizer group 'nope'"):
         make()
+
+
+def test_flag_is_one_foreach_norm_and_reads_the_host_once():
+    from splat_metal_method import step_ledger
+
+    model, optimizers, guard = make()
+    train_step(model, optimizers)
+    with step_ledger.count("guard") as led:
+        guard.check(1)
+    assert led.aten_dispatches <= 4 and led.aten_ops["_foreach_norm.Scalar"] == 1, led.aten_ops
+    assert [what for what, _ in led.host_reads] == ["_local_scalar_dense"]  # read at once off MPS
+
+
+@pytest.mark.parametrize("where", ["value", "gradient"])
+def test_deferred_flag_is_read_a_step_late_and_finds_nan(where, capsys):
+    """MPS's path (forced here on CPU): the flag of step 5 is acted on at the check of step 6."""
+    model, optimizers, guard = make(deferred=True)
+    train_step(model, optimizers)
+    if where == "value":  # a parameter, gradients finite
+        with torch.no_grad():
+            model.gauss_params["quats"][[1, 6], 2] = float("nan")
+    else:  # only a gradient (after the optimizer step, so the values stay finite)
+        model.gauss_params["scales"].grad[[1, 6]] = float("inf")
+    guard.check(5)
+    assert guard.reports == [] and len(guard.pending) == 1 and ids(model) == list(range(N))
+    guard.check(6)
+    assert ids(model) == [0, 2, 3, 4, 5, 7, 8, 9] and guard.dropped == 2
+    assert [at for at, _, _ in guard.pending] == [6]  # step 6's flag, taken after the drop
+    (report,) = guard.reports
+    what = "NaN in quats" if where == "value" else "Inf in the gradient of scales"
+    assert report.describe().startswith(f"step 6 (flagged after step 5): non-finite values: {what} (2 gaussians)")
+    assert "Dropped those 2 of 10 gaussians" in capsys.readouterr().out
+    train_step(model, optimizers)
+    guard.check(7)
+    guard.flush(7)
+    assert len(guard.reports) == 1 and guard.pending == []
+
+
+def test_deferred_stop_raises_at_flush_before_a_checkpoint():
+    model, optimizers, guard = make("stop", deferred=True)
+    model.step = 11
+    train_step(model, optimizers, lambda m: m.gauss_params["opacities"].grad[0].fill_(float("nan")))
+    guard.check(11)  # not read yet
+    with pytest.raises(NonFiniteError, match="^splat-metal: step 11: .*gradient of opacities"):
+        guard.flush(11)
+
+
+def test_deferred_flag_that_comes_back_clean_is_no_report():
+    """A late flag whose non-finite gaussians are gone by the time it is read (pruned in between)."""
+    model, optimizers, guard = make(deferred=True)
+    with torch.no_grad():
+        model.gauss_params["means"][3] = float("nan")
+    guard.check(1)
+    with torch.no_grad():
+        model.gauss_params["means"][3] = 3.0  # its id again (the first value)
+    guard.flush(2)
+    assert guard.reports == [] and ids(model) == list(range(N)) and guard.pending == []
+
+
+@pytest.mark.parametrize("nan_at", [3, 4])  # 4: a save step, caught only by the flush before the save
+def test_deferred_stop_never_leaves_a_bad_checkpoint(tmp_path, nan_at):
+    """nerfstudio's loop (train, callbacks, save every 2 steps) with SplatMetalTrainer's save_checkpoint."""
+    import types
+
+    from torch.cuda.amp import GradScaler
+
+    from splat_metal_method import resume_state
+    from splat_metal_method.trainer import SplatMetalTrainer
+
+    model, optimizers, guard = make("stop", deferred=True)
+    model.nonfinite_guard = guard
+    pipeline = torch.nn.Module()
+    pipeline.model = model
+    trainer = types.SimpleNamespace(
+        checkpoint_dir=tmp_path / "nerfstudio_models", pipeline=pipeline, grad_scaler=GradScaler(enabled=False),
+        optimizers=types.SimpleNamespace(optimizers=optimizers, schedulers={}),
+        config=types.SimpleNamespace(save_only_latest_checkpoint=False), _saved_steps=set(),
+        _resume_state=lambda: {"format": resume_state.FORMAT}, sharded=None,
+    )  # fmt: skip
+    with pytest.raises(NonFiniteError, match=f"step {nan_at}"):
+        for step in range(8):
+            model.step = step
+            poison = (lambda m: m.gauss_params["scales"].grad[2].fill_(float("nan"))) if step == nan_at else None
+            train_step(model, optimizers, poison)
+            guard.check(step)
+            if step % 2 == 0:
+                SplatMetalTrainer.save_checkpoint(trainer, step)
+    saved = sorted(trainer.checkpoint_dir.glob("*.ckpt"))
+    assert [p.name for p in saved] == [f"step-{s:09d}.ckpt" for s in range(0, nan_at, 2)]
+    for path in saved:
+        state = torch.load(path, map_location="cpu")
+        assert all(torch.isfinite(v).all() for v in state["pipeline"].values()), path
 
 
 # --------------------------------------------------------------------------------------------------

@@ -63,7 +63,9 @@ def test_ledger_sees_the_whole_step(ledgers):
             assert steady.parts[part] > 0, (method, part, dict(steady.parts))
         # host-local reads: of tensors already on the host (an explicit copy, e.g. runtime.host_read, or
         # host-side step counters of an unfused optimizer), never a second sync
-        assert all(any(k in where for k in ("adam", "optimizer", "isect")) for _, where in steady.host_local), steady.host_local
+        assert all(any(k in where for k in ("adam", "optimizer", "isect", "reliability")) for _, where in steady.host_local), (
+            steady.host_local
+        )
         # refining adds host reads (data-dependent sizes) and aten ops
         assert refine.host_syncs > steady.host_syncs and refine.aten_dispatches > steady.aten_dispatches
         assert steady.intersections > 0 and steady.pixels == WIDTH * HEIGHT and steady.n_gaussians > 0
@@ -120,6 +122,17 @@ def test_emulator_work_counters(threads):
     assert w.device_atomics == (threads + 1) // 2 and w.threadgroup_atomics == 0
     assert w.barriers == groups and w.threadgroup_bytes == 64 * 4
     assert w.buffer_bytes == threads * 4 + 4
+
+
+def test_non_blocking_copy_to_the_host_is_not_a_sync():
+    x = torch.arange(6.0)
+    with step_ledger.count("t") as led:
+        host = x.sum().to("cpu", non_blocking=True)  # queued behind the device's work: no wait
+        x.max().cpu()  # waits for the device
+    assert [what for what, _ in led.host_reads] == ["Tensor.cpu"] and led.host_syncs == 1, led.host_reads
+    with step_ledger.count("later", host_tensors=[host]) as led:  # a later step reads the host copy
+        assert float(host) == 15.0
+    assert led.host_syncs == 0 and [what for what, _ in led.host_local] == ["_local_scalar_dense"]
 
 
 def test_step_model_scales_and_labels(ledgers):
