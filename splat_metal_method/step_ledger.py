@@ -15,7 +15,9 @@ emulator) and, for one phase at a time (a steady training step, a refine step, a
   and torch's Adam step counters (CPU scalars unless the optimizer is fused or capturable). On CPU a
   ``device=`` given as a torch.device is taken as the model's device (mps on a Mac).
 - aten dispatches, each one encode on MPS (views included; ``aten_kernels`` leaves out views and
-  allocations), split by the part of the step that issued them;
+  allocations), split by the part of the step that issued them. A ``_foreach_*`` op counts once per
+  tensor in its list: MPS has no foreach kernels (torch's native_functions.yaml gives MPS only
+  ``_fused_adam(w)_``), so on a Mac torch's slow path runs the op tensor by tensor;
 - our kernel launches (runtime.launch_counts' seam) and, inside each kernel, the emulator's work
   counters (msl_shim.h): simdgroup reductions (scalar components), shuffles/votes, device and
   threadgroup atomics, threadgroup barriers; threadgroup memory per group as declared; and bytes
@@ -71,6 +73,14 @@ def aten_key(func) -> Optional[str]:
     if ns != "aten":
         return None
     return name + (f".{schema.overload_name}" if schema.overload_name else "")
+
+
+def foreach_width(key: str, args) -> int:
+    """Dispatches one aten call costs on MPS: the number of tensors a ``_foreach_*`` op (torch's slow
+    per-tensor path on MPS) works on, else 1."""
+    if key.startswith("_foreach_") and args and isinstance(args[0], (list, tuple)):
+        return max(1, len(args[0]))
+    return 1
 
 
 def where(depth: int = 3) -> str:
@@ -228,9 +238,10 @@ class _AtenCounter(TorchDispatchMode):
         if key is None:  # profiler markers and other non-aten ops: no device work
             return out
         led = self.s.ledger
-        led.aten_ops[key] += 1
+        n = foreach_width(key, args)
+        led.aten_ops[key] += n
         part = step_part()
-        led.parts[part] += 1
+        led.parts[part] += n
         if func.is_view:
             led.aten_views += 1
         elif key in ALLOCATIONS:

@@ -135,6 +135,15 @@ def test_non_blocking_copy_to_the_host_is_not_a_sync():
     assert led.host_syncs == 0 and [what for what, _ in led.host_local] == ["_local_scalar_dense"]
 
 
+def test_a_foreach_op_counts_once_per_tensor():
+    """MPS has no foreach kernels: torch runs a _foreach_ op tensor by tensor there."""
+    ts = [torch.ones(3), torch.ones(2), torch.ones(5)]
+    with step_ledger.count("t") as led:
+        torch._foreach_norm(ts)
+        ts[0].sum()
+    assert led.aten_ops["_foreach_norm.Scalar"] == 3 and led.aten_dispatches == 4, dict(led.aten_ops)
+
+
 def test_step_model_scales_and_labels(ledgers):
     led = ledgers["splat-metal"]["steady"]
     quarter = step_model.model_step(led, step_model.GARDEN_QUARTER, "M1")
