@@ -1,5 +1,7 @@
 """`ns-train splat-metal-mcmc` as a user runs it (demo preset, CPU): trains within cap-max and says
-so at start, `ns-export gaussian-splat` exports it, `--load-dir` resumes it with MCMC's state."""
+so at start, `ns-export gaussian-splat` exports it, `--load-dir` resumes it with MCMC's state (the
+continue of the exact-resume test at the end: it loads the checkpoint, carries MCMC's strategy state
+and ends with the uninterrupted run's bits)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ else:  # pragma: no cover
 
 REPO = Path(__file__).resolve().parents[1]
 METHOD, TARGET = "splat-metal-mcmc", "splat_metal_method.config:splat_metal_mcmc_method"
-CAP, STEPS, RESUME_STEPS = 1600, 30, 10
+CAP, STEPS = 1600, 30
 
 
 def method_env():
@@ -82,24 +84,6 @@ def test_export_gaussian_splat(run, tmp_path):
     assert vertex.count == exportable > 0.9 * CAP
 
 
-def test_resume_continues_with_the_mcmc_state(run):
-    (ckpt,) = checkpoints(run["run_dir"])
-    args = [tool("ns-train"), METHOD, *demo_args(
-        max_num_iterations=RESUME_STEPS, steps_per_save=RESUME_STEPS, steps_per_eval_all_images=10**6,
-        steps_per_eval_image=10**6, pipeline__model__warmup_length=5, pipeline__model__refine_every=5,
-        pipeline__model__cap_max=CAP,
-    ), "--data", run["scene"], "--output-dir", run["out"], "--timestamp", "resumed", "--machine.device-type", "cpu",
-        "--load-dir", ckpt.parent]  # fmt: skip
-    log = run_tool(args, run["out"], "resume", env=method_env())
-    assert f"Done loading Nerfstudio checkpoint from {ckpt}" in " ".join(log.split()), log[-3000:]
-    (resumed,) = checkpoints(run["run_dir"].parent / "resumed")
-    state = torch.load(resumed, map_location="cpu")
-    assert state["step"] == STEPS - 1 + RESUME_STEPS
-    assert state["splat_metal_resume"]["strategy"]["class"] == "SplatMetalMCMCStrategy"
-    assert state["splat_metal_resume"]["strategy"]["state"]["binoms"].shape == (51, 51)
-    assert gauss_params(resumed)["means"].shape[0] == CAP
-
-
 # ------------------------------------------------------------------------------------------------
 # Exact resume (the resume state of trainer.py / resume_state.py carries MCMC's strategy state)
 # ------------------------------------------------------------------------------------------------
@@ -119,7 +103,9 @@ def _same(a, b) -> bool:
 @pytest.mark.timeout(1800)
 def test_continued_and_ctrl_c_resumed_runs_are_bit_identical_to_the_uninterrupted_one(tmp_path_factory):
     """A plain continue (FIRST steps, then --load-dir for the rest) and a Ctrl-C'd run resumed with
-    the command splat-metal prints both end with the uninterrupted run's bits."""
+    the command splat-metal prints both end with the uninterrupted run's bits. The continue is also
+    the check that --load-dir resumes an MCMC run: the checkpoint is loaded, and MCMC's strategy
+    state (its class, the binomial table) is in the resumed run's checkpoint."""
     import shlex
     from concurrent.futures import ThreadPoolExecutor
 
@@ -162,6 +148,11 @@ def test_continued_and_ctrl_c_resumed_runs_are_bit_identical_to_the_uninterrupte
         continued = continued.result()
         resumed.result()
     resumed = checkpoints(out / "scene" / METHOD / "resumed")[-1]
+    continue_log = " ".join((out / "continued.log").read_text().split())  # run_tool keeps each tool's output
+    assert f"Done loading Nerfstudio checkpoint from {first}" in continue_log, continue_log[-3000:]
+    strategy = torch.load(continued, map_location="cpu")["splat_metal_resume"]["strategy"]
+    assert strategy["class"] == "SplatMetalMCMCStrategy"
+    assert strategy["state"]["binoms"].shape == (51, 51)
     a = torch.load(whole, map_location="cpu")
     assert a["pipeline"]["_model.gauss_params.means"].shape[0] == 400  # grew after the resume points
     assert torch.load(first, map_location="cpu")["pipeline"]["_model.gauss_params.means"].shape[0] < 400

@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import time
 
 import numpy as np
 import pytest
@@ -27,12 +25,10 @@ from PIL import Image
 import demo_runs
 import real_capture
 from cli_helpers import cli_env, run_cli
-from splat_metal_method.render_device import RENDER_LOG_ENV
 
 # The browser helpers of the viewer tests (one copy: test_viewer.py owns them).
 from test_viewer import (  # noqa: F401 (browser is a fixture)
-    _assert_clean_log, _assert_frame_is_the_models_render, _free_port, _http_up, _records, _settled_frame, _stop,
-    _wait_for, browser,
+    _assert_frame_is_the_models_render, _settled_frame, browser, ns_viewer_in_browser,
 )  # fmt: skip
 
 CUT_FRAMES = list(range(0, 97, 7))  # 14 photos spread around the figure; --eval-mode interval holds out 0 and 8
@@ -123,24 +119,9 @@ def test_held_out_psnr_beats_seed_points_and_constant_colour(cut, trained):
 def test_viewer_first_frame_in_chromium(trained, tmp_path, browser, monkeypatch):
     """`ns-viewer --load-config` on the trained run with Chromium connected: the first full-resolution
     frame on the canvas is the model's render of the viewer's camera."""
-    port, trace, log = _free_port(), tmp_path / "renders.jsonl", tmp_path / "ns-viewer.log"
-    env = dict(ENV, **{RENDER_LOG_ENV: str(trace)})
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(
-            [demo_runs.tool("ns-viewer"), "--load-config", str(trained), "--viewer.websocket-port", str(port)],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True,
-        )  # fmt: skip
-    try:
-        _wait_for("ns-viewer's web server", lambda: _http_up(port), 240, proc, log)
-        opened = time.time()
-        browser.driver.get(f"http://localhost:{port}")
-        _wait_for("a first frame from the viewer", lambda: _records(trace) or None, 180, proc, log)
+    with ns_viewer_in_browser(trained, browser, tmp_path, ENV) as (proc, trace, log, opened):
         record, shot = _settled_frame(browser, trace, proc, log, after=opened)
         pipeline, _, _ = demo_runs.load_pipeline(trained, test_mode="inference")
         assert record["num_points"] == pipeline.model.num_points
         _assert_frame_is_the_models_render(pipeline.model, record, shot, tmp_path)
         assert proc.poll() is None
-    finally:
-        ended = _stop(proc)
-    assert ended, "ns-viewer ignored Ctrl+C"
-    _assert_clean_log(log.read_text(), "ns-viewer")

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import demo_runs
 import pipelines
@@ -63,9 +61,10 @@ def _metal_model(mode):
 
 def test_a_wrong_stage_falls_back_and_training_continues(fresh_process, wrong_rasterizer, tmp_path, capsys):
     """nerfstudio's training set-up and steps (tests/pipelines.py) with backend "metal" on a 48x32 demo scene."""
+    from splat_metal_method import demo_scene
+
     data = tmp_path / "scene"
-    subprocess.run([sys.executable, "-m", "splat_metal_method.demo_scene", "--out", str(data), "--width", "48",
-                    "--height", "32", "--views", "10"], check=True, capture_output=True, timeout=300)  # fmt: skip
+    demo_scene.generate(data, width=48, height=32, views=10)  # in process: no second Python start-up
     pipeline, optimizers, callbacks = pipelines.make_pipeline(data, backend="metal")  # the self-check runs here
     lines = [line for line in capsys.readouterr().out.splitlines() if "Metal self-check" in line]
     losses, launches = [], []

@@ -13,6 +13,7 @@ when those are missing, except under CI (CI=true), where a missing browser is a 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import math
@@ -533,6 +534,17 @@ class Browser:
             pass
         return False
 
+    def shown(self, text: str) -> bool:
+        """Whether a button labelled ``text`` is visible."""
+        from selenium.common.exceptions import StaleElementReferenceException
+        from selenium.webdriver.common.by import By
+
+        try:
+            buttons = self.driver.find_elements(By.TAG_NAME, "button")
+            return any(button.text.strip() == text and button.is_displayed() for button in buttons)
+        except StaleElementReferenceException:
+            return False
+
     def quit(self):
         self.driver.quit()
 
@@ -675,6 +687,33 @@ def _assert_frame_is_the_models_render(model, record, shot, out_dir: Path):
     assert turned > 4 * diff, f"comparison cannot tell a 3 degree turn ({turned:.4f}) from the view ({diff:.4f})"
 
 
+@contextlib.contextmanager
+def ns_viewer_in_browser(config: Path, browser: Browser, folder: Path, env: dict, gui: bool = False):
+    """`ns-viewer --load-config config` (environment ``env`` plus the render log) with ``browser`` on
+    its page, from its first frame on (and, with ``gui``, once its GUI answers). Yields (process,
+    render log, output log, when the page was opened). Afterwards Ctrl+C must end it, with a clean log."""
+    port, trace, log = _free_port(), folder / "renders.jsonl", folder / "ns-viewer.log"
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(
+            [demo_runs.tool("ns-viewer"), "--load-config", str(config), "--viewer.websocket-port", str(port)],
+            stdout=log_file, stderr=subprocess.STDOUT, env=dict(env, **{RENDER_LOG_ENV: str(trace)}), cwd=folder,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        _wait_for("ns-viewer's web server", lambda: _http_up(port), 240, proc, log)
+        opened = time.time()
+        browser.driver.get(f"http://localhost:{port}")
+        # Not before the first frame: nerfstudio's buttons fail until the scene is set up (AttributeError).
+        _wait_for("a first frame from the viewer", lambda: _records(trace) or None, 180, proc, log)
+        if gui:
+            _wait_for("the viewer's GUI", lambda: browser.click("Hide Train Cams"), 60, proc, log)
+        yield proc, trace, log, opened
+    finally:
+        ended = _stop(proc)
+    assert ended, "ns-viewer ignored Ctrl+C"
+    _assert_clean_log(log.read_text(), "ns-viewer")
+
+
 def test_browser_shows_training_in_the_viewer(tmp_path_factory, tmp_path, browser):
     """`ns-train splat-metal --vis viewer` on the demo scene with Chromium connected: frames arrive
     while training runs (the viewer renders between training steps); after pausing training from
@@ -717,18 +756,23 @@ def test_browser_shows_training_in_the_viewer(tmp_path_factory, tmp_path, browse
 
         _wait_for("a 'Hide Train Cams' button", lambda: browser.click("Hide Train Cams"), 30, proc, log)
         _wait_for("a 'Pause Training' button", lambda: browser.click("Pause Training"), 30, proc, log)
-
-        def paused_checkpoint():
-            ckpt = demo_runs.latest_checkpoint(config)
-            time.sleep(8)  # one training step plus its checkpoint take well under this
-            return ckpt if ckpt is not None and ckpt == demo_runs.latest_checkpoint(config) else None
-
-        ckpt = _wait_for("training to pause", paused_checkpoint, 180, proc, log)
-        step = int(ckpt.stem.split("-")[1])
-        assert step > steps[0], "training did not advance while the viewer rendered"
-
+        # The button turns into 'Resume Training' as the trainer's state turns to paused (one click
+        # handler does both): no training step starts after this, and the one under way, if any,
+        # ends with its checkpoint (--steps-per-save 1).
+        _wait_for("the viewer to show training paused", lambda: browser.shown("Resume Training"), 60, proc, log)
         resized = time.time()
         browser.driver.set_window_size(1000, 700)  # a new camera aspect: the viewer renders again
+        # A render holds the train lock, so one made now waits out the step under way: its record
+        # carries the step training paused at, and that step's checkpoint is the paused model.
+        def paused_checkpoint():
+            renders = [r for r in _records(trace) if r["time"] - r["seconds"] > resized]
+            ckpt = demo_runs.latest_checkpoint(config)
+            at_render = renders and ckpt is not None and int(ckpt.stem.split("-")[1]) == renders[-1]["step"]
+            return ckpt if at_render else None
+
+        ckpt = _wait_for("the checkpoint of the step training paused at", paused_checkpoint, 180, proc, log)
+        step = int(ckpt.stem.split("-")[1])
+        assert step > steps[0], "training did not advance while the viewer rendered"
         record, shot = _settled_frame(browser, trace, proc, log, after=resized, step=step)
         browser.driver.save_screenshot(str(tmp_path / "paused.png"))
         assert demo_runs.latest_checkpoint(config) == ckpt, "training went on after the pause"
@@ -752,20 +796,8 @@ def test_browser_ns_viewer_on_a_finished_run_forced_metal(run, tmp_path, browser
     would choose it but on Linux: SPLAT_METAL_RENDER_DEVICE=cpu:metal (Metal kernels under the
     emulator, through the parameter copy). Every viewer render takes that path, and the canvas shows
     what the reference backend renders for the same camera."""
-    port, trace, log = _free_port(), tmp_path / "renders.jsonl", tmp_path / "ns-viewer.log"
-    env = demo_runs.tool_env(**{RENDER_LOG_ENV: str(trace), RENDER_DEVICE_ENV: "cpu:metal"})
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(
-            [demo_runs.tool("ns-viewer"), "--load-config", str(run), "--viewer.websocket-port", str(port)],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True,
-        )  # fmt: skip
-    try:
-        _wait_for("ns-viewer's web server", lambda: _http_up(port), 240, proc, log)
-        opened = time.time()
-        browser.driver.get(f"http://localhost:{port}")
-        # Not before the first frame: nerfstudio's button fails until the scene is set up (AttributeError).
-        _wait_for("a first frame from the viewer", lambda: _records(trace) or None, 120, proc, log)
-        _wait_for("the viewer's GUI", lambda: browser.click("Hide Train Cams"), 60, proc, log)
+    env = demo_runs.tool_env(**{RENDER_DEVICE_ENV: "cpu:metal"})
+    with ns_viewer_in_browser(run, browser, tmp_path, env, gui=True) as (proc, trace, log, opened):
         record, shot = _settled_frame(browser, trace, proc, log, after=opened)
         records = _records(trace)
         assert records and {(r["device"], r["backend"]) for r in records} == {("cpu", "metal")}
@@ -775,7 +807,3 @@ def test_browser_ns_viewer_on_a_finished_run_forced_metal(run, tmp_path, browser
         _assert_frame_is_the_models_render(pipeline.model, record, shot, tmp_path)
         assert pipeline.model.info["backend"] == CPU_AUTO
         assert proc.poll() is None
-    finally:
-        ended = _stop(proc)
-    assert ended, "ns-viewer ignored Ctrl+C"
-    _assert_clean_log(log.read_text(), "ns-viewer")
