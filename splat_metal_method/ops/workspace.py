@@ -56,7 +56,11 @@ class Workspace:
             buf = torch.empty((max(capacity, 1),), dtype=dtype, device=key[2])
             self._buffers[key] = buf
             self.allocations += 1
-        return buf[:numel].view(shape)
+        # as few aten ops as the request allows (each is an encode on MPS): the buffer itself when it
+        # has the requested size and rank 1, one slice or one view otherwise
+        if buf.numel() != numel:
+            buf = buf[:numel]
+        return buf if buf.shape == shape else buf.view(shape)
 
     def capacity(self, name: str, dtype: torch.dtype, device: Union[str, torch.device]) -> int:
         """Elements the buffer for (name, dtype, device) holds now (0 if never requested)."""
