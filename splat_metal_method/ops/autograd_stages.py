@@ -46,8 +46,10 @@ class ProjectFn(torch.autograd.Function):
         ctx.save_for_backward(means, quats, scales, viewmats, Ks, radii)
         ctx.args = (width, height, eps2d, calc_compensations)
         ctx.mark_non_differentiable(radii)
-        if comp is None:
-            comp = torch.zeros((0,), dtype=means.dtype, device=means.device)  # placeholder, no gradient
+        # outputs that fed nothing (radii, often depths) arrive in backward as None instead of zeros
+        # autograd would allocate: grad_or_zeros makes only those needed. comp is None (no gradient)
+        # without compensations.
+        ctx.set_materialize_grads(False)
         return radii, means2d, depths, conics, comp
 
     @staticmethod
