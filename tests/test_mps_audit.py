@@ -386,10 +386,11 @@ def test_no_integer_cumsum_on_the_metal_training_path(audits):
 # Budgets for one steady step (demo scene 96x64, metal backend, SH degree 3, no refine), counted by the
 # step ledger (splat_metal_method/step_ledger.py: host syncs as on a Mac, aten dispatches). Measured 3 host
 # syncs (isect_tiles' sizing of the intersection buffers, M; the NaN/Inf guard's verdict; splatfacto's
-# `torch.tensor(0.0).to(device)` scale regulariser, a host-to-device copy) and 421 aten dispatches (before
-# issue 23's cuts: 14 host reads + 8 uncounted copies, and 537 dispatches).
+# `torch.tensor(0.0).to(device)` scale regulariser, a host-to-device copy) and 325 aten dispatches (421
+# before issue 23's cuts in the rasterization op; 537 and 14 host reads + 8 uncounted copies before
+# issue 22's).
 STEADY_STEP_HOST_READS = 3
-STEADY_STEP_ATEN_DISPATCHES = 430
+STEADY_STEP_ATEN_DISPATCHES = 332
 
 
 @pytest.fixture(scope="module")

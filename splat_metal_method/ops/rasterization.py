@@ -288,7 +288,7 @@ def rasterization(
     else:
         dirs = means[None, :, :] - campos[:, None, :]  # [C, N, 3]
         coeffs = colors[None] if C == 1 else colors.expand(C, -1, -1, -1)  # [C, N, K, 3] (backward: 1 op for C == 1)
-        colors = torch.clamp_min(ops.spherical_harmonics(sh_degree, dirs, coeffs, radii > 0) + 0.5, 0.0)
+        colors = ops.spherical_harmonics(sh_degree, dirs, coeffs, radii > 0, activate=True)  # clamp_min(c + 0.5, 0)
 
     if render_mode in ("RGB+D", "RGB+ED"):
         colors = torch.cat([colors, depths[..., None]], dim=-1)

@@ -167,8 +167,9 @@ def spherical_harmonics(
     dirs: Tensor,  # [C, N, 3]
     coeffs: Tensor,  # [C, N, K, 3]
     masks: Optional[Tensor] = None,  # [C, N] bool
-) -> Tensor:  # [C, N, 3]
-    return SphericalHarmonicsFn.apply(KERNELS, int(degree), dirs, coeffs, masks)
+    activate: bool = False,
+) -> Tensor:  # [C, N, 3]; with ``activate`` clamp_min(colour + 0.5, 0), inside sh.metal / sh_bwd.metal
+    return SphericalHarmonicsFn.apply(KERNELS, int(degree), dirs, coeffs, masks, bool(activate))
 
 
 def isect_tiles(
