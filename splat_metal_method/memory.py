@@ -268,9 +268,7 @@ class BudgetedStrategy(DefaultStrategy):
         if packed:
             return super()._update_state(params, state, info, packed=packed)
         grads = info[self.key_for_gradient].absgrad if self.absgrad else info[self.key_for_gradient].grad
-        grads = grads.clone()  # [C, N, 2]
-        grads[..., 0] *= info["width"] / 2.0 * info["n_cameras"]
-        grads[..., 1] *= info["height"] / 2.0 * info["n_cameras"]
+        grads = grads * self._pixel_scale(info, grads)  # [C, N, 2]: gsplat's two in-place column products
         n = len(params["means"])
         for key in ("grad2d", "count") + (("radii",) if self.refine_scale2d_stop_iter > 0 else ()):
             if state[key] is None:
@@ -282,6 +280,16 @@ class BudgetedStrategy(DefaultStrategy):
         if self.refine_scale2d_stop_iter > 0:  # radii normalised to [0, 1] screen space; 0 where not visible
             radii = info["radii"].amax(dim=0) / float(max(info["width"], info["height"]))  # [N]
             torch.maximum(state["radii"], radii, out=state["radii"])
+
+    def _pixel_scale(self, info, grads) -> torch.Tensor:
+        """[2] (width / 2 * C, height / 2 * C) on the gradients' device, made once per image size (a
+        host-to-device copy) instead of gsplat's clone and per-column in-place products every step."""
+        key = (info["width"], info["height"], info["n_cameras"], grads.device, grads.dtype)
+        cache = self.__dict__.setdefault("_pixel_scales", {})
+        if key not in cache:
+            cache[key] = torch.tensor([info["width"] / 2.0 * info["n_cameras"], info["height"] / 2.0 * info["n_cameras"]],
+                                      dtype=grads.dtype, device=grads.device)  # fmt: skip
+        return cache[key]
 
     def pop_events(self) -> List[Tuple[int, str]]:
         events = list(self.events)

@@ -46,6 +46,23 @@ def test_workspace_reuses_its_buffer_when_sizes_shrink_or_fit():
     assert ws.nbytes() == 1500 * 4 + 1000 * 8 + 10 * 4
 
 
+def test_workspace_at_least_hands_out_the_whole_buffer_without_an_aten_op():
+    """For kernels told their count (the radix sort's ping-pong buffers): the buffer itself, at least
+    the size asked, sharing storage with get() of the same name, and no slice or view to encode."""
+    from splat_metal_method import step_ledger
+
+    ws = Workspace(growth=1.5)
+    ws.get("keys", (1000,), torch.int32, "cpu")
+    with step_ledger.count("t") as led:
+        buf = ws.at_least("keys", 600, torch.int32, "cpu")
+    assert buf.numel() == 1000 and led.aten_dispatches == 0 and ws.allocations == 1
+    grown = ws.at_least("keys", 1200, torch.int32, "cpu")  # grows as get() does
+    assert grown.numel() == 1500 and ws.allocations == 2
+    assert ws.get("keys", (10,), torch.int32, "cpu").data_ptr() == grown.data_ptr()
+    with pytest.raises(ValueError, match="negative"):
+        ws.at_least("keys", -1, torch.int32, "cpu")
+
+
 def test_workspace_growth_is_geometric_for_slowly_growing_requests():
     ws = Workspace(growth=1.5)
     for n in range(1000, 100_000, 1000):  # 99 increasing sizes

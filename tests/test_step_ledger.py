@@ -19,15 +19,17 @@ from splat_metal_method import step_ledger, step_model
 # (method, phase) -> count -> the most allowed. Measured on the 64x48 demo scene (10 views): host syncs and
 # launches exactly, aten dispatches +3%, work inside the kernels +15% (it follows the trained gaussians).
 # Training steps include the fused L1 + SSIM loss's 3 launches (l1_ssim_fwd, l1_ssim_reduce, l1_ssim_bwd).
+# splat-metal's steady step is held at issue 23's target instead (561 / 3 = 187 dispatches, 1 host sync;
+# measured 184 and 1): a change that crosses it fails.
 BUDGETS = {
-    ("splat-metal", "steady"): {"host_syncs": 2, "aten_dispatches": 340, "kernel_launches": 41,
-                                "simd_reductions": 103_000, "device_atomics": 94_000},
-    ("splat-metal", "refine"): {"host_syncs": 11, "aten_dispatches": 605, "kernel_launches": 41},
-    ("splat-metal", "eval"): {"host_syncs": 7, "aten_dispatches": 267, "kernel_launches": 35},
-    ("splat-metal-mcmc", "steady"): {"host_syncs": 2, "aten_dispatches": 371, "kernel_launches": 42,
+    ("splat-metal", "steady"): {"host_syncs": 1, "aten_dispatches": 187, "kernel_launches": 41,
+                                "simd_reductions": 117_000, "device_atomics": 107_000},
+    ("splat-metal", "refine"): {"host_syncs": 10, "aten_dispatches": 455, "kernel_launches": 41},
+    ("splat-metal", "eval"): {"host_syncs": 7, "aten_dispatches": 193, "kernel_launches": 35},
+    ("splat-metal-mcmc", "steady"): {"host_syncs": 1, "aten_dispatches": 228, "kernel_launches": 42,
                                      "simd_reductions": 51_000, "device_atomics": 38_000},
-    ("splat-metal-mcmc", "refine"): {"host_syncs": 6, "aten_dispatches": 460, "kernel_launches": 42},
-    ("splat-metal-mcmc", "eval"): {"host_syncs": 7, "aten_dispatches": 266, "kernel_launches": 35},
+    ("splat-metal-mcmc", "refine"): {"host_syncs": 5, "aten_dispatches": 318, "kernel_launches": 42},
+    ("splat-metal-mcmc", "eval"): {"host_syncs": 7, "aten_dispatches": 188, "kernel_launches": 35},
 }  # fmt: skip
 WIDTH, HEIGHT = 64, 48
 

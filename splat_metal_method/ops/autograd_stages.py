@@ -46,8 +46,10 @@ class ProjectFn(torch.autograd.Function):
         ctx.save_for_backward(means, quats, scales, viewmats, Ks, radii)
         ctx.args = (width, height, eps2d, calc_compensations)
         ctx.mark_non_differentiable(radii)
-        if comp is None:
-            comp = torch.zeros((0,), dtype=means.dtype, device=means.device)  # placeholder, no gradient
+        # outputs that fed nothing (radii, often depths) arrive in backward as None instead of zeros
+        # autograd would allocate: grad_or_zeros makes only those needed. comp is None (no gradient)
+        # without compensations.
+        ctx.set_materialize_grads(False)
         return radii, means2d, depths, conics, comp
 
     @staticmethod
@@ -80,27 +82,35 @@ class ProjectFn(torch.autograd.Function):
 
 class SphericalHarmonicsFn(torch.autograd.Function):
     """spherical_harmonics: ``kernels.spherical_harmonics_fwd`` forward, ``kernels.spherical_harmonics_bwd``
-    backward."""
+    backward.
+
+    With ``activate`` (kernels that support it: metal) the kernels also apply the public API's colour
+    activation clamp_min(c + 0.5, 0), forward and backward (the backward gets the forward's output)."""
 
     @staticmethod
-    def forward(ctx, kernels, degree, dirs, coeffs, masks):
+    def forward(ctx, kernels, degree, dirs, coeffs, masks, activate=False):
         ctx.kernels = kernels
-        colors = kernels.spherical_harmonics_fwd(degree, dirs, coeffs, masks)
+        if activate:
+            colors = kernels.spherical_harmonics_fwd(degree, dirs, coeffs, masks, activate=True)
+            ctx.save_for_backward(dirs, coeffs, masks, colors)
+        else:
+            colors = kernels.spherical_harmonics_fwd(degree, dirs, coeffs, masks)
+            ctx.save_for_backward(dirs, coeffs, masks)
         ctx.degree = degree
-        ctx.save_for_backward(dirs, coeffs, masks)
         return colors
 
     @staticmethod
     def backward(ctx, v_colors):
-        dirs, coeffs, masks = ctx.saved_tensors
+        dirs, coeffs, masks, *activated = ctx.saved_tensors
         need = ctx.needs_input_grad[1:]  # [0] is `kernels`
         if not (need[1] or need[2]):
-            return None, None, None, None, None
+            return None, None, None, None, None, None
+        extra = {"colors": activated[0]} if activated else {}
         v_dirs, v_coeffs = ctx.kernels.spherical_harmonics_bwd(
-            ctx.degree, dirs, coeffs, masks, v_colors.contiguous(), dirs_grad=need[1]
+            ctx.degree, dirs, coeffs, masks, v_colors.contiguous(), dirs_grad=need[1], **extra
         )
-        # kernels, degree, masks: not differentiable
-        return None, None, v_dirs, (v_coeffs if need[2] else None), None
+        # kernels, degree, masks, activate: not differentiable
+        return None, None, v_dirs, (v_coeffs if need[2] else None), None, None
 
 
 def resumed_transmittance_grad(

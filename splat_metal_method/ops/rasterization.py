@@ -249,29 +249,46 @@ def rasterization(
         means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane, radius_clip,
         rasterize_mode == "antialiased",
     )  # fmt: skip
-    drawable = torch.isfinite(opacities) & torch.isfinite(colors.detach().flatten(1)).all(dim=-1)  # [N]
+    # Finiteness is tested as "x * 0 == 0" (x * 0 is 0 for finite x, NaN for inf and NaN), summed
+    # per gaussian / camera (a sum of zeros cannot overflow; one NaN makes it NaN): the same verdict
+    # as isfinite(...).all() in fewer aten ops (each is an encode on MPS). No gradient flows through it.
+    guard_inverse = sh_degree is not None and torch.is_grad_enabled() and viewmats.requires_grad
+    with torch.no_grad():
+        bad = (colors.flatten(1) * 0).sum(dim=-1) + opacities * 0  # [N] 0, or NaN if any value is not finite
+        if sh_degree is not None:
+            bad_view = (viewmats * 0).sum(dim=(1, 2), keepdim=True)  # [C, 1, 1]
+            finite_view = bad_view == 0 if guard_inverse else None
     campos = None
     if sh_degree is not None:
-        finite_cam = torch.isfinite(viewmats.detach()).flatten(1).all(dim=1)  # [C]
-        eye = torch.eye(4, device=viewmats.device, dtype=viewmats.dtype)
-        campos = torch.linalg.inv_ex(torch.where(finite_cam[:, None, None], viewmats, eye))[0][:, :3, 3]  # [C, 3]
-        finite_cam = finite_cam & torch.isfinite(campos.detach()).all(dim=-1)
-        campos = torch.where(finite_cam[:, None], campos, 0.0)
-        drawable = drawable[None, :] & finite_cam[:, None]  # [C, N]
-    culled = ~drawable.expand(C, N)  # [C, N]
+        invertible = viewmats
+        if guard_inverse:
+            # a non-finite camera is inverted as the identity: its inverse's backward would meet NaN
+            # with the zero gradient of its culled campos (without a gradient, the NaN inverse is
+            # simply masked below)
+            eye = torch.eye(4, device=viewmats.device, dtype=viewmats.dtype)
+            invertible = torch.where(finite_view, viewmats, eye)
+        campos = torch.linalg.inv_ex(invertible)[0][:, :3, 3]  # [C, 3]
+        with torch.no_grad():
+            bad_cam = bad_view.view(C, 1) + (campos * 0).sum(dim=-1, keepdim=True)  # [C, 1]
+            bad = bad + bad_cam  # [C, N]
+        campos = campos.masked_fill(bad_cam != 0, 0.0)
+    culled = bad != 0  # [C, N] (NaN != 0), or [N] without SH colours
+    if culled.dim() == 1:
+        culled = culled.expand(C, N)
     radii = radii.masked_fill(culled, 0)
-    means2d, depths, conics = (torch.where(culled[..., None], 0.0, x) for x in (means2d, depths[..., None], conics))
-    depths = depths[..., 0]
-    opacities = torch.where(culled, 0.0, opacities.expand(C, N))  # [C, N]
+    culled_xy = culled[..., None]  # [C, N, 1]
+    means2d, conics = means2d.masked_fill(culled_xy, 0.0), conics.masked_fill(culled_xy, 0.0)
+    depths = depths.masked_fill(culled, 0.0)
+    opacities = opacities.masked_fill(culled, 0.0)  # [C, N] (the mask broadcasts the [N] opacities)
     if compensations is not None:
         opacities = opacities * compensations
 
     if sh_degree is None:
-        colors = colors.expand(C, -1, -1)  # [C, N, D]
+        colors = colors[None] if C == 1 else colors.expand(C, -1, -1)  # [C, N, D]
     else:
         dirs = means[None, :, :] - campos[:, None, :]  # [C, N, 3]
-        coeffs = colors.expand(C, -1, -1, -1)  # [C, N, K, 3]
-        colors = torch.clamp_min(ops.spherical_harmonics(sh_degree, dirs, coeffs, radii > 0) + 0.5, 0.0)
+        coeffs = colors[None] if C == 1 else colors.expand(C, -1, -1, -1)  # [C, N, K, 3] (backward: 1 op for C == 1)
+        colors = ops.spherical_harmonics(sh_degree, dirs, coeffs, radii > 0, activate=True)  # clamp_min(c + 0.5, 0)
 
     if render_mode in ("RGB+D", "RGB+ED"):
         colors = torch.cat([colors, depths[..., None]], dim=-1)

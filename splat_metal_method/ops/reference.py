@@ -198,7 +198,8 @@ def spherical_harmonics(
     dirs: Tensor,  # [C, N, 3] unnormalised view directions (mean - camera centre)
     coeffs: Tensor,  # [C, N, K, 3], K >= (degree+1)^2
     masks: Optional[Tensor] = None,  # [C, N] bool; False -> output 0
-) -> Tensor:  # [C, N, 3] (no +0.5 offset; the public API adds it)
+    activate: bool = False,
+) -> Tensor:  # [C, N, 3]; with ``activate`` the public API's colour: activate_sh_colors(...)
     n_bases = (degree + 1) ** 2
     coeffs = coeffs[..., :n_bases, :]
     if masks is not None:  # masked entries compute with zeros, so their gradients are exactly 0 (no 0 * NaN)
@@ -208,7 +209,13 @@ def spherical_harmonics(
     colors = (bases[..., None] * coeffs).sum(dim=-2)
     if masks is not None:
         colors = torch.where(masks[..., None], colors, 0.0)
-    return colors
+    return activate_sh_colors(colors) if activate else colors
+
+
+def activate_sh_colors(colors: Tensor) -> Tensor:
+    """The public API's colour from SH: clamp_min(c + 0.5, 0) (gsplat's; the oracle for sh.metal's
+    ``activate``)."""
+    return torch.clamp_min(colors + 0.5, 0.0)
 
 
 @torch.no_grad()

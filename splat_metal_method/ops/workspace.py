@@ -47,6 +47,21 @@ class Workspace:
         if any(s < 0 for s in shape):
             raise ValueError(f"[Workspace] {name}: negative shape {list(shape)}")
         numel = math.prod(shape)
+        buf = self._grown(name, numel, dtype, device)
+        # as few aten ops as the request allows (each is an encode on MPS): the buffer itself when it
+        # has the requested size and rank 1, one slice or one view otherwise
+        if buf.numel() != numel:
+            buf = buf[:numel]
+        return buf if buf.shape == shape else buf.view(shape)
+
+    def at_least(self, name: str, numel: int, dtype: torch.dtype, device: Union[str, torch.device]) -> Tensor:
+        """The whole flat buffer for (name, dtype, device), grown to hold at least ``numel`` elements and
+        possibly longer: no slice (an aten op) for a kernel that is told how many elements to use."""
+        if numel < 0:
+            raise ValueError(f"[Workspace] {name}: negative size {numel}")
+        return self._grown(name, int(numel), dtype, device)
+
+    def _grown(self, name: str, numel: int, dtype: torch.dtype, device: Union[str, torch.device]) -> Tensor:
         key = (name, dtype, torch.device(device))
         self.requests += 1
         buf = self._buffers.get(key)
@@ -56,7 +71,7 @@ class Workspace:
             buf = torch.empty((max(capacity, 1),), dtype=dtype, device=key[2])
             self._buffers[key] = buf
             self.allocations += 1
-        return buf[:numel].view(shape)
+        return buf
 
     def capacity(self, name: str, dtype: torch.dtype, device: Union[str, torch.device]) -> int:
         """Elements the buffer for (name, dtype, device) holds now (0 if never requested)."""

@@ -157,12 +157,14 @@ def spherical_harmonics(
     dirs: Tensor,  # [C, N, 3] unnormalised view directions
     coeffs: Tensor,  # [C, N, K, 3], K >= (degree+1)^2
     masks: Optional[Tensor] = None,  # [C, N] bool
-) -> Tensor:  # [C, N, 3] (no +0.5 offset)
+    activate: bool = False,
+) -> Tensor:  # [C, N, 3]; with ``activate`` clamp_min(colour + 0.5, 0) (in torch, after the kernel)
     if not 0 <= int(degree) <= 3:
         raise ValueError(f"[spherical_harmonics] degree must be 0..3, got {degree}")
     if not _native(dirs, coeffs):
-        return reference.spherical_harmonics(degree, dirs, coeffs, masks)
-    return SphericalHarmonicsFn.apply(KERNELS, int(degree), dirs, coeffs, masks)
+        return reference.spherical_harmonics(degree, dirs, coeffs, masks, activate)
+    colors = SphericalHarmonicsFn.apply(KERNELS, int(degree), dirs, coeffs, masks)
+    return reference.activate_sh_colors(colors) if activate else colors
 
 
 @torch.no_grad()

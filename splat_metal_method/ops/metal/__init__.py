@@ -167,8 +167,9 @@ def spherical_harmonics(
     dirs: Tensor,  # [C, N, 3]
     coeffs: Tensor,  # [C, N, K, 3]
     masks: Optional[Tensor] = None,  # [C, N] bool
-) -> Tensor:  # [C, N, 3]
-    return SphericalHarmonicsFn.apply(KERNELS, int(degree), dirs, coeffs, masks)
+    activate: bool = False,
+) -> Tensor:  # [C, N, 3]; with ``activate`` clamp_min(colour + 0.5, 0), inside sh.metal / sh_bwd.metal
+    return SphericalHarmonicsFn.apply(KERNELS, int(degree), dirs, coeffs, masks, bool(activate))
 
 
 def isect_tiles(
@@ -180,7 +181,8 @@ def isect_tiles(
     tile_height: int,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """tiles_per_gauss [C,N] int32, isect_ids [M] int64, flatten_ids [M] int32 (not differentiable)."""
-    return isect_tiles_fwd(means2d.detach(), radii, depths.detach(), int(tile_size), int(tile_width), int(tile_height))
+    # no .detach(): isect_tiles_fwd runs under no_grad and its kernels read the memory (2 aten ops fewer)
+    return isect_tiles_fwd(means2d, radii, depths, int(tile_size), int(tile_width), int(tile_height))
 
 
 def isect_offset_encode(isect_ids: Tensor, C: int, tile_width: int, tile_height: int) -> Tensor:

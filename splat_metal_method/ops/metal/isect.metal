@@ -1,9 +1,10 @@
 // isect.metal: gaussian/tile intersections (gsplat 1.4 isect_tiles + isect_offset_encode).
 //
 // Pipeline (driven by isect.py; the sorts are sort.metal's stable radix sort):
-//   1. isect_count        tiles_per_gauss[c*N+n] = number of tiles the 3-sigma square covers.
-//   2. stable sort of all C*N gaussians by the 32 bits of their depth (unsigned), giving `order`.
-//   3. inclusive prefix sum of tiles_per_gauss[order] (scan.metal), total M read once (the only sync).
+//   1. stable sort of all C*N gaussians by the 32 bits of their depth (unsigned), giving `order`.
+//   2. isect_count        tiles_per_gauss[c*N+n] = number of tiles the 3-sigma square covers, also
+//                         written in depth order (counts[p] = tiles_per_gauss[order[p]]).
+//   3. inclusive prefix sum of counts (scan.metal), total M read once (the only sync).
 //   4. isect_emit         in depth order, every gaussian writes (camera, tile) keys and its flat id.
 //   5. stable sort of the M entries by the (camera, tile) key.
 //   6. isect_finalize     isect_id = (camera, tile) key << 32 | depth bits.
@@ -33,29 +34,35 @@ inline void tile_rect(float mx, float my, int radius, long tile_size, long tile_
   y1 = (int)clamp(fy1, 0.0f, th);
 }
 
-// isect_count: one thread per (camera, gaussian), idx < C*N. Independent threads, no barriers.
-// Invariant: tiles_per_gauss is 0 iff radius <= 0 or the rectangle is empty; <= tile_width*tile_height.
+// isect_count: one thread per position p in depth order, p < C*N; thread p counts gaussian
+// g = order[p] and writes tiles_per_gauss[g] and counts[p] (order is a permutation: every entry of
+// both is written once). Independent threads, no barriers.
+// Invariant: the count is 0 iff radius <= 0 or the rectangle is empty; <= tile_width*tile_height.
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void isect_count(
     const device float* means2d [[buffer(0)]],   // [C*N, 2]
     const device int* radii [[buffer(1)]],       // [C*N]
-    device int* tiles_per_gauss [[buffer(2)]],   // [C*N]
-    constant long& total [[buffer(3)]],          // C*N
-    constant long& tile_size [[buffer(4)]],
-    constant long& tile_width [[buffer(5)]],
-    constant long& tile_height [[buffer(6)]],
-    uint idx [[thread_position_in_grid]]) {
-  if ((long)idx >= total) {
+    const device uint* order [[buffer(2)]],      // [C*N] flat ids in depth order
+    device int* tiles_per_gauss [[buffer(3)]],   // [C*N]
+    device int* counts [[buffer(4)]],            // [C*N] tiles_per_gauss in depth order
+    constant long& total [[buffer(5)]],          // C*N
+    constant long& tile_size [[buffer(6)]],
+    constant long& tile_width [[buffer(7)]],
+    constant long& tile_height [[buffer(8)]],
+    uint p [[thread_position_in_grid]]) {
+  if ((long)p >= total) {
     return;
   }
-  const int r = radii[idx];
-  if (r <= 0) {
-    tiles_per_gauss[idx] = 0;
-    return;
+  const uint g = order[p];
+  const int r = radii[g];
+  int count = 0;
+  if (r > 0) {
+    int x0, y0, x1, y1;
+    tile_rect(means2d[2 * g], means2d[2 * g + 1], r, tile_size, tile_width, tile_height, x0, y0, x1, y1);
+    count = (x1 - x0) * (y1 - y0);
   }
-  int x0, y0, x1, y1;
-  tile_rect(means2d[2 * idx], means2d[2 * idx + 1], r, tile_size, tile_width, tile_height, x0, y0, x1, y1);
-  tiles_per_gauss[idx] = (x1 - x0) * (y1 - y0);
+  tiles_per_gauss[g] = count;
+  counts[p] = count;
 }
 
 // isect_emit: one thread per position p in depth order, p < C*N. Thread p writes the entries

@@ -18,6 +18,10 @@ def _tile_bits(tile_width: int, tile_height: int) -> int:
     return (int(tile_width) * int(tile_height)).bit_length()
 
 
+def _no_intersections(device) -> Tuple[Tensor, Tensor]:
+    return torch.empty((0,), dtype=torch.int64, device=device), torch.empty((0,), dtype=torch.int32, device=device)
+
+
 @torch.no_grad()
 def isect_tiles_fwd(
     means2d: Tensor,  # [C, N, 2]
@@ -46,35 +50,33 @@ def isect_tiles_fwd(
         raise ValueError(f"[{op}] {C} cameras x {tile_width * tile_height} tiles do not fit a 32-bit key")
     total = C * N
     tiles_per_gauss = torch.empty((C, N), dtype=torch.int32, device=device)
-    empty = (torch.empty((0,), dtype=torch.int64, device=device), torch.empty((0,), dtype=torch.int32, device=device))
     if total == 0:
-        return tiles_per_gauss, *empty
+        return tiles_per_gauss, *_no_intersections(device)
     means2d, radii, depths = means2d.contiguous(), radii.contiguous(), depths.contiguous()
     lib = library(device, "isect.metal")
-    lib.isect_count(means2d, radii, tiles_per_gauss, total, int(tile_size), int(tile_width), int(tile_height),
-                    **grid_1d(total))  # fmt: skip
+    # Scratch whose size is C*N (fixed between refines) or M (new every step): reused from the
+    # workspace (ops/workspace.py) instead of fresh allocations, and read only inside this stage.
+    ws = workspace()
 
-    # Depth order of every (camera, gaussian): stable by flat index for equal depth bits.
-    depth_bits = depths.view(torch.int32).view(-1)
-    flat = torch.arange(total, dtype=torch.int32, device=device)
-    _, order = radix_sort_pairs(depth_bits, flat, bits=32)
-    counts = tiles_per_gauss.view(-1)[order.long()]
-    cum = prefix_sum(counts, inclusive=True)  # [C*N] int64 (our scan: no MPS integer cumsum)
+    # Depth order of every (camera, gaussian): stable by flat index for equal depth bits (an argsort:
+    # the sort writes the indices itself). Then the tile counts, per gaussian and in depth order.
+    _, order = radix_sort_pairs(depths.view(torch.int32), None, bits=32, scratch="isect.depth_sort")
+    counts = ws.get("isect.counts", total, torch.int32, device)
+    lib.isect_count(means2d, radii, order, tiles_per_gauss, counts, total, int(tile_size), int(tile_width),
+                    int(tile_height), **grid_1d(total))  # fmt: skip
+    cum = prefix_sum(counts, inclusive=True, out=ws.get("isect.cum", total, torch.int64, device))  # [C*N]
     M = int(runtime.host_read(cum[-1]))  # the only host sync: sizes the intersection buffers
     if M == 0:
-        return tiles_per_gauss, *empty
+        return tiles_per_gauss, *_no_intersections(device)
     if M >= 2**31:
         raise ValueError(f"[{op}] {M} intersections exceed the 32-bit offsets")
 
-    # Scratch of a size that changes every step: reused from the workspace (ops/workspace.py) instead
-    # of fresh allocations; safe because radix_sort_pairs reads them and returns new tensors.
-    ws = workspace()
-    tile_keys = ws.get("isect.tile_keys", (M,), torch.int32, device)
-    flat_ids = ws.get("isect.flat_ids", (M,), torch.int32, device)
+    tile_keys = ws.get("isect.tile_keys", M, torch.int32, device)
+    flat_ids = ws.get("isect.flat_ids", M, torch.int32, device)
     lib.isect_emit(means2d, radii, tiles_per_gauss, order, cum, tile_keys, flat_ids,
                    total, N, int(tile_size), int(tile_width), int(tile_height), tile_bits,
                    **grid_1d(total))  # fmt: skip
-    tile_keys, flat_ids = radix_sort_pairs(tile_keys, flat_ids, bits=tile_bits + cam_bits)
+    tile_keys, flat_ids = radix_sort_pairs(tile_keys, flat_ids, bits=tile_bits + cam_bits, scratch="isect.tile_sort")
 
     isect_ids = torch.empty((M,), dtype=torch.int64, device=device)
     flatten_ids = torch.empty((M,), dtype=torch.int32, device=device)

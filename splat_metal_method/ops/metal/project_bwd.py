@@ -47,19 +47,22 @@ def project_bwd(
     if tuple(radii.shape) != (C, N) or radii.dtype != torch.int32:
         raise ValueError(f"[{op}] radii must be {[C, N]} int32, got {list(radii.shape)} {radii.dtype}")
 
-    v_means = torch.empty((C, N, 3), dtype=torch.float32, device=device)
-    v_quats = torch.empty((C, N, 4), dtype=torch.float32, device=device)
-    v_scales = torch.empty((C, N, 3), dtype=torch.float32, device=device)
+    # [C, N, k] written flat by the kernel; for one camera [N, k] is the same memory and the result
+    lead = (N,) if C == 1 else (C, N)
+    v_means = torch.empty(lead + (3,), dtype=torch.float32, device=device)
+    v_quats = torch.empty(lead + (4,), dtype=torch.float32, device=device)
+    v_scales = torch.empty(lead + (3,), dtype=torch.float32, device=device)
     lib, group = group_library(device, "project_bwd.metal", "project_bwd", "SPLAT_PROJECT_BWD_GROUP", GROUP)
     n_groups = (N + group - 1) // group
-    placeholder = torch.zeros((1,), dtype=torch.float32, device=device)
     camera_grad = bool(viewmats_grad or Ks_grad)
-    part = torch.empty((C, n_groups, 16), dtype=torch.float32, device=device) if camera_grad else placeholder
+    # unused buffers are bound to tensors at hand (the kernel neither reads v_comp without
+    # compensations nor writes part without camera gradients): no placeholder allocation
+    part = torch.empty((C, n_groups, 16), dtype=torch.float32, device=device) if camera_grad else v_means
     if C * N > 0:
         lib.project_bwd(
             means.contiguous(), quats.contiguous(), scales.contiguous(), viewmats.contiguous(), Ks.contiguous(),
             radii.contiguous(), v_means2d.contiguous(), v_depths.contiguous(), v_conics.contiguous(),
-            v_compensations.contiguous() if v_compensations is not None else placeholder,
+            v_compensations.contiguous() if v_compensations is not None else v_depths,
             v_means, v_quats, v_scales, part,
             N, int(width), int(height), float(eps2d), int(v_compensations is not None), int(camera_grad), n_groups,
             threads=(n_groups * group, C), group_size=(group, 1),
@@ -69,5 +72,5 @@ def project_bwd(
         total = part.sum(dim=1) if C * N > 0 else torch.zeros((C, 16), dtype=torch.float32, device=device)
         v_viewmats, v_Ks = camera_grads(total, viewmats_grad, Ks_grad)
     if C == 1:
-        return v_means[0], v_quats[0], v_scales[0], v_viewmats, v_Ks
+        return v_means, v_quats, v_scales, v_viewmats, v_Ks
     return v_means.sum(0), v_quats.sum(0), v_scales.sum(0), v_viewmats, v_Ks

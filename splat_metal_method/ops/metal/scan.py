@@ -6,6 +6,8 @@ Dispatches: one for n <= SCAN_BLOCK, two up to SCAN_CARRY_BLOCKS blocks, more be
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -17,21 +19,37 @@ from .kernels import SCAN_BLOCK, SCAN_THREADS, library
 SCAN_CARRY_BLOCKS = 4096
 
 
-def prefix_sum(values: Tensor, inclusive: bool = False) -> Tensor:
+_unused: dict = {}  # (device, dtype) -> [1] tensor bound where the kernels' other input goes (never read)
+
+
+def _unused_input(device: torch.device, dtype: torch.dtype) -> Tensor:
+    key = (device, dtype)
+    t = _unused.get(key)
+    if t is None:
+        t = _unused[key] = torch.zeros((1,), dtype=dtype, device=device)
+    return t
+
+
+def prefix_sum(values: Tensor, inclusive: bool = False, out: Optional[Tensor] = None) -> Tensor:
     """[n] int64 prefix sums of `values` ([n] int32 or int64): exclusive (out[i] = sum of values[:i])
-    or inclusive (out[i] = sum of values[:i + 1]), accumulated in 64 bits."""
+    or inclusive (out[i] = sum of values[:i + 1]), accumulated in 64 bits. ``out`` ([n] int64,
+    contiguous) receives them instead of a new tensor; it may be ``values`` itself (an in-place scan:
+    every thread reads its own values before it writes them, block totals go to a separate buffer)."""
     if values.dim() != 1 or values.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"[prefix_sum] values must be [n] int32 or int64, got {list(values.shape)} {values.dtype}")
     device = values.device
     n = values.numel()
-    out = torch.empty((n,), dtype=torch.int64, device=device)
+    if out is None:
+        out = torch.empty((n,), dtype=torch.int64, device=device)
+    elif out.shape != (n,) or out.dtype != torch.int64 or not out.is_contiguous() or out.device != device:
+        raise ValueError(f"[prefix_sum] out must be [{n}] contiguous int64 on {device}, got {list(out.shape)} {out.dtype}")
     if n == 0:
         return out
     values = values.contiguous()
     wide = values.dtype == torch.int64
-    # the kernels bind both an int32 and an int64 input; the one that `wide` does not select is never read
-    unused = torch.empty((1,), dtype=torch.int32 if wide else torch.int64, device=device)
-    inputs = (unused, values) if wide else (values, unused)
+    # the kernels bind both an int32 and an int64 input; the one that `wide` does not select is never
+    # read: `out` stands in for an unused int64 one, a cached [1] tensor for an unused int32 one
+    inputs = (_unused_input(device, torch.int32), values) if wide else (values, out)
     lib = library(device, "scan.metal")
     n_blocks = (n + SCAN_BLOCK - 1) // SCAN_BLOCK
     grid = {"threads": (n_blocks * SCAN_THREADS,), "group_size": (SCAN_THREADS,)}

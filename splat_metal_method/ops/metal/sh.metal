@@ -9,9 +9,15 @@
 //   * degree in 0..3 (checked on the host); only the first (degree+1)^2 of K coefficient rows are read;
 //   * dirs are normalised here as F.normalize does: d / max(|d|, 1e-12) (a zero direction gives a
 //     zero vector, so only the constant band contributes);
-//   * masked-out entries (has_masks != 0 and masks[idx] == 0) get exactly 0; no +0.5 offset (the
-//     public API adds it).
+//   * masked-out entries (has_masks != 0 and masks[idx] == 0) get exactly 0 before the activation;
+//   * activate != 0 applies the public API's colour activation, torch.clamp_min(c + 0.5, 0) (NaN
+//     stays NaN, as clamp_min keeps it), in the same float32 operations; activate == 0 returns c.
 // Bounds: coefficient reads stay inside coeffs[idx, 0:(degree+1)^2, 0:3] because K >= (degree+1)^2.
+// torch.clamp_min(x, 0): x where x > 0 or x is NaN, else 0 (the sign of a zero is that of 0).
+inline float sh_activate(float x) {
+  return (x > 0.0f || isnan(x)) ? x : 0.0f;
+}
+
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void sh_fwd(
     const device float* dirs [[buffer(0)]],     // [C*N, 3] unnormalised
@@ -22,14 +28,16 @@ kernel void sh_fwd(
     constant long& K [[buffer(5)]],
     constant long& degree [[buffer(6)]],
     constant long& has_masks [[buffer(7)]],
+    constant long& activate [[buffer(8)]],
     uint idx [[thread_position_in_grid]]) {
   if ((long)idx >= total) {
     return;
   }
   if (has_masks != 0 && masks[idx] == 0) {
-    colors[3 * idx + 0] = 0.0f;
-    colors[3 * idx + 1] = 0.0f;
-    colors[3 * idx + 2] = 0.0f;
+    const float masked = activate != 0 ? 0.5f : 0.0f;  // clamp_min(0 + 0.5, 0)
+    colors[3 * idx + 0] = masked;
+    colors[3 * idx + 1] = masked;
+    colors[3 * idx + 2] = masked;
     return;
   }
   const float dx = dirs[3 * idx + 0], dy = dirs[3 * idx + 1], dz = dirs[3 * idx + 2];
@@ -77,6 +85,11 @@ kernel void sh_fwd(
     r += basis[k] * row[3 * k + 0];
     g += basis[k] * row[3 * k + 1];
     b += basis[k] * row[3 * k + 2];
+  }
+  if (activate != 0) {
+    r = sh_activate(r + 0.5f);
+    g = sh_activate(g + 0.5f);
+    b = sh_activate(b + 0.5f);
   }
   colors[3 * idx + 0] = r;
   colors[3 * idx + 1] = g;

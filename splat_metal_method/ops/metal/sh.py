@@ -15,7 +15,8 @@ def spherical_harmonics_fwd(
     dirs: Tensor,  # [C, N, 3] unnormalised
     coeffs: Tensor,  # [C, N, K, 3], K >= (degree+1)^2
     masks: Optional[Tensor] = None,  # [C, N] bool
-) -> Tensor:  # [C, N, 3]
+    activate: bool = False,
+) -> Tensor:  # [C, N, 3]; with ``activate`` clamp_min(colour + 0.5, 0) (sh.metal)
     op = "spherical_harmonics"
     if not 0 <= int(degree) <= 3:
         raise ValueError(f"[{op}] degree must be 0..3, got {degree}")
@@ -45,7 +46,7 @@ def spherical_harmonics_fwd(
         mask_buf = torch.ones((1,), dtype=torch.bool, device=device)
     library(device, "sh.metal").sh_fwd(
         dirs.contiguous(), coeffs.contiguous(), mask_buf, colors,
-        total, K, int(degree), int(masks is not None),
+        total, K, int(degree), int(masks is not None), int(activate),
         **grid_1d(total),
     )  # fmt: skip
     return colors

@@ -10,7 +10,9 @@
 // Invariants:
 //   * v_coeffs[idx, k, :] = basis_k(dir) v_color for k < (degree+1)^2 and 0 for the other K rows, and
 //     every row is written (the output may be torch.empty);
-//   * masked-out entries get zero gradients (the forward wrote a constant 0);
+//   * masked-out entries get zero gradients (the forward wrote a constant);
+//   * activate != 0: the forward applied clamp_min(c + 0.5, 0) and `colors` holds its output y;
+//     clamp_min's gradient passes where c + 0.5 > 0, i.e. y > 0 (0 for NaN), else v_color is 0;
 //   * v_dirs (only if calc_dirs != 0) = normalise_vjp(sum_k (d basis_k / d n) (coeff_k . v_color)),
 //     with d/dn the plain partial derivatives of the basis polynomials in (x, y, z), as autograd
 //     takes them, and normalise_vjp(g) = (g - n (n . g)) / |d| for |d| > 1e-12, g / 1e-12 below
@@ -28,6 +30,8 @@ kernel void sh_bwd(
     constant long& degree [[buffer(8)]],
     constant long& has_masks [[buffer(9)]],
     constant long& calc_dirs [[buffer(10)]],
+    const device float* colors [[buffer(11)]],    // [C*N, 3] forward output (activate != 0), or [1]
+    constant long& activate [[buffer(12)]],
     uint idx [[thread_position_in_grid]]) {
   if ((long)idx >= total) {
     return;
@@ -50,7 +54,12 @@ kernel void sh_bwd(
   const float len = sqrt(dx * dx + dy * dy + dz * dz);
   const float norm = max(len, 1e-12f);
   const float x = dx / norm, y = dy / norm, z = dz / norm;
-  const float vr = v_colors[3 * idx + 0], vg = v_colors[3 * idx + 1], vb = v_colors[3 * idx + 2];
+  float vr = v_colors[3 * idx + 0], vg = v_colors[3 * idx + 1], vb = v_colors[3 * idx + 2];
+  if (activate != 0) {
+    vr = colors[3 * idx + 0] > 0.0f ? vr : 0.0f;
+    vg = colors[3 * idx + 1] > 0.0f ? vg : 0.0f;
+    vb = colors[3 * idx + 2] > 0.0f ? vb : 0.0f;
+  }
 
   // Basis values (same expressions as sh_fwd) and their partials d/dx, d/dy, d/dz.
   float basis[16];

@@ -4,9 +4,10 @@
 // stability; the tile lists must be stably sorted for every backend to agree on per-tile order.
 //
 // One pass over bits [shift, shift + RADIX_BITS) (driven by sort.py):
-//   radix_hist     block b counts the digits of its RADIX_BLOCK keys -> block_hist[digit, b]
-//   scan.metal     exclusive prefix sum over block_hist flattened digit-major -> bin_offsets[digit, b]
-//                  (int64): where block b's first key with that digit goes in the output
+//   radix_hist     block b counts the digits of its RADIX_BLOCK keys -> block_hist[digit, b] (int64)
+//   scan.metal     exclusive prefix sum over block_hist flattened digit-major, in place (all digits
+//                  of the pass in one scan) -> bin_offsets[digit, b]: where block b's first key with
+//                  that digit goes in the output
 //   radix_scatter  block b writes every key to bin_offsets[digit, b] + its rank among the block's
 //                  keys with the same digit that come before it (stable by construction).
 // Every thread owns a CONTIGUOUS run of RADIX_KEYS_PER_THREAD keys, so a key's rank inside its block
@@ -29,7 +30,7 @@
 [[max_total_threads_per_threadgroup(SPLAT_RADIX_THREADS)]]
 kernel void radix_hist(
     const device uint* keys [[buffer(0)]],       // [n]
-    device int* block_hist [[buffer(1)]],        // [BINS, n_blocks]
+    device long* block_hist [[buffer(1)]],       // [BINS, n_blocks]
     constant long& n [[buffer(2)]],
     constant long& shift [[buffer(3)]],
     constant long& n_blocks [[buffer(4)]],
@@ -54,7 +55,7 @@ kernel void radix_hist(
     for (int t = 0; t < SPLAT_RADIX_THREADS; ++t) {
       sum += counts[tid * SPLAT_RADIX_THREADS + t];
     }
-    block_hist[(long)tid * n_blocks + blk] = (int)sum;
+    block_hist[(long)tid * n_blocks + blk] = (long)sum;
   }
 }
 
@@ -65,19 +66,22 @@ kernel void radix_hist(
 //      in place to exclusive prefixes, and stores the segment total in seg[digit * SEGS + segment];
 //   3. barrier; threads 0..BINS-1 turn their digit's SEGS segment totals into exclusive prefixes;
 //   4. barrier; each thread walks its run again and writes key/value to
-//      bin_offsets[digit, block] + seg prefix + column prefix, bumping its own column slot.
+//      bin_offsets[digit, block] + seg prefix + column prefix, bumping its own column slot. With
+//      iota != 0 the value of key j is j itself (vals_in is not read): the first pass of an argsort
+//      needs no index tensor.
 // Output positions are a permutation of [0, n): bin_offsets come from the exclusive scan of all
 // blocks' histograms, and inside a block the ranks of one digit are 0..count-1.
 [[max_total_threads_per_threadgroup(SPLAT_RADIX_THREADS)]]
 kernel void radix_scatter(
     const device uint* keys_in [[buffer(0)]],       // [n]
-    const device uint* vals_in [[buffer(1)]],       // [n]
+    const device uint* vals_in [[buffer(1)]],       // [n] (unread with iota != 0)
     device uint* keys_out [[buffer(2)]],            // [n]
     device uint* vals_out [[buffer(3)]],            // [n]
     const device long* bin_offsets [[buffer(4)]],   // [BINS, n_blocks] exclusive scan
     constant long& n [[buffer(5)]],
     constant long& shift [[buffer(6)]],
     constant long& n_blocks [[buffer(7)]],
+    constant long& iota [[buffer(8)]],
     uint tid [[thread_index_in_threadgroup]],
     uint3 tgp [[threadgroup_position_in_grid]]) {
   threadgroup uint counts[SPLAT_RADIX_BINS * SPLAT_RADIX_THREADS];
@@ -137,7 +141,7 @@ kernel void radix_scatter(
       const long dst = bin_offsets[(long)d * n_blocks + blk] + (long)seg[d * SEGS + my_seg] + (long)counts[slot];
       counts[slot] += 1;
       keys_out[dst] = key;
-      vals_out[dst] = vals_in[j];
+      vals_out[dst] = iota != 0 ? (uint)j : vals_in[j];
     }
   }
 }

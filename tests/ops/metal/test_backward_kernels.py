@@ -338,6 +338,27 @@ def test_sh_bwd_matches_reference(device, degree, C, N):
     check_grad(f"sh_bwd[{degree},{C},{N}].nomask.v_coeffs", v_coeffs2, c.grad)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("degree", [1, 3])
+def test_sh_activate_bwd_matches_reference(device, degree):
+    """activate: clamp_min(c + 0.5, 0)'s gradient (passes where c + 0.5 > 0) inside sh_bwd.metal,
+    through the metal backend's autograd Function, against the reference's torch ops."""
+    g = torch.Generator().manual_seed(30 + degree)
+    C, N, K = 2, 600, 16
+    dirs = torch.randn(C, N, 3, generator=g) * 3.0
+    coeffs = torch.randn(C, N, K, 3, generator=g) * 2.0
+    masks = torch.rand(C, N, generator=g) > 0.2
+    v_colors = torch.randn(C, N, 3, generator=g)
+    d, c = leaf(dirs), leaf(coeffs)
+    r = ref.spherical_harmonics(degree, d, c, masks, activate=True)
+    assert (r == 0).any() and (r > 0).any()  # both sides of the clamp
+    (r * v_colors).sum().backward()
+    dm, cm = (leaf(t.to(device)) for t in (dirs, coeffs))
+    (mtl.spherical_harmonics(degree, dm, cm, masks.to(device), activate=True) * v_colors.to(device)).sum().backward()
+    check_grad(f"sh_activate_bwd[{degree}].v_dirs", dm.grad, d.grad)
+    check_grad(f"sh_activate_bwd[{degree}].v_coeffs", cm.grad, c.grad)
+
+
 # --------------------------------------------------------------------------------------------------
 # end to end through the public op (each backend runs its own forward)
 # --------------------------------------------------------------------------------------------------

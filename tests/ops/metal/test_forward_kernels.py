@@ -172,6 +172,27 @@ def test_spherical_harmonics_matches_reference(device, degree, with_masks):
         assert (m.cpu()[~masks] == 0).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("degree", [0, 3])
+def test_spherical_harmonics_activate_matches_reference(device, degree):
+    """activate: the public API's clamp_min(c + 0.5, 0) inside sh.metal, bitwise as torch computes it
+    after the plain kernel: clamped and unclamped entries, masked ones (0.5), a NaN that stays NaN."""
+    g = torch.Generator().manual_seed(20 + degree)
+    C, N, K = 2, 500, 16
+    dirs = torch.randn(C, N, 3, generator=g) * 3.0
+    coeffs = torch.randn(C, N, K, 3, generator=g) * 2.0
+    coeffs[1, 7, 0, 0] = float("nan")
+    masks = torch.rand(C, N, generator=g) > 0.3
+    masks[1, 7] = True
+    r = ref.spherical_harmonics(degree, dirs, coeffs, masks, activate=True)
+    m = mtl.spherical_harmonics(degree, *to(device, dirs, coeffs, masks), activate=True).cpu()
+    plain = mtl.spherical_harmonics(degree, *to(device, dirs, coeffs, masks)).cpu()
+    both = ~torch.isnan(m)
+    assert torch.equal(m[both], torch.clamp_min(plain + 0.5, 0.0)[both]) and torch.isnan(m[1, 7, 0])
+    assert_close(f"sh.activate.deg{degree}", torch.nan_to_num(m), torch.nan_to_num(r))
+    assert (m[~masks] == 0.5).all() and (m[masks & both.all(-1)] == 0).any() and (m > 0.5).any()
+
+
 def test_spherical_harmonics_empty_and_bad_degree():
     assert mtl.spherical_harmonics(2, torch.zeros(1, 0, 3), torch.zeros(1, 0, 9, 3)).shape == (1, 0, 3)
     with pytest.raises(ValueError, match="spherical_harmonics"):

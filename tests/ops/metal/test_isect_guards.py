@@ -37,15 +37,17 @@ def isect_library(grow_emit: bool = False, unguarded: bool = False):
 
 
 def emit(lib, means2d, radii, depths, spare: int = 64):
-    """Runs isect_count (always the real one), the depth sort, our scan and the given library's
+    """Runs the depth sort, isect_count (always the real one), our scan and the given library's
     isect_emit into buffers with `spare` sentinel entries past M. Returns (tiles_per_gauss, order, cum,
     tile_keys, flat_ids, M)."""
     n = radii.numel()
     real = isect_library()
     tiles_per_gauss = torch.empty(n, dtype=torch.int32)
-    real.isect_count(means2d, radii, tiles_per_gauss, n, TS, TILE_W, TILE_H, **kernels.grid_1d(n))
+    counts = torch.empty(n, dtype=torch.int32)
     _, order = radix_sort_pairs(depths.view(torch.int32), torch.arange(n, dtype=torch.int32), bits=32)
-    cum = prefix_sum(tiles_per_gauss[order.long()], inclusive=True)
+    real.isect_count(means2d, radii, order, tiles_per_gauss, counts, n, TS, TILE_W, TILE_H, **kernels.grid_1d(n))
+    assert torch.equal(counts, tiles_per_gauss[order.long()])
+    cum = prefix_sum(counts, inclusive=True)
     M = int(cum[-1])
     tile_keys = torch.full((M + spare,), SENTINEL, dtype=torch.int32)
     flat_ids = torch.full((M + spare,), SENTINEL, dtype=torch.int32)

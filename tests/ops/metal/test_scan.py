@@ -95,3 +95,47 @@ def test_radix_sort_pass_dispatches_no_more_than_with_torch_cumsum(n, per_pass):
     assert aten.ops == [], f"aten kernels in the radix sort: {aten.ops}"
     expected, order = torch.sort(keys & (2**bits - 1), stable=True)
     assert torch.equal(k & (2**bits - 1), expected) and torch.equal(v, order.int())
+
+
+@pytest.mark.parametrize("n", [1, 4095, 3 * SCAN_BLOCK + 7])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_prefix_sum_into_out_and_in_place(n, dtype):
+    """``out`` receives the sums (no new tensor); an int64 scan may be in place (sort.py scans its
+    histograms so), on one block and on several."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randint(-1000, 1000, (n,), generator=gen, dtype=dtype)
+    for inclusive in (False, True):
+        out = torch.full((n,), -5, dtype=torch.int64)
+        assert scan.prefix_sum(x, inclusive=inclusive, out=out) is out
+        assert torch.equal(out, torch_prefix_sum(x, inclusive))
+        if dtype == torch.int64:
+            y = x.clone()
+            assert scan.prefix_sum(y, inclusive=inclusive, out=y) is y
+            assert torch.equal(y, torch_prefix_sum(x, inclusive))
+    with pytest.raises(ValueError, match=r"\[prefix_sum\] out must be"):
+        scan.prefix_sum(x, out=torch.empty(n + 1, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("n", [2, 5000])
+def test_radix_argsort_and_workspace_scratch(n):
+    """values=None sorts the flat indices (the first pass writes them), keys of any shape are read
+    flat, and with ``scratch`` the buffers come from the workspace: the same results, reused storage."""
+    gen = torch.Generator().manual_seed(7)
+    keys = torch.randint(0, 2**31 - 1, (2, n), generator=gen, dtype=torch.int32)
+    expected, order = torch.sort(keys.view(-1), stable=True)
+    k, v = radix_sort_pairs(keys, None, bits=32)
+    assert torch.equal(k, expected) and torch.equal(v, order.int())
+    k1, v1 = radix_sort_pairs(keys, None, bits=32, scratch="test.sort")
+    ptr = v1.data_ptr()
+    assert torch.equal(k1, expected) and torch.equal(v1, order.int())
+    k2, v2 = radix_sort_pairs(keys, None, bits=32, scratch="test.sort")
+    assert v2.data_ptr() == ptr and torch.equal(v2, order.int())
+    # fewer keys into the same (now longer) scratch buffers, for 1 to 8 passes: the sorted n only
+    fewer = keys.view(-1)[: max(1, n // 3)] & 0x0FFFFFFF
+    for bits in (4, 12, 28):
+        k3, v3 = radix_sort_pairs(fewer, None, bits=bits, scratch="test.sort")
+        expected3, order3 = torch.sort(fewer & ((1 << bits) - 1) if bits < 28 else fewer, stable=True)
+        if bits == 28:
+            assert k3.shape == fewer.shape and torch.equal(k3, expected3) and torch.equal(v3, order3.int())
+        else:  # sorted by the low `bits` only: compare the order of those digits
+            assert k3.shape == fewer.shape and torch.equal(k3 & ((1 << bits) - 1), expected3)
