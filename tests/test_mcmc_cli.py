@@ -82,7 +82,9 @@ def test_trains_within_cap_max_and_prints_it(run):
     (ckpt,) = checkpoints(run["run_dir"])
     assert gauss_params(ckpt)["means"].shape[0] == CAP  # 1,500 seed points, +5% per refine, stopped at the cap
     loss = tensorboard_scalars(run["run_dir"], "Train Loss")
-    assert loss[max(loss)] < 0.7 * loss[min(loss)], loss
+    # It learns. 0.8: with splatfacto's initial scales (x1) the first loss is already lower than with gsplat's
+    # x0.1 (0.13 here), so 20 steps take off less of it (0.70x measured).
+    assert loss[max(loss)] < 0.8 * loss[min(loss)], loss
 
 
 def test_export_gaussian_splat(run, tmp_path):
