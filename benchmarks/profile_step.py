@@ -35,9 +35,9 @@ def profile(config: Path, views: int) -> dict:
     optimizers = {k: torch.optim.Adam([p], lr=1e-4, eps=1e-15) for k, p in params.items()}
     model.optimizers = optimizers
     is_mcmc = isinstance(model, SplatMetalMCMCModel)
-    # A step that is no refine step for either strategy (refine_every divides no odd step of these runs):
-    # what most steps run.
-    step = step - 1 if step % 2 == 0 else step
+    # The last step that is no refine step (what most steps run).
+    while step % model.config.refine_every == 0:
+        step -= 1
     t = {"forward": [], "backward": [], "strategy": [], "isect_per_gaussian": []}
     for i in range(views + 1):  # the first is a warm-up
         model.step = step
