@@ -13,10 +13,13 @@ time, --threads torch threads), then ns-eval.
     python benchmarks/bench_real_capture.py --steps 600 --width 392 --schedule scaled   # what fits a busy CPU
 
 --schedule default: ns-train's own schedule (splatfacto's, made for 30K steps), only the step count
-changed. --schedule scaled: every step count of that schedule times steps/7000 (as gsplat's
---steps-scaler does), so a short run goes through what a 7K run does, compressed: densification from
-500 every 100 until 15K (MCMC: until 25K), resolution schedule 3K, SH degree every 1K, means'
-learning-rate decay over 30K. --width/--frames-every/--points make a smaller cut of the capture
+changed (MCMC scales its own strategy schedule to the run: schedule-scale auto, mcmc.py). --schedule
+scaled: every step count of splatfacto's schedule times steps/7000 (as gsplat's --steps-scaler does),
+so a short run goes through what a 7K run does, compressed: densification from 500 every 100 until 15K,
+resolution schedule 3K, SH degree every 1K, means' learning-rate decay over 30K; MCMC gets the same
+resolution and SH counts, and its refinement and means' learning-rate decay from schedule-scale auto
+(its 30K schedule times steps/30000, refine-every at least 10). --schedule scaled7k: MCMC too gets every
+count times steps/7000 (refinement until 25K: what this benchmark ran before schedule-scale existed). --width/--frames-every/--points make a smaller cut of the capture
 (tests/real_capture.py) in a temporary folder.
 
 Measured per run: held-out PSNR and SSIM (ns-eval; LPIPS when torchvision's AlexNet weights are on
@@ -53,6 +56,9 @@ STOP_SPLIT = {"default": 15000, "mcmc": 25000}
 MEANS_LR_STEPS = 30000
 
 
+SHARED = ("resolution-schedule", "sh-degree-interval")  # splatfacto's counts that MCMC's auto scaling leaves alone
+
+
 def schedule_args(method: str, steps: int, schedule: str) -> list:
     if schedule == "default":
         return []
@@ -60,6 +66,8 @@ def schedule_args(method: str, steps: int, schedule: str) -> list:
     args = []
     for name, value in SCHEDULE.items():
         args += [f"--pipeline.model.{name}", max(1, round(value * scale))]
+    if method.startswith("mcmc") and schedule == "scaled":  # the rest: schedule-scale auto
+        return [a for i in range(0, len(args), 2) if args[i].split(".")[-1] in SHARED for a in args[i : i + 2]]
     stop = STOP_SPLIT["mcmc" if method.startswith("mcmc") else "default"]
     args += ["--pipeline.model.stop-split-at", max(1, round(stop * scale))]
     args += ["--optimizers.means.scheduler.max-steps", max(1, round(MEANS_LR_STEPS * scale))]
@@ -168,7 +176,7 @@ def plot(rows, views, path: Path, title: str) -> None:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=FULL_STEPS)
-    p.add_argument("--schedule", choices=("default", "scaled"), default="default")
+    p.add_argument("--schedule", choices=("default", "scaled", "scaled7k"), default="default")
     p.add_argument("--width", type=int, default=None, help="photo width (default 785, as captured)")
     p.add_argument("--points", type=int, default=None, help="random seed points kept (default: all 25,784)")
     p.add_argument("--methods", nargs="+", default=["default", "mcmc", "mcmc-third"],

@@ -14,11 +14,12 @@ from nerfstudio.engine.schedulers import ExponentialDecaySchedulerConfig
 from nerfstudio.engine.trainer import TrainerConfig
 from nerfstudio.pipelines.base_pipeline import VanillaPipelineConfig
 from nerfstudio.plugins.types import MethodSpecification
+from nerfstudio.utils.rich_utils import CONSOLE
 
 from . import distributed, startup_fix, viewer_fixes
 from .datamanager import SplatMetalDatamanagerConfig
 from .dataparser import SplatMetalDataParserConfig, check_dataset
-from .mcmc import SplatMetalMCMCModelConfig
+from .mcmc import SplatMetalMCMCModelConfig, apply_schedule_scale
 from .model import SplatMetalModelConfig
 from .trainer import SplatMetalTrainer
 
@@ -46,8 +47,12 @@ class SplatMetalTrainerConfig(TrainerConfig):
     def set_timestamp(self) -> None:
         """ns-train's first call on the config. Under torchrun (distributed.py) it also starts the process
         group, so that every rank agrees on rank 0's timestamp (one output folder) and options before
-        anything is written."""
+        anything is written. splat-metal-mcmc's schedule is scaled to the run here (schedule-scale auto), so
+        that config.yml, the printed config and every rank hold the scaled values."""
         super().set_timestamp()
+        scaled = apply_schedule_scale(self)
+        if scaled is not None:
+            CONSOLE.print(scaled)
         try:
             ctx = distributed.setup(self.machine.device_type, self.machine.num_devices)
             if ctx is not None and ctx.world_size > 1:

@@ -316,8 +316,10 @@ def test_mcmc_on_two_processes_keeps_cap_max_resumes_bit_identical_and_exports(t
     out, scene = tmp_path, small_scene(tmp_path, 48, 36)
 
     def train(timestamp, steps, *extra):
+        # schedule-scale off: the continued run's first part is a MCMC_FIRST-step run, whose auto-scaled
+        # schedule (the means' lr decay) would not be the whole run's
         args = _ns_train_args(scene, out, timestamp, "splat-metal-mcmc", max_num_iterations=steps,
-                              pipeline__model__cap_max=MCMC_CAP)  # fmt: skip
+                              pipeline__model__cap_max=MCMC_CAP, pipeline__model__schedule_scale="off")  # fmt: skip
         result = run_cli(*_torchrun(2), *args, *extra, timeout=900, env=_env(out))
         assert result.returncode == 0, result.tail()
         return result, run_dir(out, timestamp, "splat-metal-mcmc")

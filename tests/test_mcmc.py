@@ -249,3 +249,50 @@ def test_regularisers_are_in_the_loss(tiny_scene):
     torch.testing.assert_close(loss_dict["mcmc_opacity_reg"], 0.02 * torch.sigmoid(model.opacities).mean())
     loss_dict["mcmc_opacity_reg"].backward()
     assert model.opacities.grad is not None and (model.opacities.grad > 0).all()
+
+
+@pytest.mark.parametrize(
+    "steps, expected",
+    [  # 600: x0.02 (refine-every floored at 10); 7000: x0.2333; 30000 and beyond: gsplat's schedule unchanged
+        (600, {"warmup_length": 10, "refine_every": 10, "stop_split_at": 500, "means_max_steps": 600}),
+        (7000, {"warmup_length": 117, "refine_every": 23, "stop_split_at": 5833, "means_max_steps": 7000}),
+        (30000, {"warmup_length": 500, "refine_every": 100, "stop_split_at": 25000, "means_max_steps": 30000}),
+        (60000, {"warmup_length": 500, "refine_every": 100, "stop_split_at": 25000, "means_max_steps": 30000}),
+    ],
+)
+def test_scaled_schedule(steps, expected):
+    from splat_metal_method.mcmc import scaled_schedule
+
+    assert scaled_schedule(steps) == expected
+
+
+def test_schedule_scale_applies_to_defaults_only_and_can_be_switched_off(tmp_path):
+    from splat_metal_method.config import splat_metal_mcmc_trainer_config, splat_metal_trainer_config
+    from splat_metal_method.mcmc import apply_schedule_scale
+
+    cfg = splat_metal_mcmc_trainer_config()
+    cfg.max_num_iterations = 600
+    cfg.pipeline.model.warmup_length = 50  # set by the user: kept
+    line = apply_schedule_scale(cfg)
+    m = cfg.pipeline.model
+    assert (m.warmup_length, m.refine_every, m.stop_split_at) == (50, 10, 500)
+    assert cfg.optimizers["means"]["scheduler"].max_steps == 600
+    assert "600 steps" in line and "warmup-length" not in line, line
+    assert apply_schedule_scale(cfg) is None  # applied once: nothing left at the 30K defaults
+
+    off = splat_metal_mcmc_trainer_config()
+    off.max_num_iterations = 600
+    off.pipeline.model.schedule_scale = "off"
+    assert apply_schedule_scale(off) is None
+    assert (off.pipeline.model.refine_every, off.optimizers["means"]["scheduler"].max_steps) == (100, 30000)
+
+    default = splat_metal_trainer_config()  # splat-metal (splatfacto's densification) is not touched
+    default.max_num_iterations = 600
+    assert apply_schedule_scale(default) is None and default.pipeline.model.refine_every == 100
+
+    # A resume (--load-dir, --max-num-iterations = the steps left) scales to the whole run's length.
+    (tmp_path / "step-000000399.ckpt").touch()
+    resumed = splat_metal_mcmc_trainer_config()
+    resumed.max_num_iterations, resumed.load_dir = 200, tmp_path
+    apply_schedule_scale(resumed)
+    assert resumed.pipeline.model.stop_split_at == 500 and resumed.optimizers["means"]["scheduler"].max_steps == 600

@@ -64,13 +64,29 @@ def gauss_params(ckpt: Path) -> dict:
     return {k[len(prefix):]: v for k, v in state["pipeline"].items() if k.startswith(prefix)}
 
 
+def test_short_run_scales_the_schedule_and_says_so(run):
+    """schedule-scale auto on a 30-step run: what was left at the 30K defaults is scaled x30/30000 (here the
+    means' lr decay, over 30 steps) in config.yml, which the model is built from; what the command line set
+    (warmup-length 5, refine-every 5, the demo preset's stop-split-at 1200) is kept."""
+    import yaml
+
+    log = re.sub(r"\s+", " ", run["log"])
+    assert "MCMC schedule scaled to 30 steps (x0.001 of 30K; schedule-scale auto): means' lr (and noise) decay over 30 steps" in log, log[-3000:]
+    cfg = yaml.load((run["run_dir"] / "config.yml").read_text(), Loader=yaml.Loader)
+    model = cfg.pipeline.model
+    assert (model.schedule_scale, model.warmup_length, model.refine_every, model.stop_split_at) == ("auto", 5, 5, 1200)
+    assert cfg.optimizers["means"]["scheduler"].max_steps == STEPS
+
+
 def test_trains_within_cap_max_and_prints_it(run):
     log = re.sub(r"\s+", " ", run["log"])
     assert f"max gaussians {CAP:,} (cap-max: set in the config)" in log, run["log"][-3000:]
     (ckpt,) = checkpoints(run["run_dir"])
     assert gauss_params(ckpt)["means"].shape[0] == CAP  # 1,500 seed points, +5% per refine, stopped at the cap
     loss = tensorboard_scalars(run["run_dir"], "Train Loss")
-    assert loss[max(loss)] < 0.7 * loss[min(loss)], loss
+    # It learns. 0.8: with splatfacto's initial scales (x1) the first loss is already lower than with gsplat's
+    # x0.1 (0.13 here), so 20 steps take off less of it (0.70x measured).
+    assert loss[max(loss)] < 0.8 * loss[min(loss)], loss
 
 
 def test_export_gaussian_splat(run, tmp_path):
@@ -123,6 +139,9 @@ def test_continued_and_ctrl_c_resumed_runs_are_bit_identical_to_the_uninterrupte
             max_num_iterations=steps, steps_per_save=save_every, steps_per_eval_all_images=10**6,
             steps_per_eval_image=10**6, pipeline__model__warmup_length=5, pipeline__model__refine_every=5,
             pipeline__model__cap_max=400, machine__seed=7, machine__device_type="cpu",
+            # The plain continue's first part is a FIRST-step run: with schedule-scale auto its schedule
+            # would be a FIRST-step run's, not the whole run's (auto on a resume: test_mcmc.py, above).
+            pipeline__model__schedule_scale="off",
         ), "--data", scene, "--output-dir", out, "--timestamp", timestamp]  # fmt: skip
 
     def train(timestamp, steps, *extra):
