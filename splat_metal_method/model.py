@@ -202,9 +202,20 @@ class SplatMetalModel(SplatfactoModel):
                 soft_wrap=True,
             )
 
+    def _note_train_sizes(self, pipeline) -> None:
+        """Every training camera's (width, height), read once from the dataset's cameras (host tensors;
+        the datamanager's copies may be on the device), so that no training step reads a size from the
+        device, the first pass over the cameras included. Keyed by the "cam_idx" the datamanager sets."""
+        cameras = getattr(getattr(pipeline.datamanager, "train_dataset", None), "cameras", None)
+        if cameras is None or len(cameras.shape) != 1:
+            return
+        widths, heights = cameras.width.reshape(-1).tolist(), cameras.height.reshape(-1).tolist()
+        self._train_sizes.update({i: (int(w), int(h)) for i, (w, h) in enumerate(zip(widths, heights))})
+
     def get_training_callbacks(self, training_callback_attributes):
         if training_callback_attributes.pipeline is not None:
             self._note_min_train_size(training_callback_attributes.pipeline)
+            self._note_train_sizes(training_callback_attributes.pipeline)
         self_check.ensure_verified(self, self.device, self.config.backend)  # before the first step
         # The NaN/Inf check goes last: after the strategy's densification and the memory hooks.
         self.nonfinite_guard = reliability.NonFiniteGuard(
@@ -217,9 +228,10 @@ class SplatMetalModel(SplatfactoModel):
         )
 
     def _train_camera_size(self, camera: Cameras) -> Tuple[int, int]:
-        """(width, height) of a training camera at full resolution, as ints. Read from the device the
-        first time each camera of the training set (metadata "cam_idx", which nerfstudio's datamanagers
-        set) is seen, then cached; a camera without an index is read every time."""
+        """(width, height) of a training camera at full resolution, as ints: noted from the dataset's host
+        cameras before training (_note_train_sizes), else read from the device the first time each camera
+        of the training set (metadata "cam_idx", which nerfstudio's datamanagers set) is seen, then cached;
+        a camera without an index is read every time."""
         idx = (camera.metadata or {}).get("cam_idx")
         idx = idx if isinstance(idx, int) else None
         size = self._train_sizes.get(idx) if idx is not None else None

@@ -128,3 +128,24 @@ def test_cached_camera_matrices_give_the_same_render_and_gradients(pipeline):
         model.camera_optimizer.config.mode = "SO3xR3"
         with torch.no_grad():
             camera.camera_to_worlds[..., 3] -= 0.05
+
+
+def test_training_camera_sizes_are_noted_from_the_host_before_the_first_step(pipeline):
+    """Every training camera's size is known before training (read from the dataset's host cameras), so
+    no step, the first pass over the cameras included, reads a size from the device; and each noted size
+    is the one the step's camera has."""
+    from splat_metal_method import step_ledger
+
+    model, dm = pipeline.model, pipeline.datamanager
+    cameras = dm.train_dataset.cameras
+    assert set(model._train_sizes) == set(range(len(cameras)))
+    for i in range(len(cameras)):
+        camera = dm.train_camera(i)
+        assert model._train_sizes[i] == (int(camera.width.max()), int(camera.height.max()))
+        with step_ledger.count("size") as led:
+            assert model._train_camera_size(camera) == model._train_sizes[i]
+        assert led.host_syncs == 0 and led.aten_dispatches == 0, led.host_reads
+    model._train_sizes.pop(0)  # a camera never noted is read from the device once, then cached
+    with step_ledger.count("size") as led:
+        model._train_camera_size(dm.train_camera(0))
+    assert led.host_syncs == 2 and 0 in model._train_sizes
