@@ -253,8 +253,13 @@ class _AtenCounter(TorchDispatchMode):
                     seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
             led.part_bytes[part] += sum(seen.values())
         base = key.split(".", 1)[0]
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        on_host = bool(inputs) and all(self.s.is_host(t) for t in inputs)
+        if on_host:  # computed from host tensors only (e.g. a host_read's copy): the result is on the host too
+            for t in tree_leaves(out):
+                self.s.mark_host(t)
         if base in DATA_DEPENDENT_OPS or (key == "repeat_interleave.Tensor" and kwargs.get("output_size") is None):
-            if base == "_local_scalar_dense" and self.s.is_host(args[0]):
+            if on_host:
                 led.host_local.append((key, where()))
             else:
                 led.host_reads.append((key, where()))

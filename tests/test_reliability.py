@@ -183,7 +183,10 @@ def test_flag_is_one_foreach_norm_and_reads_the_host_once():
     train_step(model, optimizers)
     with step_ledger.count("guard") as led:
         guard.check(1)
-    assert led.aten_dispatches <= 4 and led.aten_ops["_foreach_norm.Scalar"] == 1, led.aten_ops
+    # one _foreach_norm call over every parameter and gradient (MPS runs it tensor by tensor, and the ledger
+    # counts it so), then stack + sum and the one read
+    norms = led.aten_ops["_foreach_norm.Scalar"]
+    assert norms >= 2 * len(model.gauss_params) and led.aten_dispatches == norms + 3, led.aten_ops
     assert [what for what, _ in led.host_reads] == ["_local_scalar_dense"]  # read at once off MPS
 
 

@@ -148,6 +148,18 @@ def test_a_foreach_op_counts_once_per_tensor():
     assert led.aten_ops["_foreach_norm.Scalar"] == 3 and led.aten_dispatches == 4, dict(led.aten_ops)
 
 
+def test_ops_on_a_host_copy_stay_on_the_host():
+    """What is computed from a host copy only (a pass plan from tile lengths read once) reads no device."""
+    from splat_metal_method.ops.metal import runtime
+
+    x = torch.arange(6, dtype=torch.int32)
+    with step_ledger.count("t") as led:
+        lengths = runtime.host_read(x + 0).view(2, 3).long()  # one read
+        assert int(lengths.max()) == 5 and int(lengths.sum()) == 15  # of the host copy: no read
+        int((x + 1).max())  # of a device tensor: a read
+    assert led.host_syncs == 2 and len(led.host_local) == 2, (led.host_reads, led.host_writes, led.host_local)
+
+
 def test_step_model_scales_and_labels(ledgers):
     led = ledgers["splat-metal"]["steady"]
     quarter = step_model.model_step(led, step_model.GARDEN_QUARTER, "M1")

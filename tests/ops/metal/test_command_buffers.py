@@ -131,8 +131,8 @@ def test_a_low_budget_commits_between_dispatches_and_keeps_the_results(monkeypat
     commits = [b for b in raster if b.closed_by == "commit"]
     assert len(commits) >= 2, [(b.closed_by, dict(b.launches), b.work) for b in buffers]
     assert any(b.launches.get("rasterize_fwd") for b in commits) and any(b.launches.get("rasterize_bwd") for b in commits)
-    for k, v in want.items():
-        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    for k, v in want.items():  # float atomics: the summation order follows the schedule and the bands
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6 + 1e-5 * float(v.abs().max()), msg=k)
 
 
 def test_a_host_read_closes_the_command_buffer():

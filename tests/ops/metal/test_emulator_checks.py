@@ -196,8 +196,9 @@ def test_pipeline_is_identical_across_schedule_seeds(monkeypatch):
     for other in runs[1:]:
         for k, v in runs[0].items():
             assert torch.isfinite(v.float()).all(), k
-            if k.startswith("grad.") or k == "absgrad":  # float atomics: the summation order follows the schedule
-                torch.testing.assert_close(other[k], v, rtol=1e-5, atol=1e-6, msg=k)
+            if k.startswith("grad.") or k == "absgrad":  # float atomics: the summation order follows the
+                # schedule, so entries that are sums of cancelling terms differ relative to the largest entry
+                torch.testing.assert_close(other[k], v, rtol=1e-5, atol=1e-6 + 1e-5 * float(v.abs().max()), msg=k)
             else:
                 assert torch.equal(other[k], v), k
 
