@@ -281,8 +281,8 @@ class SplatMetalModel(SplatfactoModel):
         colors = torch.cat((params["features_dc"][:, None, :], params["features_rest"]), dim=1)  # [N, K, 3]
 
         if self.training:
-            # Sizes as Python ints, read from the device once per training camera: a read per step
-            # would wait for the GPU's queue to drain (camera.width is a device tensor).
+            # Sizes as Python ints, noted from the dataset's host cameras before training: a read of
+            # camera.width (a device tensor) would wait for the GPU's queue to drain.
             width, height = self._train_camera_size(camera)
             self._downscale_limit = max_downscale(width, height, self.config.min_train_size)
             scale = self._get_downscale_factor()
