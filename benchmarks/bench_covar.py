@@ -116,7 +116,7 @@ def main(argv=None):
 
 
 def mcmc_rows(args, clock) -> list:
-    from splat_metal_method import demo_scene
+    from splat_metal_method.data import demo_scene
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

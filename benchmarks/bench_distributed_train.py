@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--size", type=int, nargs=3, default=[96, 64, 32], metavar=("W", "H", "VIEWS"))
     args = parser.parse_args()
-    from splat_metal_method import demo_scene
+    from splat_metal_method.data import demo_scene
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)

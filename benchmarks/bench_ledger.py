@@ -1,12 +1,12 @@
 """The step ledger as a table: host syncs, aten dispatches, our kernel launches and the work inside
 our kernels per steady training step, refine step and eval render, for splat-metal and
 splat-metal-mcmc on the demo scene and a garden-points scene, then the modeled step time of garden
-at 1/4 and full resolution (a MODEL: splat_metal_method/step_model.py).
+at 1/4 and full resolution (a MODEL: splat_metal_method/bench/step_model.py).
 
     python benchmarks/bench_ledger.py                         # demo 96x64 + garden-points 20k at 162x105
     python benchmarks/bench_ledger.py --garden-points 50000 --garden-downscale 2 --per-kernel
 
-Counted under the MSL emulator on CPU tensors, as a Mac runs the step (splat_metal_method/step_ledger.py).
+Counted under the MSL emulator on CPU tensors, as a Mac runs the step (splat_metal_method/bench/step_ledger.py).
 garden_points.npz is found beside a clone (../shared/data/) or at $SPLAT_METAL_GARDEN_POINTS.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from splat_metal_method import bench_scenes, step_ledger, step_model  # noqa: E402
+from splat_metal_method.bench.cli import scenes as bench_scenes, step_ledger, step_model  # noqa: E402
 
 
 def main(argv=None) -> int:

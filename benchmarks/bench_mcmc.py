@@ -4,7 +4,7 @@
     python benchmarks/bench_mcmc.py --device cuda --steps 3000
     python benchmarks/bench_mcmc.py --op-share           # also: the MCMC ops' share of a step
 
-Scenes (generated, splat_metal_method/demo_scene.py): the demo scene (96x64, 32 views) and a
+Scenes (generated, splat_metal_method/data/demo_scene.py): the demo scene (96x64, 32 views) and a
 bigger one (160x112, 40 views); both non-square with nerfstudio's held-out views (every tenth).
 Each method trains with the demo preset's choices (configs/demo.args: full resolution, white
 background) and its own refinement schedule for the run length: default densifies from step
@@ -61,7 +61,8 @@ class OpShare:
     def __init__(self):
         import time
 
-        from splat_metal_method import mcmc, ops
+        from splat_metal_method.method import mcmc
+        from splat_metal_method import ops
 
         self.seconds = {"relocation_s": 0.0, "covariance_s": 0.0, "strategy_s": 0.0}
 
@@ -153,7 +154,7 @@ def main(argv=None):
     if args.one:
         return run_one(args)
 
-    from splat_metal_method import demo_scene
+    from splat_metal_method.data import demo_scene
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -35,7 +35,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from splat_metal_method import demo_scene, memory  # noqa: E402
+from splat_metal_method.data import demo_scene
+from splat_metal_method.engine import memory  # noqa: E402
 from splat_metal_method.ops.workspace import workspace_stats  # noqa: E402
 
 FIELDS = [
@@ -67,7 +68,7 @@ def parse_args(argv=None):
 
 
 def build_trainer(args, data: Path, workdir: Path):
-    from splat_metal_method.config import splat_metal_trainer_config
+    from splat_metal_method.method.configs import splat_metal_trainer_config
 
     cfg = splat_metal_trainer_config()
     cfg.machine.device_type = args.device

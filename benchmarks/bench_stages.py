@@ -67,7 +67,7 @@ def garden_scene(n: int, scale_px: float, device, downscale: int = 1, seed: int 
 def _cpu_bytes_in_use() -> int:
     """Bytes of the C heap in use (glibc mallinfo2: where CPU tensors live); the resident set size
     where that is unavailable (macOS), which misses memory the allocator reuses."""
-    from splat_metal_method.memory import malloc_stats, process_rss
+    from splat_metal_method.engine.memory import malloc_stats, process_rss
 
     heap = malloc_stats()
     return heap[0] if heap is not None else (process_rss() or 0)

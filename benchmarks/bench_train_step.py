@@ -81,7 +81,7 @@ def main():
         data = args.data
         if data is None:
             data = Path(tmp) / "demo"
-            cmd = [sys.executable, "-m", "splat_metal_method.demo_scene", "--out", str(data),
+            cmd = [sys.executable, "-m", "splat_metal_method.data.demo_scene", "--out", str(data),
                    "--width", str(args.width), "--height", str(args.height)]  # fmt: skip
             subprocess.run(cmd, check=True, capture_output=True)
         runs = {}

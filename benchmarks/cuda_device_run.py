@@ -563,7 +563,7 @@ def stage_training(ctx) -> dict:
     )
     if not any(ep.name == "splat-metal" for ep in importlib.metadata.entry_points(group="nerfstudio.method_configs")):
         env["NERFSTUDIO_METHOD_CONFIGS"] = (
-            "splat-metal=splat_metal_method.config:splat_metal_method"  # not pip-installed
+            "splat-metal=splat_metal_method.method.configs:splat_metal_method"  # not pip-installed
         )
     # nerfstudio reads seed points with open3d (~900 MB, cannot travel): without it both methods start
     # from splatfacto's random initialisation instead.

@@ -76,7 +76,7 @@ def main() -> int:
         data = args.data
         if data is None:
             data = Path(tmp) / "demo"
-            subprocess.run([sys.executable, "-m", "splat_metal_method.demo_scene", "--out", str(data)], check=True)
+            subprocess.run([sys.executable, "-m", "splat_metal_method.data.demo_scene", "--out", str(data)], check=True)
         runs = {m: build(m, data, seed=0, seed_points=not args.no_seed_points) for m in ("splatfacto", "splat-metal")}
         times = {m: [] for m in runs}
         peaks = {m: [] for m in runs}
@@ -93,7 +93,7 @@ def main() -> int:
     ratio = statistics.median(times["splat-metal"]) / statistics.median(times["splatfacto"])
     print(f"step-time ratio splat-metal / splatfacto: {ratio:.3f} (target <= 1.02)")
 
-    from splat_metal_method.kernel_checks import full_op_checks
+    from splat_metal_method.verify.kernel_checks import full_op_checks
 
     checks = full_op_checks(torch.device("cuda"), "gsplat", 61, 37)
     for c in checks:

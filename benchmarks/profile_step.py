@@ -26,7 +26,7 @@ def timed(fn):
 def profile(config: Path, views: int) -> dict:
     from nerfstudio.utils.eval_utils import eval_setup
 
-    from splat_metal_method.mcmc import SplatMetalMCMCModel, routed_ops
+    from splat_metal_method.method.mcmc import SplatMetalMCMCModel, routed_ops
 
     _, pipeline, _, step = eval_setup(config, test_mode="val")
     model = pipeline.model

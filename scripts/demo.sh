@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . "${SPLAT_METAL_VENV:-.venv}/bin/activate"
 export WANDB_MODE=disabled
-python -m splat_metal_method.demo_scene --out data/demo
+python -m splat_metal_method.data.demo_scene --out data/demo
 # shellcheck disable=SC2046
 ns-train splat-metal $(grep -v '^\s*#' configs/demo.args) --data data/demo --output-dir outputs "$@"
 config=$(ls -t outputs/demo/splat-metal/*/config.yml | head -n 1)

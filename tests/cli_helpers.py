@@ -149,7 +149,7 @@ def latest_config(output_dir: Path) -> Path:
 def small_scene(folder: Path, width: int, height: int, views: int = 12, points: int = 300) -> Path:
     """The bundled demo scene at ``width`` x ``height`` with its first ``points`` seed points, in
     ``folder``/scene: small enough for several ns-train runs in one test module."""
-    from splat_metal_method import demo_scene
+    from splat_metal_method.data import demo_scene
 
     out = Path(folder) / "scene"
     demo_scene.generate(out, width=width, height=height, views=views, seed=0)

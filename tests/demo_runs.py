@@ -79,7 +79,7 @@ def exclusive(folder: Path):
 
 def demo_scene(tmp_path_factory) -> Path:
     if "scene" not in _cache:
-        from splat_metal_method import demo_scene as generator
+        from splat_metal_method.data import demo_scene as generator
 
         out = shared_temp(tmp_path_factory) / "demo_runs" / "scene"
         with exclusive(out):
@@ -143,7 +143,7 @@ def small_model(background: str):
     """A SplatMetalModel with 200 gaussians in the unit cube, no dataset needed."""
     from nerfstudio.data.scene_box import SceneBox
 
-    from splat_metal_method.model import SplatMetalModelConfig
+    from splat_metal_method.method.model import SplatMetalModelConfig
 
     gen = torch.Generator().manual_seed(1)
     means = torch.rand(200, 3, generator=gen) - 0.5

@@ -35,7 +35,7 @@ def method_config(method: str, data: Path, steps: int, warmup: int, refine_every
     choices (configs/demo.args: full resolution, white background, densification/refinement from
     ``warmup`` every ``refine_every`` steps, SH degree up every steps/2) for a run of ``steps``, the
     learning-rate schedules (and so MCMC's noise) decaying over the run."""
-    from splat_metal_method.config import splat_metal_mcmc_trainer_config, splat_metal_trainer_config
+    from splat_metal_method.method.configs import splat_metal_mcmc_trainer_config, splat_metal_trainer_config
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")

@@ -23,7 +23,7 @@ def make_pipeline(data: Path, seed: int = 0, warmup: int = 10, refine_every: int
     CPU, with the SO3xR3 camera optimizer (viewmats get gradients) and a white background."""
     from nerfstudio.cameras.camera_optimizers import CameraOptimizerConfig
 
-    from splat_metal_method.config import splat_metal_trainer_config
+    from splat_metal_method.method.configs import splat_metal_trainer_config
 
     cfg = splat_metal_trainer_config()
     cfg.machine.device_type = "cpu"

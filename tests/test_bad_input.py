@@ -17,8 +17,8 @@ import pytest
 from PIL import Image
 
 from cli_helpers import run_cli, snapshot
-from splat_metal_method import demo_scene
-from splat_metal_method.dataparser import DatasetError, SplatMetalDataParserConfig, check_dataset
+from splat_metal_method.data import demo_scene
+from splat_metal_method.data.dataparser import DatasetError, SplatMetalDataParserConfig, check_dataset
 
 WIDTH, HEIGHT, VIEWS = 32, 24, 10  # smallest demo scene with a held-out view: fast to make and to copy
 CLI_TIMEOUT = 180  # s; a failing start takes ~10-20 s (imports), a hang or a training run takes far longer

@@ -18,8 +18,8 @@ def test_console_script_is_declared():
     import tomllib
 
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["splat-metal-bench"] == "splat_metal_method.bench:main"
-    from splat_metal_method import bench
+    assert scripts["splat-metal-bench"] == "splat_metal_method.bench.cli:main"
+    from splat_metal_method.bench.cli import cli as bench
 
     assert callable(bench.main)
 
@@ -29,7 +29,7 @@ def quick_run(tmp_path_factory):
     from cli_helpers import cli_env
 
     out = tmp_path_factory.mktemp("bench") / "results"
-    proc = subprocess.run([sys.executable, "-m", "splat_metal_method.bench", "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "splat_metal_method.bench.cli", "--quick", "--out", str(out)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, env=cli_env(),
                           cwd=out.parent)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:]

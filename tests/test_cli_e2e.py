@@ -24,8 +24,8 @@ import yaml
 from PIL import Image
 
 from cli_helpers import CliResult, checkpoint_step, checkpoints, demo_args, run_cli
-from splat_metal_method import demo_scene
-from splat_metal_method.config import default_device_type, splat_metal_trainer_config
+from splat_metal_method.data import demo_scene
+from splat_metal_method.method.configs import default_device_type, splat_metal_trainer_config
 
 WIDTH, HEIGHT, VIEWS = 64, 48, 32
 ITERS = 90  # steps of the main run: 0 .. ITERS-1
@@ -84,7 +84,7 @@ def run(tmp_path_factory) -> Run:
     scene, output_dir, torch_home = root / "demo", root / "outputs", root / "torch_home"
     torch_home.mkdir()
     made = run_cli(
-        [sys.executable, "-m", "splat_metal_method.demo_scene"],
+        [sys.executable, "-m", "splat_metal_method.data.demo_scene"],
         "--out", scene, "--width", WIDTH, "--height", HEIGHT, "--views", VIEWS, timeout=300,
     )  # fmt: skip
     assert made.returncode == 0, made.tail()

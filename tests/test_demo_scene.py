@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from splat_metal_method import demo_scene
+from splat_metal_method.data import demo_scene
 from splat_metal_method.ops.reference import quat_to_rotmat
 
 VIEWS, WIDTH, HEIGHT, SEED = 32, 96, 64, 0

@@ -1,4 +1,4 @@
-"""splat_metal_method/distributed.py's shard bookkeeping, in real gloo process groups of 2 and 3 ranks:
+"""splat_metal_method/engine/distributed.py's shard bookkeeping, in real gloo process groups of 2 and 3 ranks:
 rows moved with one all_to_all keep their global order (balancing, gathering on rank 0), including
 empty shards and every dtype a checkpoint holds; a model's parameters, Adam moments and
 densification statistics move together and the optimizers step the moved parameters."""
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from splat_metal_method import distributed
+from splat_metal_method.engine import distributed
 
 
 def _free_port() -> int:
@@ -213,7 +213,7 @@ def test_a_pause_longer_than_the_collective_timeout_is_waited_out_together():
 
 
 def test_rank_share_splits_a_budget_exactly():
-    from splat_metal_method.distributed import rank_share
+    from splat_metal_method.engine.distributed import rank_share
 
     for world_size in (1, 2, 3, 4, 7):
         for total in (0, 1, 2, 6, 333, 1_000_001):

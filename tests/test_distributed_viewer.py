@@ -12,7 +12,7 @@ import torch
 
 import demo_runs
 from cli_helpers import cli_env, executable
-from splat_metal_method.render_device import RENDER_LOG_ENV
+from splat_metal_method.viewer.render_device import RENDER_LOG_ENV
 from test_viewer import (_assert_frame_is_the_models_render, _free_port, _http_up, _render_like_viewer,  # noqa: F401
                          _settled_frame, _stop, _wait_for, browser)  # fmt: skip
 

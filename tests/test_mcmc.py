@@ -1,4 +1,4 @@
-"""splat-metal-mcmc (splat_metal_method/mcmc.py): gsplat's own MCMCStrategy running on CPU tensors
+"""splat-metal-mcmc (splat_metal_method/method/mcmc.py): gsplat's own MCMCStrategy running on CPU tensors
 through our ops, its cap, its noise, and the model built around it in a real nerfstudio pipeline."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import pytest
 import torch
 from gsplat.strategy import MCMCStrategy
 
-from splat_metal_method import memory, self_check
-from splat_metal_method.mcmc import SplatMetalMCMCStrategy, resolve_cap_max, routed_ops
+from splat_metal_method.engine import memory
+from splat_metal_method.verify import self_check
+from splat_metal_method.method.mcmc import SplatMetalMCMCStrategy, resolve_cap_max, routed_ops
 
 SH_REST = 15
 
@@ -164,7 +165,7 @@ def test_cap_max_resolution(monkeypatch):
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_scene(tmp_path_factory):
-    from splat_metal_method import demo_scene
+    from splat_metal_method.data import demo_scene
 
     out = tmp_path_factory.mktemp("mcmc") / "scene"
     demo_scene.generate(out, width=40, height=24, views=10, seed=0)  # non-square, 1,500 seed points
@@ -261,14 +262,14 @@ def test_regularisers_are_in_the_loss(tiny_scene):
     ],
 )
 def test_scaled_schedule(steps, expected):
-    from splat_metal_method.mcmc import scaled_schedule
+    from splat_metal_method.method.mcmc import scaled_schedule
 
     assert scaled_schedule(steps) == expected
 
 
 def test_schedule_scale_applies_to_defaults_only_and_can_be_switched_off(tmp_path):
-    from splat_metal_method.config import splat_metal_mcmc_trainer_config, splat_metal_trainer_config
-    from splat_metal_method.mcmc import apply_schedule_scale
+    from splat_metal_method.method.configs import splat_metal_mcmc_trainer_config, splat_metal_trainer_config
+    from splat_metal_method.method.mcmc import apply_schedule_scale
 
     cfg = splat_metal_mcmc_trainer_config()
     cfg.max_num_iterations = 600

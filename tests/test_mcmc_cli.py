@@ -23,7 +23,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[1]
-METHOD, TARGET = "splat-metal-mcmc", "splat_metal_method.config:splat_metal_mcmc_method"
+METHOD, TARGET = "splat-metal-mcmc", "splat_metal_method.method.configs:splat_metal_mcmc_method"
 CAP, STEPS = 1600, 30
 
 
@@ -125,8 +125,8 @@ def test_continued_and_ctrl_c_resumed_runs_are_bit_identical_to_the_uninterrupte
     import shlex
     from concurrent.futures import ThreadPoolExecutor
 
-    from splat_metal_method import demo_scene as generator
-    from splat_metal_method.trainer import INTERRUPTED_EXIT_CODE
+    from splat_metal_method.data import demo_scene as generator
+    from splat_metal_method.engine.trainer import INTERRUPTED_EXIT_CODE
 
     out = tmp_path_factory.mktemp("mcmc_resume")
     scene = out / "scene"

@@ -1,4 +1,4 @@
-"""Memory management (splat_metal_method/memory.py, ops/workspace.py, ops/chunked.py): hooks fire at
+"""Memory management (splat_metal_method/engine/memory.py, ops/workspace.py, ops/chunked.py): hooks fire at
 the right steps, the max-gaussians cap holds (in the strategy and in a real ns-train run), depth-
 chunked rasterization equals the unchunked render forward and backward, and the workspace reuses
 its buffers."""
@@ -17,7 +17,7 @@ import torch
 from gsplat.strategy import DefaultStrategy
 from scenes import random_scene
 
-from splat_metal_method import memory
+from splat_metal_method.engine import memory
 from splat_metal_method.ops import chunked, rasterization, reference
 from splat_metal_method.ops.workspace import Workspace, workspace, workspace_stats
 
@@ -49,7 +49,7 @@ def test_workspace_reuses_its_buffer_when_sizes_shrink_or_fit():
 def test_workspace_at_least_hands_out_the_whole_buffer_without_an_aten_op():
     """For kernels told their count (the radix sort's ping-pong buffers): the buffer itself, at least
     the size asked, sharing storage with get() of the same name, and no slice or view to encode."""
-    from splat_metal_method import step_ledger
+    from splat_metal_method.bench.cli import step_ledger
 
     ws = Workspace(growth=1.5)
     ws.get("keys", (1000,), torch.int32, "cpu")
@@ -538,7 +538,7 @@ def test_chunks_are_depth_ordered_and_bounded():
 # The cap in a real ns-train run
 # ------------------------------------------------------------------------------------------------
 def test_max_gaussians_cap_holds_in_ns_train(tmp_path):
-    from splat_metal_method import demo_scene
+    from splat_metal_method.data import demo_scene
 
     data = tmp_path / "demo"
     demo_scene.generate(data, width=48, height=32, views=10, seed=0)  # 1,500 seed points

@@ -11,7 +11,7 @@ from __future__ import annotations
 import demo_runs
 from pipelines import setup_pipeline, train_step
 
-from splat_metal_method.model import max_downscale
+from splat_metal_method.method.model import max_downscale
 
 REFINES = (25, 30, 35, 40)  # refine_every 5, after the opacity reset's pause of 18 views + 5 steps
 
@@ -28,7 +28,7 @@ def _train(tmp_path_factory, steps: int, **model_options):
     """(H, W) of the first training render, and at each refine step the share of the gaussians seen
     since the last refine that gsplat's screen-size rule splits (radius over grow_scale2d of the
     longer side), measured before that step."""
-    from splat_metal_method.config import splat_metal_trainer_config
+    from splat_metal_method.method.configs import splat_metal_trainer_config
 
     cfg = splat_metal_trainer_config()
     cfg.machine.device_type = "cpu"

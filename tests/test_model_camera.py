@@ -9,7 +9,7 @@ import torch
 from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.models.splatfacto import get_viewmat
 
-from splat_metal_method.model import intrinsics, viewmat_from_c2w
+from splat_metal_method.method.model import intrinsics, viewmat_from_c2w
 
 
 def test_viewmat_equals_splatfactos_values_and_gradients():
@@ -45,7 +45,7 @@ def pipeline(tmp_path_factory):
     40x28 demo scene of 10 views, reference backend."""
     import pipelines
 
-    from splat_metal_method import demo_scene
+    from splat_metal_method.data import demo_scene
 
     data = tmp_path_factory.mktemp("camera") / "demo"
     demo_scene.generate(data, width=40, height=28, views=10, seed=0)
@@ -134,7 +134,7 @@ def test_training_camera_sizes_are_noted_from_the_host_before_the_first_step(pip
     """Every training camera's size is known before training (read from the dataset's host cameras), so
     no step, the first pass over the cameras included, reads a size from the device; and each noted size
     is the one the step's camera has."""
-    from splat_metal_method import step_ledger
+    from splat_metal_method.bench.cli import step_ledger
 
     model, dm = pipeline.model, pipeline.datamanager
     cameras = dm.train_dataset.cameras

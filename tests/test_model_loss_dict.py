@@ -10,7 +10,7 @@ from nerfstudio.cameras.camera_optimizers import CameraOptimizerConfig
 from nerfstudio.data.scene_box import SceneBox
 from nerfstudio.models.splatfacto import SplatfactoModel
 
-from splat_metal_method.model import SplatMetalModelConfig
+from splat_metal_method.method.model import SplatMetalModelConfig
 from splat_metal_method.ops.metal import runtime
 
 

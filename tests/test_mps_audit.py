@@ -38,8 +38,8 @@ import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from splat_metal_method import step_ledger
-from splat_metal_method.step_ledger import aten_key, where  # the step ledger counts with the same keys
+from splat_metal_method.bench.cli import step_ledger
+from splat_metal_method.bench.cli.step_ledger import aten_key, where  # the step ledger counts with the same keys
 
 NATIVE_FUNCTIONS = Path(torchgen.__file__).parent / "packaged" / "ATen" / "native" / "native_functions.yaml"
 # Dispatch entries that serve MPS tensors: the MPS kernel itself, or device-generic composites.
@@ -168,8 +168,8 @@ def _audited_training(tmp_path: Path, backend: str, max_intersections: int = -1)
     from nerfstudio.engine.callbacks import TrainingCallbackLocation
     from nerfstudio.utils import writer
 
-    from splat_metal_method import demo_scene
-    from splat_metal_method.config import splat_metal_trainer_config
+    from splat_metal_method.data import demo_scene
+    from splat_metal_method.method.configs import splat_metal_trainer_config
 
     data = tmp_path / "demo"
     if not data.exists():
@@ -387,7 +387,7 @@ def test_no_integer_cumsum_on_the_metal_training_path(audits):
 # What one steady training step asks of the device: host reads and aten dispatches
 # ------------------------------------------------------------------------------------------------
 # Budgets for one steady step (demo scene 96x64, metal backend, SH degree 3, no refine), counted by the
-# step ledger (splat_metal_method/step_ledger.py: host syncs as on a Mac, aten dispatches). Measured 1 host
+# step ledger (splat_metal_method/bench/step_ledger.py: host syncs as on a Mac, aten dispatches). Measured 1 host
 # sync (isect_tiles' sizing of the intersection buffers, M) and 186 aten dispatches, at issue 23's target
 # (561 / 3). Before issue 23: 14 host reads + 8 uncounted copies and 537 dispatches; the cuts were the
 # fused L1 + SSIM loss (ops/loss.py), the NaN/Inf guard's flag read a step late, one Cameras per training
@@ -403,8 +403,8 @@ def steady_step(tmp_path_factory):
     from nerfstudio.engine.callbacks import TrainingCallbackLocation  # noqa: F401 (before writer: import order)
     from nerfstudio.utils import writer
 
-    from splat_metal_method import demo_scene
-    from splat_metal_method.config import splat_metal_trainer_config
+    from splat_metal_method.data import demo_scene
+    from splat_metal_method.method.configs import splat_metal_trainer_config
     from splat_metal_method.ops.metal.runtime import launch_counts, reset_launch_counts
 
     tmp = tmp_path_factory.mktemp("steady")

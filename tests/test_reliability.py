@@ -1,4 +1,4 @@
-"""In-process tests of splat_metal_method/reliability.py: the NaN/Inf guard on a small gaussian model
+"""In-process tests of splat_metal_method/engine/reliability.py: the NaN/Inf guard on a small gaussian model
 with real Adam optimizers and gsplat's strategy state, atomic writes (files and nerfstudio's PLY
 writer) under failures mid-write. The same mechanisms are driven through the real command lines in
 test_reliability_cli.py; the Trainer's parts (checkpoints, signals) are in test_trainer.py."""
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from splat_metal_method import reliability
-from splat_metal_method.reliability import NonFiniteError, NonFiniteGuard, atomic_path
+from splat_metal_method.engine import reliability
+from splat_metal_method.engine.reliability import NonFiniteError, NonFiniteGuard, atomic_path
 
 N = 10
 SHAPES = {
@@ -177,7 +177,7 @@ def test_injection_env_var_poisons_the_named_gradient_at_its_step(monkeypatch):
 
 
 def test_flag_is_one_foreach_norm_and_reads_the_host_once():
-    from splat_metal_method import step_ledger
+    from splat_metal_method.bench.cli import step_ledger
 
     model, optimizers, guard = make()
     train_step(model, optimizers)
@@ -243,8 +243,8 @@ def test_deferred_stop_never_leaves_a_bad_checkpoint(tmp_path, nan_at):
 
     from torch.cuda.amp import GradScaler
 
-    from splat_metal_method import resume_state
-    from splat_metal_method.trainer import SplatMetalTrainer
+    from splat_metal_method.engine import resume_state
+    from splat_metal_method.engine.trainer import SplatMetalTrainer
 
     model, optimizers, guard = make("stop", deferred=True)
     model.nonfinite_guard = guard

@@ -36,9 +36,9 @@ import yaml
 import demo_runs
 from cli_helpers import (CliResult, checkpoint_step, checkpoints, cli_env, demo_args, executable,
                          hung_process_report, run_cli)
-from splat_metal_method import demo_scene
-from splat_metal_method.reliability import INJECT_NAN_ENV
-from splat_metal_method.trainer import INTERRUPTED_EXIT_CODE
+from splat_metal_method.data import demo_scene
+from splat_metal_method.engine.reliability import INJECT_NAN_ENV
+from splat_metal_method.engine.trainer import INTERRUPTED_EXIT_CODE
 
 pytestmark = pytest.mark.timeout(900)
 

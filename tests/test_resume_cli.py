@@ -25,8 +25,8 @@ import torch
 from cli_helpers import (checkpoint_differences, checkpoint_step, checkpoints, cli_env, demo_args, executable,
                          final_checkpoint, run_dir, small_scene,
                          interrupt_after_checkpoint, run_cli, tensorboard_scalars)
-from splat_metal_method import resume_state
-from splat_metal_method.trainer import INTERRUPTED_EXIT_CODE
+from splat_metal_method.engine import resume_state
+from splat_metal_method.engine.trainer import INTERRUPTED_EXIT_CODE
 
 pytestmark = pytest.mark.timeout(900)
 

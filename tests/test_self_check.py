@@ -1,4 +1,4 @@
-"""The Metal self-check (splat_metal_method/self_check.py) as a user meets it: `ns-train splat-metal
+"""The Metal self-check (splat_metal_method/verify/self_check.py) as a user meets it: `ns-train splat-metal
 --pipeline.model.backend metal` on CPU tensors runs the Metal kernels under the MSL emulator, so the
 check runs there too. The package is installed (copied) under a directory named with a non-ASCII
 character, as on a Mac under /Users/José/, and imported from there (PYTHONPATH); first with its
@@ -19,7 +19,7 @@ import pytest
 import torch
 from cli_helpers import checkpoints, cli_env, demo_args, run_cli
 
-from splat_metal_method import self_check
+from splat_metal_method.verify import self_check
 from splat_metal_method.ops.metal import kernels, runtime
 from splat_metal_method.ops.metal.emulator import MetalCompileError, compile_library
 
@@ -118,7 +118,7 @@ def test_an_mcmc_run_also_checks_the_covariance_kernel(tmp_path, monkeypatch):
 
 
 def test_fast_math_is_reported_as_torch_reads_it(monkeypatch):
-    from splat_metal_method import doctor
+    from splat_metal_method.verify import doctor
 
     monkeypatch.delenv(self_check.FAST_MATH_ENV, raising=False)
     assert not self_check.fast_math_enabled() and doctor.fast_math_fact().startswith("unset")

@@ -1,4 +1,4 @@
-"""splat_metal_method/ssim.py: FusedSSIM equals splatfacto's pytorch_msssim.SSIM, value and gradient."""
+"""splat_metal_method/ops/ssim.py: FusedSSIM equals splatfacto's pytorch_msssim.SSIM, value and gradient."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import pytorch_msssim
 import torch
 
-from splat_metal_method.ssim import FusedSSIM
+from splat_metal_method.ops.ssim import FusedSSIM
 
 
 @pytest.mark.parametrize("shape", [(1, 3, 64, 96), (1, 3, 37, 20), (2, 3, 11, 15), (1, 3, 8, 40)],

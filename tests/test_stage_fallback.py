@@ -18,7 +18,7 @@ import pipelines
 import pytest
 import torch
 
-from splat_metal_method import self_check
+from splat_metal_method.verify import self_check
 from splat_metal_method.ops import backend_module, metal, quat_scale_to_covar_preci, reference, stage_fallback
 from splat_metal_method.ops.metal import runtime
 
@@ -61,7 +61,7 @@ def _metal_model(mode):
 
 def test_a_wrong_stage_falls_back_and_training_continues(fresh_process, wrong_rasterizer, tmp_path, capsys):
     """nerfstudio's training set-up and steps (tests/pipelines.py) with backend "metal" on a 48x32 demo scene."""
-    from splat_metal_method import demo_scene
+    from splat_metal_method.data import demo_scene
 
     data = tmp_path / "scene"
     demo_scene.generate(data, width=48, height=32, views=10)  # in process: no second Python start-up

@@ -1,4 +1,4 @@
-"""splat_metal_method/startup_fix.py: nerfstudio's external-method stand-ins are built without
+"""splat_metal_method/patches/startup.py: nerfstudio's external-method stand-ins are built without
 ``inspect.stack()`` (a third of every ns-* command's start-up), and a user who picks an external
 method on the command line still gets nerfstudio's install offer."""
 
@@ -9,8 +9,8 @@ import inspect
 import pytest
 from nerfstudio.configs.external_methods import ExternalMethod, ExternalMethodDummyTrainerConfig, get_external_methods
 
-import splat_metal_method.config  # noqa: F401  (applies the fix, as ns-train's plugin discovery does)
-from splat_metal_method import startup_fix
+import splat_metal_method.method.configs  # noqa: F401  (applies the fix, as ns-train's plugin discovery does)
+from splat_metal_method.patches import startup as startup_fix
 
 
 def _no_stack(*args, **kwargs):

@@ -1,4 +1,4 @@
-"""In-process tests of splat_metal_method/trainer.py and resume_state.py: checkpoints written
+"""In-process tests of splat_metal_method/engine/trainer.py and resume_state.py: checkpoints written
 atomically under a failure mid-write, the resume state through torch's weights_only load, the resume
 command, the signal handler, the train lock. tests/test_resume_cli.py drives exact resumes through
 the real command lines; test_reliability_cli.py drives Ctrl-C with the viewer."""
@@ -15,8 +15,8 @@ import pytest
 import torch
 import yaml
 
-from splat_metal_method import resume_state
-from splat_metal_method.trainer import SplatMetalTrainer, TurnTakingLock, resume_command
+from splat_metal_method.engine import resume_state
+from splat_metal_method.engine.trainer import SplatMetalTrainer, TurnTakingLock, resume_command
 
 
 def _listing(folder: Path) -> dict:
@@ -220,7 +220,7 @@ def test_fused_adam_steps_are_seen_by_version_counters():
     """torch's fused Adam does not bump a parameter's in-place version counter (its single-tensor path
     does); splat-metal's optimizer config bumps it after each step, because the viewer's device copy of
     the gaussians (render_device.py) is refreshed only when a parameter's version changes."""
-    from splat_metal_method.config import FusedAdamOptimizerConfig
+    from splat_metal_method.method.configs import FusedAdamOptimizerConfig
 
     p = torch.nn.Parameter(torch.randn(8))
     optimizer = FusedAdamOptimizerConfig(lr=0.1, eps=1e-15).setup([p])

@@ -35,9 +35,9 @@ import torch
 from PIL import Image
 
 import demo_runs
-from splat_metal_method import render_device
+from splat_metal_method.viewer import render_device
 from splat_metal_method.ops import resolve_backend
-from splat_metal_method.render_device import RENDER_DEVICE_ENV, RENDER_LOG_ENV, render_target
+from splat_metal_method.viewer.render_device import RENDER_DEVICE_ENV, RENDER_LOG_ENV, render_target
 
 CPU_AUTO = resolve_backend("auto", torch.device("cpu"))  # what a model on cpu renders with by default
 
@@ -348,7 +348,7 @@ STEPS = 22
 
 
 def _trainer(scene: Path, out: Path, name: str, steps: int):
-    from splat_metal_method.config import splat_metal_trainer_config
+    from splat_metal_method.method.configs import splat_metal_trainer_config
 
     config = splat_metal_trainer_config()
     config.data = config.pipeline.datamanager.data = scene

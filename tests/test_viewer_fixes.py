@@ -1,4 +1,4 @@
-"""The viewer-stack fixes (splat_metal_method/viewer_fixes.py), on a real viser server and nerfstudio's
+"""The viewer-stack fixes (splat_metal_method/patches/viewer.py), on a real viser server and nerfstudio's
 real Viewer: a camera message of a client that has just left no longer raises inside viser's atomic(),
 and an exception inside atomic() no longer leaves its lock held (which made Ctrl-C hang ns-train)."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import demo_runs
-import splat_metal_method.config  # noqa: F401  (applies the fixes, as ns-train and ns-viewer do)
+import splat_metal_method.method.configs  # noqa: F401  (applies the fixes, as ns-train and ns-viewer do)
 
 
 NO_SCENE = SimpleNamespace(set_background_image=lambda *args, **kwargs: None)  # a client's frames go nowhere

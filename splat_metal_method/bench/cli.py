@@ -112,7 +112,7 @@ def timed_step(trainer, step: int, device: str) -> List[float]:
 
 def memory_sample(device: str) -> Dict[str, float]:
     """MiB: driver/current allocated on mps; RSS and C heap in use on cpu."""
-    from . import memory
+    from ..engine import memory
 
     mib = 1024.0**2
     if device == "mps":
@@ -170,7 +170,7 @@ def run_scene(data: Path, scene: str, backend: str, device: str, steps: int, hoo
 
 
 def scenes(quick: bool, work: Path) -> Dict[str, Path]:
-    from . import bench_scenes
+    from . import scenes as bench_scenes
 
     out = {}
     if quick:

@@ -35,7 +35,7 @@ def garden_points_path() -> Optional[Path]:
 
 def demo(out: Path, width: int = 96, height: int = 64, views: int = N_VIEWS) -> Path:
     """The demo scene in ``out`` (made once; reused when it is there)."""
-    from . import demo_scene
+    from ..data import demo_scene
 
     out = Path(out)
     if not (out / demo_scene.TRANSFORMS).is_file():
@@ -56,7 +56,7 @@ def garden_points(out: Path, n_points: int = 20_000, downscale: int = 4, path: O
     FileNotFoundError when garden_points.npz is not found (set $SPLAT_METAL_GARDEN_POINTS)."""
     from PIL import Image
 
-    from . import demo_scene
+    from ..data import demo_scene
 
     out = Path(out)
     if (out / "transforms.json").is_file():

@@ -55,8 +55,8 @@ PARTS: Tuple[Tuple[str, str], ...] = (
     ("/splat_metal_method/ops/", "rasterization op"),
     ("/torch/optim/", "optimizer"),
     ("/gsplat/strategy/", "strategy"),
-    ("/splat_metal_method/memory.py", "strategy"),
-    ("/splat_metal_method/mcmc.py", "strategy"),
+    ("/splat_metal_method/engine/memory.py", "strategy"),
+    ("/splat_metal_method/method/mcmc.py", "strategy"),
     ("/torch/autograd/", "autograd backward"),
     ("/splat_metal_method/", "model, loss, camera opt"),
     ("/nerfstudio/", "model, loss, camera opt"),
@@ -319,7 +319,7 @@ class count:
         self.state = _Counting(self.ledger, host_tensors)
 
     def __enter__(self) -> Ledger:
-        from .ops.metal import runtime
+        from ..ops.metal import runtime
 
         self._previous = runtime.set_launch_observer(self.state.launch)
         self._modes = [_TransferCounter(self.state), _AtenCounter(self.state)]
@@ -328,7 +328,7 @@ class count:
         return self.ledger
 
     def __exit__(self, *exc):
-        from .ops.metal import runtime
+        from ..ops.metal import runtime
 
         for m in reversed(self._modes):
             m.__exit__(*exc)
@@ -351,7 +351,7 @@ def build_trainer(data: Path, method: str = "splat-metal", backend: str = "metal
                   device: str = "cpu", configure=None):  # fmt: skip
     """nerfstudio's Trainer for ``method`` on ``data``, set up on ``device`` (no viewer, no writers);
     ``configure(cfg)`` may change the TrainerConfig before setup."""
-    from .config import splat_metal_mcmc_trainer_config, splat_metal_trainer_config
+    from ..method.configs import splat_metal_mcmc_trainer_config, splat_metal_trainer_config
 
     if method not in METHODS:
         raise ValueError(f"[step_ledger] method must be one of {METHODS}, got {method!r}")
@@ -415,7 +415,7 @@ def measure(data: Path, method: str = "splat-metal", backend: str = "metal", out
     from nerfstudio.engine.callbacks import TrainingCallbackLocation  # noqa: F401 (before writer: import order)
     from nerfstudio.utils import writer
 
-    from .ops.metal.runtime import reset_launch_counts
+    from ..ops.metal.runtime import reset_launch_counts
 
     writers = list(writer.EVENT_WRITERS)
     trainer = build_trainer(data, method, backend, output_dir)

@@ -124,7 +124,7 @@ def model_step(ledger: Ledger, target: Scene, device: str) -> Modeled:
 def table(ledger: Ledger, label: str) -> str:
     """Markdown: modeled ms per step for garden at both sizes on M1 and M4 Max, beside msplat."""
     lines = [
-        f"MODEL, not a measurement (splat_metal_method/step_model.py), from the {label} ledger "
+        f"MODEL, not a measurement (splat_metal_method/bench/step_model.py), from the {label} ledger "
         f"({ledger.n_gaussians} gaussians, {ledger.intersections} intersections, {ledger.host_syncs} host syncs, "
         f"{ledger.aten_kernels} aten kernels, {ledger.kernel_launches} launches per step):",
         "",

@@ -43,7 +43,7 @@ CAMERA_KEYS = ("fl_x", "fl_y", "cx", "cy", "w", "h")  # shared at the top of tra
 HINT_NO_DATASET = (
     "ns-train splat-metal --data needs a nerfstudio dataset: a folder with transforms.json and the images "
     "it lists. Make one from photos or a video with ns-process-data, or a demo scene with "
-    "`python -m splat_metal_method.demo_scene --out DIR`."
+    "`python -m splat_metal_method.data.demo_scene --out DIR`."
 )
 
 

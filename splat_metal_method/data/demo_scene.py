@@ -1,6 +1,6 @@
 """A small synthetic scene in nerfstudio's data format, made from a known set of gaussians.
 
-    python -m splat_metal_method.demo_scene --out data/demo
+    python -m splat_metal_method.data.demo_scene --out data/demo
     ns-train splat-metal --data data/demo
 
 The ground truth is 4,209 3D gaussians (flat, surface-aligned), z up: a textured ground patch (checkerboard), a
@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-GENERATOR = "splat_metal_method.demo_scene"
+GENERATOR = "splat_metal_method.data.demo_scene"
 MARKER_KEY = "splat_metal_demo"  # key in transforms.json that marks a directory as ours
 FORMAT_VERSION = 1
 DEFAULT_WIDTH, DEFAULT_HEIGHT, DEFAULT_VIEWS, DEFAULT_SEED = 96, 64, 32, 0
@@ -286,7 +286,7 @@ def render(
     batch: int = 8,
 ) -> torch.Tensor:
     """Renders with the reference backend on the CPU; returns float images [C,H,W,3] in [0,1]."""
-    from .ops import rasterization
+    from ..ops import rasterization
 
     out = []
     for s in range(0, viewmats.shape[0], batch):
@@ -455,7 +455,7 @@ def generate(
 
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m splat_metal_method.demo_scene",
+        prog="python -m splat_metal_method.data.demo_scene",
         description="Write a small synthetic nerfstudio scene (images, transforms.json, seed points) "
         "rendered from known gaussians. Then: ns-train splat-metal --data OUT",
     )

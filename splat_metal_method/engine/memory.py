@@ -524,7 +524,7 @@ class MemoryManager:
         """Writes the memory scalars for ``step`` to nerfstudio's writer and returns them."""
         from nerfstudio.utils import writer
 
-        from .ops.workspace import workspace_stats
+        from ..ops.workspace import workspace_stats
 
         stats = stats or self.sample()
         names = {"allocated": "allocated", "reserved": "reserved", "peak": "peak", "rss": "RSS"}

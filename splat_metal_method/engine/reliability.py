@@ -368,13 +368,3 @@ def install_atomic_ply_export() -> bool:
         cls.write_ply = staticmethod(atomic_ply_writer(func))
     return True
 
-
-def __getattr__(name: str):
-    """The Trainer lived here until it moved to trainer.py; the config.yml of runs trained before
-    that names ``splat_metal_method.reliability.SplatMetalTrainer`` (ns-export, ns-viewer and
-    --load-config read it)."""
-    if name == "SplatMetalTrainer":
-        from .trainer import SplatMetalTrainer
-
-        return SplatMetalTrainer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -171,7 +171,7 @@ def _check_run(config_path: Path) -> None:
 def _write_all(g, formats: List[str], targets: List[Path]) -> dict:
     """Writes every format to a temporary file, then renames them all into place.
     Returns {format: (bytes, note)}."""
-    from ..reliability import atomic_path
+    from ..engine.reliability import atomic_path
 
     sizes = {}
     try:

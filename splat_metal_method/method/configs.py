@@ -16,12 +16,14 @@ from nerfstudio.pipelines.base_pipeline import VanillaPipelineConfig
 from nerfstudio.plugins.types import MethodSpecification
 from nerfstudio.utils.rich_utils import CONSOLE
 
-from . import distributed, startup_fix, viewer_fixes
-from .datamanager import SplatMetalDatamanagerConfig
-from .dataparser import SplatMetalDataParserConfig, check_dataset
+from ..engine import distributed
+from ..patches import startup as startup_fix, viewer as viewer_fixes
+from ..data.datamanager import SplatMetalDatamanagerConfig
+from ..data.dataparser import SplatMetalDataParserConfig, check_dataset
 from .mcmc import SplatMetalMCMCModelConfig, apply_schedule_scale
 from .model import SplatMetalModelConfig
-from .trainer import SplatMetalTrainer
+from ..engine.trainer import SplatMetalTrainer
+from ..ops import best_device
 
 viewer_fixes.apply()  # before any Viewer exists: Ctrl-C could hang after a browser left (viewer_fixes.py)
 startup_fix.apply()  # before nerfstudio builds its external-method stand-ins: a third of start-up (startup_fix.py)
@@ -29,11 +31,7 @@ startup_fix.apply()  # before nerfstudio builds its external-method stand-ins: a
 
 def default_device_type() -> str:
     """mps > cuda > cpu: the best device this machine has."""
-    if torch.backends.mps.is_available():
-        return "mps"
-    if torch.cuda.is_available():
-        return "cuda"
-    return "cpu"
+    return best_device().type
 
 
 @dataclass

@@ -36,7 +36,8 @@ from typing import Callable, Deque, List, Literal, Optional, Tuple, Type
 import torch
 from gsplat.strategy import MCMCStrategy
 
-from . import memory, ops
+from ..engine import memory
+from .. import ops
 from .model import SplatMetalModel, SplatMetalModelConfig
 
 # gsplat's default cap, used where the device's memory is unknown.

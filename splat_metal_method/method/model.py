@@ -24,10 +24,12 @@ from nerfstudio.model_components.lib_bilagrid import total_variation_loss
 from nerfstudio.models.splatfacto import RGB2SH, SplatfactoModel, SplatfactoModelConfig
 from nerfstudio.utils.rich_utils import CONSOLE
 
-from . import distributed, memory, reliability, render_device, self_check
-from .ops import rasterization
-from .ops.loss import l1_ssim_loss
-from .ssim import FusedSSIM
+from ..engine import distributed, memory, reliability
+from ..viewer import render_device
+from ..verify import self_check
+from ..ops import rasterization
+from ..ops.loss import l1_ssim_loss
+from ..ops.ssim import FusedSSIM
 
 def viewmat_from_c2w(camera_to_world: torch.Tensor) -> torch.Tensor:  # [C, 3(4), 4] -> [C, 4, 4]
     """splatfacto's get_viewmat (same values and gradients), built from device ops only: splatfacto's
@@ -97,7 +99,7 @@ class SplatMetalModelConfig(SplatfactoModelConfig):
     """Op-layer backend. "auto" picks by device (mps -> metal, cuda -> gsplat, cpu -> cpu, i.e. native
     rasterization, or reference where no C++ compiler can build it);
     the SPLAT_METAL_BACKEND environment variable overrides "auto"."""
-    # Memory management (splat_metal_method/memory.py); what is in effect is printed when training starts.
+    # Memory management (splat_metal_method/engine/memory.py); what is in effect is printed when training starts.
     max_gaussians: int = -1
     """Densification adds no gaussians beyond this count (pruning still runs). -1: derived from the
     device's memory; 0: no cap."""
@@ -115,13 +117,13 @@ class SplatMetalModelConfig(SplatfactoModelConfig):
     metal_self_check: Union[bool, Literal["fallback", "strict"]] = True
     """Before training or rendering with the Metal kernels (on MPS, or CPU tensors under the emulator), check
     the stages this run uses against the PyTorch reference on this GPU; the verdict is cached per machine
-    (splat_metal_method/self_check.py). True ("fallback"): a stage that fails runs on the reference on the
+    (splat_metal_method/verify/self_check.py). True ("fallback"): a stage that fails runs on the reference on the
     same device, the others on Metal, and the run says so in one line. "strict": stop on a mismatch.
     False skips the check."""
     nonfinite: Literal["recover", "stop"] = "recover"
     """When a gaussian parameter or gradient becomes NaN/Inf (checked after every step, reported with the
     step and parameter): "recover" drops the affected gaussians and continues; "stop" ends training
-    before that step is saved, keeping the last good checkpoint (splat_metal_method/reliability.py)."""
+    before that step is saved, keeping the last good checkpoint (splat_metal_method/engine/reliability.py)."""
     min_train_size: int = 128
     """Training never renders an image smaller than this many pixels on its longer side: splatfacto's
     resolution schedule (num_downscales) is clamped for small images (said once at start); 0: no
@@ -306,7 +308,7 @@ class SplatMetalModel(SplatfactoModel):
         # A distributed training step renders this rank's camera from every rank's shard (ops/distributed.py).
         rasterize = rasterization
         if self.training and distributed.active():
-            from .ops.distributed import distributed_rasterization as rasterize
+            from ..ops.distributed import distributed_rasterization as rasterize
         render, alpha, self.info = rasterize(
             means=params["means"],
             quats=params["quats"],

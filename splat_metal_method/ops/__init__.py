@@ -2,7 +2,7 @@
 
 from .distributed import distributed_rasterization
 from .mcmc import compute_relocation, quat_scale_to_covar_preci
-from .rasterization import BACKENDS, BackendUnavailable, backend_module, rasterization, resolve_backend
+from .rasterization import BACKENDS, BackendUnavailable, backend_module, best_device, rasterization, resolve_backend
 
 __all__ = [
     "BACKENDS",

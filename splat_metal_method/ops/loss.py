@@ -20,7 +20,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ..ssim import FusedSSIM
+from .ssim import FusedSSIM
 
 _ssim_modules: dict = {}  # (channels, device) -> FusedSSIM
 

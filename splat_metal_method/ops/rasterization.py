@@ -97,6 +97,15 @@ def _check_cpu(device: torch.device) -> None:
         raise BackendUnavailable(f"backend 'cpu' runs on CPU tensors, got tensors on {device}")
 
 
+def best_device() -> torch.device:
+    """mps > cuda > cpu: the device ``ns-train splat-metal`` trains on and the viewer renders on."""
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Turns "auto" (or SPLAT_METAL_BACKEND) into a concrete backend for tensors on ``device``."""
     if backend == "auto":

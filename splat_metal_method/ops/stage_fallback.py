@@ -1,5 +1,5 @@
 """Per-stage fallback of the Metal backend: a stage that failed the self-check on this GPU
-(splat_metal_method/self_check.py) runs on the PyTorch reference, on the same device; the other
+(splat_metal_method/verify/self_check.py) runs on the PyTorch reference, on the same device; the other
 stages keep their Metal kernels.
 
 The failed stages are a per-process set. ``backend_module("metal")`` (rasterization.py) returns the

@@ -22,7 +22,7 @@ import torch
 from .kernel_checks import Check, _timed, covariance_checks, full_op_checks, loss_checks, stage_checks
 
 def _native_cpu_fact() -> str:
-    from .ops.cpu import build
+    from ..ops.cpu import build
 
     if build.load() is None:
         return f"unavailable ({build.unavailable_reason().splitlines()[0]}); CPU tensors use the reference"
@@ -30,7 +30,7 @@ def _native_cpu_fact() -> str:
 
 
 def facts(device: torch.device) -> Dict[str, str]:
-    from .ops import resolve_backend
+    from ..ops import resolve_backend
 
     info = {
         "splat-metal": __import__("splat_metal_method").__version__,
@@ -71,7 +71,7 @@ def fast_math_fact() -> str:
 def safe_math_fact(device: torch.device) -> str:
     """Whether the kernels declare safe math (common.h's `#pragma METAL fp math_mode(safe)`) at the MSL version
     they are built at for `device` (the MSL emulator on cpu), i.e. whether PYTORCH_MPS_FAST_MATH can change them."""
-    from .ops.metal.kernels import SAFE_MATH_MSL, msl_version
+    from ..ops.metal.kernels import SAFE_MATH_MSL, msl_version
 
     try:
         version = msl_version(device.type)
@@ -89,7 +89,7 @@ def _print_pipelines(device: torch.device) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from .ops.metal import kernels
+    from ..ops.metal import kernels
 
     title = "Metal pipelines on this GPU" if device.type == "mps" else "Metal pipelines (as the emulator enforces them)"
     table = Table(title=title)
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     if args.emit_metal:
         from pathlib import Path
 
-        from .ops.metal import kernels
+        from ..ops.metal import kernels
 
         out = Path(args.emit_metal)
         out.mkdir(parents=True, exist_ok=True)
@@ -143,24 +143,24 @@ def main(argv=None) -> int:
         return 0
     width, height = (int(v) for v in args.size.lower().split("x"))
     if args.device == "auto":
-        from .config import default_device_type
+        from ..ops import best_device
 
-        args.device = default_device_type()
+        args.device = best_device().type
     device = torch.device(args.device)
     for key, value in facts(device).items():
         print(f"{key:>28}: {value}")
 
     from rich.progress import Progress
 
-    from .ops import reference
+    from ..ops import reference
 
     with Progress(transient=True) as progress:
         task = progress.add_task("checking kernels", total=None)
         if device.type == "cuda":
             checks = full_op_checks(device, "gsplat", width, height)
         else:
-            from .ops import metal
-            from .ops.metal import kernels
+            from ..ops import metal
+            from ..ops.metal import kernels
 
             progress.update(task, description="compiling every Metal kernel")
             compiled, ms = _timed(lambda: sum(1 for _ in kernels.compile_all(device)), device)
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
             checks += stage_checks(device, metal, reference, width, height, channels=(1, 3, 4), absgrad=True)
             checks += covariance_checks(device, "metal")
             checks += loss_checks(device)
-        from .ops.cpu import available
+        from ..ops.cpu import available
 
         if available():  # the native CPU backend (what "auto" uses for CPU tensors)
             progress.update(task, description="checking the native cpu backend")

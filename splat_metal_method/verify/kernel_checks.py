@@ -189,7 +189,7 @@ def stage_checks(
 def covariance_checks(device: torch.device, backend: str) -> List[Check]:
     """quat_scale_to_covar_preci (MCMC's position noise) on ``backend`` vs the reference, forward and
     backward, full 3x3 and upper triangles; scales near 1 so covariance and precision are both O(1)."""
-    from .ops import quat_scale_to_covar_preci
+    from ..ops import quat_scale_to_covar_preci
 
     scene, _, _ = random_scene(device)
     inputs = {"quats": scene["quats"], "scales": scene["scales"] * 10 + 0.3}
@@ -205,8 +205,8 @@ def covariance_checks(device: torch.device, backend: str) -> List[Check]:
 def loss_checks(device: torch.device) -> List[Check]:
     """The fused training loss (ops/metal/loss.py, (1 - 0.2) * L1 + 0.2 * (1 - SSIM)) vs the reference, forward
     (loss, L1, SSIM) and backward (d loss / d pred), on a seeded non-square image pair."""
-    from .ops.loss import l1_ssim_loss_reference
-    from .ops.metal.loss import l1_ssim_loss
+    from ..ops.loss import l1_ssim_loss_reference
+    from ..ops.metal.loss import l1_ssim_loss
 
     g = torch.Generator().manual_seed(0)
     gt = torch.rand(29, 37, 3, generator=g)
@@ -227,9 +227,9 @@ def full_op_checks(
     """The whole public op `backend` vs "reference" (used for gsplat on CUDA, which has no stage API).
     With `depth_chunks`, `backend` renders with an intersection budget of about 1/depth_chunks of the
     scene's intersections (ops/chunked.py: resumed compositing), the reference without one."""
-    from .ops import rasterization
-    from .ops import reference
-    from .ops.chunked import count_intersections
+    from ..ops import rasterization
+    from ..ops import reference
+    from ..ops.chunked import count_intersections
 
     scene, W, H = random_scene(device, n=n, width=width, height=height, cameras=cameras)
     budget = None

@@ -48,8 +48,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .ops import stage_fallback
-from .ops.constants import TILE_SIZE
+from ..ops import stage_fallback
+from ..ops.constants import TILE_SIZE
 
 FAST_MATH_ENV = "PYTORCH_MPS_FAST_MATH"
 SKIP_OPTION = "--pipeline.model.metal-self-check False"
@@ -128,7 +128,7 @@ def cache_path() -> Path:
 
 def kernel_source_hash() -> str:
     """Hash of the kernel sources and the Python that assembles and dispatches them (ops/metal/)."""
-    from .ops.metal.runtime import KERNEL_DIR
+    from ..ops.metal.runtime import KERNEL_DIR
 
     h = hashlib.sha256()
     for f in sorted(KERNEL_DIR.iterdir()):
@@ -139,7 +139,7 @@ def kernel_source_hash() -> str:
 
 def _key(device: torch.device, run: RunKernels) -> Tuple[str, dict]:
     from .kernel_checks import BWD_RTOL, FWD_ATOL
-    from .ops.metal.kernels import msl_version
+    from ..ops.metal.kernels import msl_version
 
     facts = {
         "torch": torch.__version__,
@@ -180,7 +180,7 @@ def run_checks(device: torch.device, run: RunKernels):
     chunks, also the whole op cut into about 3 chunks (resumed compositing) vs the unchunked reference;
     for MCMC, also the covariance kernel; always the fused training loss."""
     from .kernel_checks import covariance_checks, full_op_checks, loss_checks, stage_checks
-    from .ops import metal, reference
+    from ..ops import metal, reference
 
     with torch.inference_mode(False), torch.enable_grad():  # renders run under no_grad; the check needs grads
         checks = stage_checks(
@@ -209,7 +209,7 @@ def failed_stages(bad: List) -> Dict[str, str]:
 
 
 def _fast_math_hint(device: torch.device) -> str:
-    from .ops.metal.kernels import safe_math_declared
+    from ..ops.metal.kernels import safe_math_declared
 
     if device.type != "mps" or not fast_math_enabled() or safe_math_declared(device.type):
         return ""
@@ -298,7 +298,7 @@ def ensure_verified(model, device: torch.device, backend: str, before: str = "tr
         raise ValueError(f"--pipeline.model.metal-self-check must be one of {MODES}, got {mode!r}")
     if mode is False:
         return
-    from .ops import resolve_backend
+    from ..ops import resolve_backend
 
     device = torch.device(device)
     if resolve_backend(backend, device) != "metal":
@@ -322,6 +322,6 @@ def ensure_verified(model, device: torch.device, backend: str, before: str = "tr
 
 
 def _safe_math(device: torch.device) -> bool:
-    from .ops.metal.kernels import safe_math_declared
+    from ..ops.metal.kernels import safe_math_declared
 
     return safe_math_declared(device.type)

@@ -46,13 +46,12 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .ops.rasterization import BACKENDS, BackendUnavailable, resolve_backend
+from ..ops.rasterization import BACKENDS, BackendUnavailable, best_device, resolve_backend
 
 if TYPE_CHECKING:
     from nerfstudio.cameras.cameras import Cameras
     from nerfstudio.data.scene_box import OrientedBox
-
-    from .model import SplatMetalModel
+    from nerfstudio.models.splatfacto import SplatfactoModel  # a SplatMetalModel (method/model.py imports this module)
 
 RENDER_DEVICE_ENV = "SPLAT_METAL_RENDER_DEVICE"
 RENDER_LOG_ENV = "SPLAT_METAL_RENDER_LOG"
@@ -63,15 +62,6 @@ class RenderTarget:
     device: torch.device
     backend: str  # what ops.rasterization gets ("auto" = by device)
     why: str  # one line for logs
-
-
-def best_device() -> torch.device:
-    """mps > cuda > cpu (the same order ``ns-train splat-metal`` trains with)."""
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("cpu")
 
 
 def _device_available(device: torch.device) -> bool:
@@ -205,7 +195,7 @@ class _Redirect:
 _redirect: contextvars.ContextVar[Optional[_Redirect]] = contextvars.ContextVar("splat_metal_redirect", default=None)
 
 
-def render_source(model: "SplatMetalModel") -> Tuple[Dict[str, Tensor], str]:
+def render_source(model: "SplatfactoModel") -> Tuple[Dict[str, Tensor], str]:
     """The gaussian parameters and backend ``model.get_outputs`` renders with: the model's own,
     unless :func:`render_for_camera` redirected this render to another device."""
     redirect = _redirect.get()
@@ -231,7 +221,7 @@ def _announce(model: torch.nn.Module, target: RenderTarget) -> None:
 
 
 def render_for_camera(
-    model: "SplatMetalModel",
+    model: "SplatfactoModel",
     camera: "Cameras",
     obb_box: "Optional[OrientedBox]",
     render_here: Callable[["Cameras", "Optional[OrientedBox]"], Dict],
@@ -263,7 +253,7 @@ def render_for_camera(
     return outputs
 
 
-def _log_render(path: str, model: "SplatMetalModel", camera: "Cameras", target: RenderTarget, seconds: float) -> None:
+def _log_render(path: str, model: "SplatfactoModel", camera: "Cameras", target: RenderTarget, seconds: float) -> None:
     info = getattr(model, "info", None) or {}
     record = {
         "time": time.time(),

@@ -13,25 +13,12 @@ from functools import lru_cache
 import torch
 
 from .. import constants
+from . import variants
 from .runtime import library_for, load_source
-
-# Radix sort geometry (sort.metal): digits of RADIX_BITS per pass, RADIX_THREADS threads per group,
-# each owning a contiguous run of RADIX_KEYS_PER_THREAD keys -> RADIX_BLOCK keys per group.
-RADIX_BITS = 4
-RADIX_THREADS = 256
-RADIX_KEYS_PER_THREAD = 16
-RADIX_BLOCK = RADIX_THREADS * RADIX_KEYS_PER_THREAD
-RADIX_BINS = 1 << RADIX_BITS
-
-# Prefix-sum geometry (scan.metal): SCAN_THREADS threads per group, each owning a contiguous run of
-# SCAN_ITEMS values -> SCAN_BLOCK values per group.
-SCAN_THREADS = 256
-SCAN_ITEMS = 16
-SCAN_BLOCK = SCAN_THREADS * SCAN_ITEMS
-
-# Threads per group of the one-thread-per-item kernels (project, sh, isect, covar).
-GROUP_1D = 256
-
+from .variants import (  # noqa: F401 (group_threads and the geometry are part of this module's API)
+    GROUP_1D, RADIX_BINS, RADIX_BITS, RADIX_BLOCK, RADIX_KEYS_PER_THREAD, RADIX_THREADS, SCAN_BLOCK, SCAN_ITEMS,
+    SCAN_THREADS, group_threads,
+)
 
 def _base_defines(tile_size: int) -> dict:
     return {
@@ -157,68 +144,18 @@ def grid_1d(n: int) -> dict:
 
 
 # Every library the backend compiles in normal use: stage file + variant defines. The rasterizer is
-# compiled per channel count: 3 (RGB), 4 (RGB+depth), 1 (depth only).
-_STANDARD_VARIANTS = {
-    "project": ("project.metal", ()),
-    "sh": ("sh.metal", ()),
-    "isect": ("isect.metal", ()),
-    "sort": ("sort.metal", ()),
-    "scan": ("scan.metal", ()),
-    "covar": ("covar.metal", ()),
-    "rasterize_rgb": ("rasterize.metal", (("SPLAT_CHANNELS", 3),)),
-    "rasterize_rgbd": ("rasterize.metal", (("SPLAT_CHANNELS", 4),)),
-    "rasterize_d": ("rasterize.metal", (("SPLAT_CHANNELS", 1),)),
-}
-
-
-def group_threads(kernel: str, tile_size: int = constants.TILE_SIZE) -> int:
-    """Threads per threadgroup the host dispatches `kernel` with: the N of its
-    [[max_total_threads_per_threadgroup(N)]] (the same injected define)."""
-    from .loss import TILE as LOSS_TILE
-    from .project_bwd import GROUP as PROJECT_BWD_GROUP
-
-    if kernel.startswith("l1_ssim_"):
-        return LOSS_TILE * LOSS_TILE
-    if kernel in ("rasterize_fwd", "rasterize_bwd"):
-        return tile_size * tile_size
-    if kernel.startswith("radix_"):
-        return RADIX_THREADS
-    if kernel.startswith("scan_"):
-        return SCAN_THREADS
-    return PROJECT_BWD_GROUP if kernel == "project_bwd" else GROUP_1D
-
-
 def standard_variants() -> dict:
     """name -> (stage file, variant defines) of every library the backend compiles in normal use."""
-    return _variants()
-
-
-def _variants() -> dict:
-    """_STANDARD_VARIANTS plus the backward libraries and the training loss, whose defines come from their
-    dispatch modules (imported here, not at module level: they import this module)."""
-    from .loss import VARIANT as LOSS_VARIANT
-    from .project_bwd import GROUP as PROJECT_BWD_GROUP
-    from .rasterize_bwd import bwd_batch
-
-    variants = dict(_STANDARD_VARIANTS)
-    variants["project_bwd"] = ("project_bwd.metal", (("SPLAT_PROJECT_BWD_GROUP", PROJECT_BWD_GROUP),))
-    variants["sh_bwd"] = ("sh_bwd.metal", ())
-    variants["loss"] = LOSS_VARIANT
-    for name, channels in (("rgb", 3), ("rgbd", 4), ("d", 1)):
-        batch = bwd_batch(constants.TILE_SIZE, channels)
-        variants[f"rasterize_bwd_{name}"] = (
-            "rasterize_bwd.metal", (("SPLAT_CHANNELS", channels), ("SPLAT_BWD_BATCH", batch))
-        )
-    return variants
+    return variants.standard_variants()
 
 
 def all_sources() -> dict:
     """name -> full assembled source of every standard library (for `xcrun metal` compile checks)."""
-    return {name: stage_source(f, constants.TILE_SIZE, extra) for name, (f, extra) in _variants().items()}
+    return {name: stage_source(f, constants.TILE_SIZE, extra) for name, (f, extra) in variants.standard_variants().items()}
 
 
 def compile_all(device: torch.device):
     """Compiles every standard library for `device` (cached); yields their names as it goes."""
-    for name, (f, extra) in _variants().items():
+    for name, (f, extra) in variants.standard_variants().items():
         library(torch.device(device), f, constants.TILE_SIZE, extra)
         yield name

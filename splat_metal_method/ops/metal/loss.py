@@ -14,10 +14,9 @@ from pytorch_msssim.ssim import _fspecial_gauss_1d
 from torch import Tensor
 
 from .kernels import library
+from .variants import LOSS_TILE, LOSS_VARIANT, LOSS_WIN
 
-TILE = 16  # SPLAT_LOSS_TILE: pixels per side of a threadgroup's block (TILE^2 threads)
-WIN = 11  # SPLAT_LOSS_WIN: taps of the gaussian window (sigma 1.5, as pytorch_msssim / FusedSSIM)
-VARIANT = ("loss.metal", (("SPLAT_LOSS_TILE", TILE), ("SPLAT_LOSS_WIN", WIN)))  # kernels.standard_variants
+TILE, WIN, VARIANT = LOSS_TILE, LOSS_WIN, LOSS_VARIANT  # block side, window taps, (file, defines)
 _windows: Dict[torch.device, Tensor] = {}
 
 

@@ -9,9 +9,9 @@ from torch import Tensor
 
 from ..autograd_stages import camera_grads
 from .kernels import group_library
+from .variants import PROJECT_BWD_GROUP
 
-GROUP = 256  # threads per group (injected as SPLAT_PROJECT_BWD_GROUP; fewer where the pipeline allows fewer); a group
-# lies in one camera
+GROUP = PROJECT_BWD_GROUP  # threads per group (variants.py)
 
 
 def project_bwd(

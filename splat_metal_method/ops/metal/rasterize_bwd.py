@@ -11,24 +11,7 @@ from torch import Tensor
 from . import runtime
 from .kernels import tile_library
 from .rasterize import MAX_CHANNELS, RASTER_CHUNK, PassPlan, band, plan_passes
-
-# Threadgroup memory the backward's shared-memory batch may use (Metal allows 32 KiB per group).
-BWD_BATCH_BYTES = 28 * 1024
-
-
-def bwd_batch(tile_size: int, channels: int, rows: Optional[int] = None) -> int:
-    """Gaussians per shared-memory batch: one per thread of a group (tile_size x rows pixels, the whole
-    tile by default), fewer when D is large.
-
-    A gaussian takes 4 (id) + 8 (mean) + 16 (conic, opacity) + 4 D (colour) bytes; the batch is
-    rounded down to whole simdgroups (32) when it has to shrink."""
-    threads = tile_size * (rows or tile_size)
-    per_gaussian = 4 + 8 + 16 + 4 * channels
-    batch = min(threads, BWD_BATCH_BYTES // per_gaussian)
-    if batch < threads and batch >= 32:
-        batch -= batch % 32
-    return max(1, batch)
-
+from .variants import bwd_batch
 
 def rasterize_to_pixels_bwd(
     means2d: Tensor,  # [C, N, 2]

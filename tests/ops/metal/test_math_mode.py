@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from splat_metal_method import doctor
+from splat_metal_method.verify import doctor
 from splat_metal_method.ops.metal import kernels
 from splat_metal_method.ops.metal.emulator import MetalCompileError, compile_library
 

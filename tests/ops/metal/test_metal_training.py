@@ -38,7 +38,7 @@ SH_INTERVAL = 7  # SH degree 3 from step 21: the last steps of the run train eve
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory):
-    from splat_metal_method import demo_scene
+    from splat_metal_method.data import demo_scene
 
     out = tmp_path_factory.mktemp("demo") / "scene"
     demo_scene.generate(out, width=WIDTH, height=HEIGHT, views=VIEWS)  # in process: no second Python start-up

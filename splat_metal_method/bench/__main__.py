@@ -1,0 +1,7 @@
+"""python -m splat_metal_method.bench: the splat-metal-bench command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Data: the datamanager, the checked dataparser and the bundled synthetic demo scene."""

@@ -1,0 +1,86 @@
+"""Module paths of earlier layouts, so that runs saved by them still load.
+
+A run's config.yml names the classes it was trained with by module path
+(``!!python/object:splat_metal_method.config.SplatMetalTrainerConfig``,
+``!!python/name:splat_metal_method.trainer.SplatMetalTrainer``, ...), and ns-export, ns-viewer,
+ns-eval, ns-render, splat-metal-export and ``ns-train --load-config`` import them by that path.
+``install()`` (run by the package's ``__init__``) answers each old path with a stand-in module whose
+attributes are those of the module's new home, so the old names resolve to today's classes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import types
+
+_PACKAGE = __name__.rpartition(".")[0]
+
+# old module (before the layout by role, commit 1f68a78) -> where it lives now
+MOVED = {
+    "config": "method.configs",
+    "model": "method.model",
+    "mcmc": "method.mcmc",
+    "trainer": "engine.trainer",
+    "resume_state": "engine.resume_state",
+    "reliability": "engine.reliability",
+    "memory": "engine.memory",
+    "distributed": "engine.distributed",
+    "datamanager": "data.datamanager",
+    "dataparser": "data.dataparser",
+    "demo_scene": "data.demo_scene",
+    "render_device": "viewer.render_device",
+    "viewer_fixes": "patches.viewer",
+    "startup_fix": "patches.startup",
+    "checkpoints": "patches.checkpoints",
+    "kernel_checks": "verify.kernel_checks",
+    "self_check": "verify.self_check",
+    "doctor": "verify.doctor",
+    "bench": "bench.cli",
+    "bench_scenes": "bench.scenes",
+    "step_ledger": "bench.step_ledger",
+    "step_model": "bench.step_model",
+    "ssim": "ops.ssim",
+}
+
+# names that moved to another module: (old module, name) -> new module. The Trainer lived in
+# reliability.py before it had a module of its own; runs of that time name it there.
+RENAMED = {
+    ("reliability", "SplatMetalTrainer"): "engine.trainer",
+}
+
+
+def _stand_in(old: str) -> types.ModuleType:
+    """A module named ``<package>.<old>`` whose attributes are looked up in the new module."""
+    new = importlib.import_module(f"{_PACKAGE}.{MOVED[old]}")
+    module = types.ModuleType(f"{_PACKAGE}.{old}", f"Moved to {new.__name__} (legacy_paths.py).")
+
+    def __getattr__(name: str):
+        home = RENAMED.get((old, name))
+        return getattr(importlib.import_module(f"{_PACKAGE}.{home}") if home else new, name)
+
+    module.__getattr__ = __getattr__
+    return module
+
+
+class _LegacyFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``<package>.<old>`` for every old module in MOVED, and only those."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        package, _, old = fullname.rpartition(".")
+        if package == _PACKAGE and old in MOVED:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        return _stand_in(spec.name.rpartition(".")[2])
+
+    def exec_module(self, module):
+        pass
+
+
+def install() -> None:
+    if not any(isinstance(f, _LegacyFinder) for f in sys.meta_path):
+        sys.meta_path.append(_LegacyFinder())

@@ -1,0 +1,98 @@
+"""The kernel variants and their launch geometry: which libraries the Metal backend compiles, with which
+defines, and how many threads a group of each kernel has.
+
+Both sides read it: kernels.py (which assembles and compiles the libraries) and the dispatch modules
+(which launch them). It imports neither, so neither imports the other for a constant.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .. import constants
+
+# Radix sort geometry (sort.metal): digits of RADIX_BITS per pass, RADIX_THREADS threads per group,
+# each owning a contiguous run of RADIX_KEYS_PER_THREAD keys -> RADIX_BLOCK keys per group.
+RADIX_BITS = 4
+RADIX_THREADS = 256
+RADIX_KEYS_PER_THREAD = 16
+RADIX_BLOCK = RADIX_THREADS * RADIX_KEYS_PER_THREAD
+RADIX_BINS = 1 << RADIX_BITS
+
+# Prefix-sum geometry (scan.metal): SCAN_THREADS threads per group, each owning a contiguous run of
+# SCAN_ITEMS values -> SCAN_BLOCK values per group.
+SCAN_THREADS = 256
+SCAN_ITEMS = 16
+SCAN_BLOCK = SCAN_THREADS * SCAN_ITEMS
+
+# Threads per group of the one-thread-per-item kernels (project, sh, isect, covar).
+GROUP_1D = 256
+
+
+# The fused L1 + SSIM loss (loss.metal).
+LOSS_TILE = 16  # SPLAT_LOSS_TILE: pixels per side of a threadgroup's block (TILE^2 threads)
+LOSS_WIN = 11  # SPLAT_LOSS_WIN: taps of the gaussian window (sigma 1.5, as pytorch_msssim / FusedSSIM)
+LOSS_VARIANT = ("loss.metal", (("SPLAT_LOSS_TILE", LOSS_TILE), ("SPLAT_LOSS_WIN", LOSS_WIN)))
+
+# project_bwd.metal: threads per group (injected as SPLAT_PROJECT_BWD_GROUP; fewer where the pipeline
+# allows fewer); a group lies in one camera.
+PROJECT_BWD_GROUP = 256
+
+# Threadgroup memory the rasterizer backward's shared-memory batch may use (Metal allows 32 KiB per group).
+BWD_BATCH_BYTES = 28 * 1024
+
+
+def bwd_batch(tile_size: int, channels: int, rows: Optional[int] = None) -> int:
+    """Gaussians per shared-memory batch of rasterize_bwd.metal: one per thread of a group (tile_size x
+    rows pixels, the whole tile by default), fewer when D is large.
+
+    A gaussian takes 4 (id) + 8 (mean) + 16 (conic, opacity) + 4 D (colour) bytes; the batch is
+    rounded down to whole simdgroups (32) when it has to shrink."""
+    threads = tile_size * (rows or tile_size)
+    per_gaussian = 4 + 8 + 16 + 4 * channels
+    batch = min(threads, BWD_BATCH_BYTES // per_gaussian)
+    if batch < threads and batch >= 32:
+        batch -= batch % 32
+    return max(1, batch)
+
+
+# compiled per channel count: 3 (RGB), 4 (RGB+depth), 1 (depth only).
+_FIXED_VARIANTS = {
+    "project": ("project.metal", ()),
+    "sh": ("sh.metal", ()),
+    "isect": ("isect.metal", ()),
+    "sort": ("sort.metal", ()),
+    "scan": ("scan.metal", ()),
+    "covar": ("covar.metal", ()),
+    "rasterize_rgb": ("rasterize.metal", (("SPLAT_CHANNELS", 3),)),
+    "rasterize_rgbd": ("rasterize.metal", (("SPLAT_CHANNELS", 4),)),
+    "rasterize_d": ("rasterize.metal", (("SPLAT_CHANNELS", 1),)),
+}
+
+
+def group_threads(kernel: str, tile_size: int = constants.TILE_SIZE) -> int:
+    """Threads per threadgroup the host dispatches `kernel` with: the N of its
+    [[max_total_threads_per_threadgroup(N)]] (the same injected define)."""
+    if kernel.startswith("l1_ssim_"):
+        return LOSS_TILE * LOSS_TILE
+    if kernel in ("rasterize_fwd", "rasterize_bwd"):
+        return tile_size * tile_size
+    if kernel.startswith("radix_"):
+        return RADIX_THREADS
+    if kernel.startswith("scan_"):
+        return SCAN_THREADS
+    return PROJECT_BWD_GROUP if kernel == "project_bwd" else GROUP_1D
+
+
+def standard_variants() -> dict:
+    """name -> (stage file, variant defines) of every library the backend compiles in normal use."""
+    variants = dict(_FIXED_VARIANTS)
+    variants["project_bwd"] = ("project_bwd.metal", (("SPLAT_PROJECT_BWD_GROUP", PROJECT_BWD_GROUP),))
+    variants["sh_bwd"] = ("sh_bwd.metal", ())
+    variants["loss"] = LOSS_VARIANT
+    for name, channels in (("rgb", 3), ("rgbd", 4), ("d", 1)):
+        batch = bwd_batch(constants.TILE_SIZE, channels)
+        variants[f"rasterize_bwd_{name}"] = (
+            "rasterize_bwd.metal", (("SPLAT_CHANNELS", channels), ("SPLAT_BWD_BATCH", batch))
+        )
+    return variants

@@ -1,0 +1,1 @@
+"""Viewer glue: where ns-viewer and the training viewer render (device and backend)."""
