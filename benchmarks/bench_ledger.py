@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from splat_metal_method.bench.cli import scenes as bench_scenes, step_ledger, step_model  # noqa: E402
+from splat_metal_method.bench import scenes as bench_scenes, step_ledger, step_model  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 """Small demo-scene runs for the tests that drive nerfstudio's own tools as users do (ns-train,
 ns-export, ns-render, ns-eval, ns-viewer). Each scene/run is made once per pytest session (cached
-under pytest's base temp dir) and shared by tests/test_viewer.py, test_export_roundtrip.py and
+under pytest's base temp dir) and shared by tests/viewer/test_viewer.py, test_export_roundtrip.py and
 test_nerfstudio_tools.py.
 
 Under pytest-xdist (scripts/test.sh) the workers share them: they live in the base temp dir all

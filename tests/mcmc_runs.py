@@ -1,5 +1,5 @@
 """Train splat-metal (splatfacto's densification) or splat-metal-mcmc in process on a scene and measure
-what benchmarks/bench_mcmc.py and tests/test_mcmc_quality.py compare: held-out PSNR (nerfstudio's
+what benchmarks/bench_mcmc.py and tests/method/test_mcmc_quality.py compare: held-out PSNR (nerfstudio's
 eval split, the model's own metric), gaussian count, step time, peak memory."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A cut of the real phone capture (../shared/data/snowmiku, outside the repository: DESIGN.md §5) in
 nerfstudio's own data format, so that ``ns-train splat-metal --data <cut>`` reads it as it reads a
-user's ``ns-process-data`` output. Used by tests/test_real_capture.py (a dozen small photos) and
+user's ``ns-process-data`` output. Used by tests/viewer/test_real_capture.py (a dozen small photos) and
 benchmarks/bench_real_capture.py (all photos, possibly downscaled).
 
 The cut keeps transforms.json as it is (camera model, distortion keys, ``ply_file_path``, each frame's

@@ -23,7 +23,7 @@ emulator) and, for one phase at a time (a steady training step, a refine step, a
   threadgroup atomics, threadgroup barriers; threadgroup memory per group as declared; and bytes
   moved, estimated as the sizes of the buffers bound to each launch (each read or written once).
 
-Used by benchmarks/bench_ledger.py (the table), tests/test_step_ledger.py (budgets) and
+Used by benchmarks/bench_ledger.py (the table), tests/bench/test_step_ledger.py (budgets) and
 `splat-metal-bench` (host syncs per step).
 """
 

@@ -7,7 +7,7 @@ copy, which waits on MPS). ``FusedSSIM`` computes the same formula (pytorch_msss
 11-tap gaussian window, sigma 1.5, K = (0.01, 0.03), valid padding, mean over pixels, channels and
 images) with the five maps stacked along the channel axis, so the blur is one grouped convolution
 per image axis, and keeps its window on the model's device. Equal to pytorch_msssim up to float32
-rounding (tests/test_ssim.py).
+rounding (tests/ops/test_ssim.py).
 """
 
 from __future__ import annotations

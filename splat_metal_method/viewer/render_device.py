@@ -12,7 +12,7 @@ is updated in place or replaced, e.g. by densification) and the outputs come bac
 device. So ns-viewer on a Mac renders with Metal, while its cameras, batches, metrics and the
 exporter keep the CPU tensors they expect. Training (``get_outputs`` in train mode) is never
 redirected; under the viewer, renders run between training steps (nerfstudio's train_lock) and touch
-no training state (tests/test_viewer.py checks training stays bit-identical).
+no training state (tests/viewer/test_viewer.py checks training stays bit-identical).
 
 Considered and not done: moving the model to mps after loading. nerfstudio's eval code keeps data on
 the datamanager's device and some of it compares devices; a hook inside load_state_dict would move

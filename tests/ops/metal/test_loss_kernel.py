@@ -1,6 +1,6 @@
 """ops/metal/loss.metal (the fused L1 + SSIM training loss) against the reference (ssim.FusedSSIM + L1),
 value and gradient in pred. Imports no nerfstudio (the ASan suite runs this file: test_emulator_asan.py);
-SplatMetalModel.get_loss_dict against splatfacto's is tests/test_model_loss_dict.py."""
+SplatMetalModel.get_loss_dict against splatfacto's is tests/method/test_model_loss_dict.py."""
 
 from __future__ import annotations
 

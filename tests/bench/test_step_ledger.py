@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splat_metal_method.bench.cli import step_ledger, step_model
+from splat_metal_method.bench import step_ledger, step_model
 
 # (method, phase) -> count -> the most allowed. Measured on the 64x48 demo scene (10 views): host syncs and
 # launches exactly, aten dispatches +3%, work inside the kernels +15% (it follows the trained gaussians).
@@ -38,7 +38,7 @@ WIDTH, HEIGHT = 64, 48
 
 @pytest.fixture(scope="module")
 def ledgers(tmp_path_factory):
-    from splat_metal_method.bench.cli import scenes as bench_scenes
+    from splat_metal_method.bench import scenes as bench_scenes
 
     tmp = tmp_path_factory.mktemp("ledger")
     data = bench_scenes.demo(tmp / "demo", WIDTH, HEIGHT)

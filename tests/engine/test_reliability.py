@@ -177,7 +177,7 @@ def test_injection_env_var_poisons_the_named_gradient_at_its_step(monkeypatch):
 
 
 def test_flag_is_one_foreach_norm_and_reads_the_host_once():
-    from splat_metal_method.bench.cli import step_ledger
+    from splat_metal_method.bench import step_ledger
 
     model, optimizers, guard = make()
     train_step(model, optimizers)

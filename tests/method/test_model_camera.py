@@ -134,7 +134,7 @@ def test_training_camera_sizes_are_noted_from_the_host_before_the_first_step(pip
     """Every training camera's size is known before training (read from the dataset's host cameras), so
     no step, the first pass over the cameras included, reads a size from the device; and each noted size
     is the one the step's camera has."""
-    from splat_metal_method.bench.cli import step_ledger
+    from splat_metal_method.bench import step_ledger
 
     model, dm = pipeline.model, pipeline.datamanager
     cameras = dm.train_dataset.cameras

@@ -1,6 +1,6 @@
 """In-process tests of splat_metal_method/engine/trainer.py and resume_state.py: checkpoints written
 atomically under a failure mid-write, the resume state through torch's weights_only load, the resume
-command, the signal handler, the train lock. tests/test_resume_cli.py drives exact resumes through
+command, the signal handler, the train lock. tests/engine/test_resume_cli.py drives exact resumes through
 the real command lines; test_reliability_cli.py drives Ctrl-C with the viewer."""
 
 from __future__ import annotations

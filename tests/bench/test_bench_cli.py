@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_console_script_is_declared():
@@ -19,7 +19,7 @@ def test_console_script_is_declared():
 
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["splat-metal-bench"] == "splat_metal_method.bench.cli:main"
-    from splat_metal_method.bench.cli import cli as bench
+    from splat_metal_method.bench import cli as bench
 
     assert callable(bench.main)
 

@@ -22,7 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 METHOD, TARGET = "splat-metal-mcmc", "splat_metal_method.method.configs:splat_metal_mcmc_method"
 CAP, STEPS = 1600, 30
 

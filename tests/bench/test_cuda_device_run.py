@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from scenes import GARDEN_PATH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import cuda_device_run  # noqa: E402

@@ -4,7 +4,7 @@ check runs there too. The package is installed (copied) under a directory named 
 character, as on a Mac under /Users/José/, and imported from there (PYTHONPATH); first with its
 kernels as they are (trains, caches the verdict), then with one wrong line in sh.metal (the SH stage
 falls back to the reference, named in one line with the doctor command, and the run trains on). The
-strict mode's stop is tested in-process in tests/test_stage_fallback.py."""
+strict mode's stop is tested in-process in tests/ops/test_stage_fallback.py."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from splat_metal_method.verify import self_check
 from splat_metal_method.ops.metal import kernels, runtime
 from splat_metal_method.ops.metal.emulator import MetalCompileError, compile_library
 
-PACKAGE = Path(self_check.__file__).resolve().parent
+PACKAGE = Path(self_check.__file__).resolve().parents[1]  # the package root (self_check is in verify/)
 RIGHT = "basis[2] = 0.48860251190292f * z;"
 WRONG = "basis[2] = 0.5f * z;"  # a plausible typo: SH degree 1 off by 2 %
 

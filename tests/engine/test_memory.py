@@ -49,7 +49,7 @@ def test_workspace_reuses_its_buffer_when_sizes_shrink_or_fit():
 def test_workspace_at_least_hands_out_the_whole_buffer_without_an_aten_op():
     """For kernels told their count (the radix sort's ping-pong buffers): the buffer itself, at least
     the size asked, sharing storage with get() of the same name, and no slice or view to encode."""
-    from splat_metal_method.bench.cli import step_ledger
+    from splat_metal_method.bench import step_ledger
 
     ws = Workspace(growth=1.5)
     ws.get("keys", (1000,), torch.int32, "cpu")

@@ -38,8 +38,8 @@ import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from splat_metal_method.bench.cli import step_ledger
-from splat_metal_method.bench.cli.step_ledger import aten_key, where  # the step ledger counts with the same keys
+from splat_metal_method.bench import step_ledger
+from splat_metal_method.bench.step_ledger import aten_key, where  # the step ledger counts with the same keys
 
 NATIVE_FUNCTIONS = Path(torchgen.__file__).parent / "packaged" / "ATen" / "native" / "native_functions.yaml"
 # Dispatch entries that serve MPS tensors: the MPS kernel itself, or device-generic composites.

@@ -6,7 +6,7 @@ nerfstudio's every 8th frame of the cut.
 
 Checks: held-out PSNR clearly above the untrained seed points' (the same pipeline before any step) and
 above a constant colour's (the mean colour of the training photos); the viewer's first frame in
-headless Chromium is the model's render (tests/test_viewer.py's browser helpers).
+headless Chromium is the model's render (tests/viewer/test_viewer.py's browser helpers).
 
 Skips when the capture is not on disk (it lives outside the repository, DESIGN.md §5), except under
 CI (CI=true), where a missing capture is a failure.
