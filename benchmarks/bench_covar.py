@@ -80,9 +80,13 @@ def mcmc_run(data: Path, n: int, steps: int, strategy_backend: str, clock) -> di
     finally:
         ops.quat_scale_to_covar_preci = original
     times, covar_times = times[2:], covar_times[2:]  # the first steps build caches
-    return {"step_s": statistics.median(times), "mean_step_s": statistics.mean(times),
-            "covar_step_s": statistics.median(covar_times), "share": sum(covar_times) / sum(times),
-            "gaussians": pipeline.model.num_points}
+    return {
+        "step_s": statistics.median(times),
+        "mean_step_s": statistics.mean(times),
+        "covar_step_s": statistics.median(covar_times),
+        "share": sum(covar_times) / sum(times),
+        "gaussians": pipeline.model.num_points,
+    }
 
 
 def main(argv=None):
@@ -126,8 +130,10 @@ def mcmc_rows(args, clock) -> list:
             for backend, label in (("reference", "reference (before)"), ("cpu", "native cpu (after)")):
                 r = mcmc_run(data, n, args.steps, backend, clock)
                 ms = {k: f"{1e3 * r[k]:.1f} ms" for k in ("step_s", "mean_step_s")}
-                rows.append(f"| {r['gaussians']:,} | {label} | {ms['step_s']} | {ms['mean_step_s']} | "
-                            f"{1e3 * r['covar_step_s']:.2f} ms | {100 * r['share']:.1f}% |")
+                rows.append(
+                    f"| {r['gaussians']:,} | {label} | {ms['step_s']} | {ms['mean_step_s']} | "
+                    f"{1e3 * r['covar_step_s']:.2f} ms | {100 * r['share']:.1f}% |"
+                )
                 print(rows[-1], flush=True)
     return rows
 

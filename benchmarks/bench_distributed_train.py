@@ -76,7 +76,8 @@ def measure(run: Path, world: int, steps: int) -> dict:
         "all_to_all_MB_per_step": round(statistics.median(a2a.values()), 3) if a2a else 0.0,
         # nerfstudio logs a 20-step running mean (seconds); from step 30 on the start-up steps are out of it
         "step_ms_median": round(1000 * statistics.median(v for s, v in times.items() if s >= 30), 2)
-        if times else float("nan"),
+        if times
+        else float("nan"),
         "held_out_psnr": round(held_out_psnr(pipeline), 2),
     }
     row["images_per_s"] = round(world / (row["step_ms_median"] / 1000), 2)

@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from splat_metal_method.bench import scenes as bench_scenes, step_ledger, step_model  # noqa: E402
+from splat_metal_method.bench import scenes as bench_scenes  # noqa: E402
+from splat_metal_method.bench import step_ledger, step_model
 
 
 def main(argv=None) -> int:

@@ -40,7 +40,6 @@ SCENES = {"demo": (96, 64, 32), "bigger": (160, 112, 40)}  # width, height, view
 def run_one(args) -> None:
     """Child process: one training run; prints its result as one JSON line."""
     import torch
-
     from mcmc_runs import as_row, method_config, schedule, train_and_evaluate
 
     if args.threads:
@@ -61,8 +60,8 @@ class OpShare:
     def __init__(self):
         import time
 
-        from splat_metal_method.method import mcmc
         from splat_metal_method import ops
+        from splat_metal_method.method import mcmc
 
         self.seconds = {"relocation_s": 0.0, "covariance_s": 0.0, "strategy_s": 0.0}
 
@@ -89,8 +88,25 @@ class OpShare:
 
 
 def launch(method: str, data: Path, args, cap_max: int = -1) -> subprocess.Popen:
-    cmd = [sys.executable, __file__, "--one", "--method", method, "--data", str(data), "--steps", str(args.steps),
-           "--device", args.device, "--backend", args.backend, "--cap-max", str(cap_max), "--seed", str(args.seed)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--one",
+        "--method",
+        method,
+        "--data",
+        str(data),
+        "--steps",
+        str(args.steps),
+        "--device",
+        args.device,
+        "--backend",
+        args.backend,
+        "--cap-max",
+        str(cap_max),
+        "--seed",
+        str(args.seed),
+    ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     if args.op_share:
@@ -103,7 +119,7 @@ def result_of(proc: subprocess.Popen) -> dict:
     out, _ = proc.communicate()
     for line in out.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     raise RuntimeError(f"run failed (exit {proc.returncode}):\n{out[-4000:]}")
 
 
@@ -191,8 +207,10 @@ def main(argv=None):
         print(f"{scene}: MCMC - default = {m['psnr'] - d['psnr']:+.2f} dB with {m['gaussians'] / d['gaussians']:.2f}x "
               f"the gaussians, {m['step_s'] / d['step_s']:.2f}x the step time")  # fmt: skip
         if "covariance_share" in m:
-            print(f"  MCMC ops' share of training time: covariance {100 * m['covariance_share']:.2f}%, relocation "
-                  f"{100 * m['relocation_share']:.2f}%, whole strategy step {100 * m['strategy_share']:.2f}%")
+            print(
+                f"  MCMC ops' share of training time: covariance {100 * m['covariance_share']:.2f}%, relocation "
+                f"{100 * m['relocation_share']:.2f}%, whole strategy step {100 * m['strategy_share']:.2f}%"
+            )
     print(f"wrote {csv_path}" + (f" and {png_path}" if plot(rows, png_path) else " (no matplotlib: no PNG)"))
 
 

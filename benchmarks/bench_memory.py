@@ -60,8 +60,11 @@ def parse_args(argv=None):
     p.add_argument("--height", type=int, default=32)
     p.add_argument("--views", type=int, default=16)
     p.add_argument("--data", type=Path, default=None, help="existing scene (default: generate the demo scene)")
-    p.add_argument("--no-seed-points", action="store_true",
-                   help="splatfacto's random initialisation (nerfstudio reads seed points with open3d)")
+    p.add_argument(
+        "--no-seed-points",
+        action="store_true",
+        help="splatfacto's random initialisation (nerfstudio reads seed points with open3d)",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the summary to this JSON file")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     return p.parse_args(argv)

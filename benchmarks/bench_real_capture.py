@@ -156,8 +156,9 @@ def plot(rows, views, path: Path, title: str) -> None:
         for r in rows:
             series = {int(k): v for k, v in json.loads(r[key]).items()}
             steps = sorted(series)
-            ax.plot(steps, [series[k] for k in steps], label=r["method"],
-                    marker="." if key == "psnr_over_steps" else None)
+            ax.plot(
+                steps, [series[k] for k in steps], label=r["method"], marker="." if key == "psnr_over_steps" else None
+            )
         ax.set_xlabel("step")
         ax.set_title(label, fontsize=10)
         ax.legend(fontsize=8)
@@ -214,8 +215,9 @@ def main(argv=None):
         plot(rows, views, png_path, f"snowmiku ({scale}), {args.steps} steps, {args.schedule} schedule, {args.device}")
     for r in rows:
         r.pop("run_dir")
-        r.update(width=args.width or 785, seed_points=args.points or 25784, device=args.device,
-                 threads=args.threads or "")
+        r.update(
+            width=args.width or 785, seed_points=args.points or 25784, device=args.device, threads=args.threads or ""
+        )
     with open(csv_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -224,8 +226,10 @@ def main(argv=None):
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         cap = f" (cap {r['cap_max']:,})" if r["cap_max"] else ""
-        print(f"| {r['method']}{cap} | {r['psnr']:.2f} dB | {r['ssim']:.3f} | {r['gaussians']:,} | "
-              f"{r['median_step_ms']} ms | {r['peak_rss_mib']:,} MiB | {r['wall_s']:.0f} s |")
+        print(
+            f"| {r['method']}{cap} | {r['psnr']:.2f} dB | {r['ssim']:.3f} | {r['gaussians']:,} | "
+            f"{r['median_step_ms']} ms | {r['peak_rss_mib']:,} MiB | {r['wall_s']:.0f} s |"
+        )
     print(f"wrote {csv_path} and {png_path}")
 
 

@@ -217,8 +217,14 @@ def main():
     for b in args.backends:
         pts = [r for r in rows if r["backend"] == b and r.get("intersections")]
         if pts:
-            print(f"  {b:>10}: " + ", ".join(f"{r['gaussians']:,}@{r['width']}x{r['height']}: "
-                                          f"{1e9 * r['train step'] / r['intersections']:.0f} ns" for r in pts))
+            print(
+                f"  {b:>10}: "
+                + ", ".join(
+                    f"{r['gaussians']:,}@{r['width']}x{r['height']}: "
+                    f"{1e9 * r['train step'] / r['intersections']:.0f} ns"
+                    for r in pts
+                )
+            )
 
     import matplotlib
 
@@ -231,7 +237,9 @@ def main():
     for ax, stage in zip(np.atleast_1d(axes), stages):
         for b in args.backends:
             for size in sorted({(r["width"], r["height"]) for r in rows}):
-                pts = [(r["gaussians"], r[stage]) for r in rows if r["backend"] == b and (r["width"], r["height"]) == size]
+                pts = [
+                    (r["gaussians"], r[stage]) for r in rows if r["backend"] == b and (r["width"], r["height"]) == size
+                ]
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=f"{b} {size[0]}x{size[1]}")
         ax.set_xscale("log")

@@ -91,10 +91,29 @@ def pip_resolve(python: str, macos: int, *requirements: str, pip_args: tuple[str
     nodot = python.replace(".", "")
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-c", MARKER_CHILD, json.dumps(mac_environment(python, macos)),
-               "install", "--dry-run", "--quiet", "--report", str(report), "--ignore-installed",
-               "--only-binary=:all:", "--platform", f"macosx_{macos}_0_arm64", "--python-version", python,
-               "--implementation", "cp", "--abi", f"cp{nodot}", *pip_args, *requirements]
+        cmd = [
+            sys.executable,
+            "-c",
+            MARKER_CHILD,
+            json.dumps(mac_environment(python, macos)),
+            "install",
+            "--dry-run",
+            "--quiet",
+            "--report",
+            str(report),
+            "--ignore-installed",
+            "--only-binary=:all:",
+            "--platform",
+            f"macosx_{macos}_0_arm64",
+            "--python-version",
+            python,
+            "--implementation",
+            "cp",
+            "--abi",
+            f"cp{nodot}",
+            *pip_args,
+            *requirements,
+        ]
         proc = subprocess.run(cmd, cwd=ROOT, env=pip_environ(), capture_output=True, text=True)
         if proc.returncode != 0:
             lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
@@ -145,7 +164,8 @@ def marker_of(group: set[tuple[str, int]], targets: list[tuple[str, int]]) -> st
         for m in ms:  # macOS m <=> platform_release in [DARWIN[m], DARWIN[next]) (open-ended for the last)
             i = macs.index(m)
             bounds = ([f'platform_release >= "{DARWIN[m]}"'] if i > 0 else []) + (
-                [f'platform_release < "{DARWIN[macs[i + 1]]}"'] if i + 1 < len(macs) else [])
+                [f'platform_release < "{DARWIN[macs[i + 1]]}"'] if i + 1 < len(macs) else []
+            )
             terms.append(" and ".join(bounds))
         return " or ".join(f"({t})" if len(terms) > 1 and " and " in t else t for t in terms)
 
@@ -178,8 +198,9 @@ def constraint_lines(resolved: dict[tuple[str, int], dict[str, str]]) -> list[st
     return lines
 
 
-def write_constraints(resolved: dict[tuple[str, int], dict[str, str]], notes: dict[tuple[str, int], str],
-                      torch_pins: list[str]) -> None:
+def write_constraints(
+    resolved: dict[tuple[str, int], dict[str, str]], notes: dict[tuple[str, int], str], torch_pins: list[str]
+) -> None:
     import pip
 
     header = [
@@ -192,8 +213,11 @@ def write_constraints(resolved: dict[tuple[str, int], dict[str, str]], notes: di
         "# " + ", ".join(f"{DARWIN[m]} = macOS {m}" for m in MACOS) + f" (later macOS take macOS {MACOS[-1]}'s pins).",
     ]
     for note in sorted(set(notes.values()) - {""}):
-        where = [f"Python {'/'.join(p for p, m2 in notes if m2 == m and notes[(p, m2)] == note)} on macOS {m}"
-                 for m in MACOS if any(notes[(p, m)] == note for p in PYTHONS)]
+        where = [
+            f"Python {'/'.join(p for p, m2 in notes if m2 == m and notes[(p, m2)] == note)} on macOS {m}"
+            for m in MACOS
+            if any(notes[(p, m)] == note for p in PYTHONS)
+        ]
         header.append(f"# {', '.join(where)}: {note}")
     CONSTRAINTS.write_text("\n".join(header + constraint_lines(resolved)) + "\n")
 

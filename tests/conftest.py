@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import scenes` from any test directory
 
-from scenes import SIZES, GARDEN_PATH, Scene, garden_scene, load_garden, random_scene  # noqa: E402,F401
+from scenes import GARDEN_PATH, SIZES, Scene, garden_scene, load_garden, random_scene  # noqa: E402,F401
 
 
 @pytest.fixture

@@ -106,7 +106,7 @@ def train_and_evaluate(method: str, cfg, steps: int, device: str = "cpu", seed: 
         steps=steps,
         gaussians=pipeline.model.num_points,
         psnr=held_out_psnr(pipeline),
-        step_s=statistics.median(times[min(10, steps // 2):]),
+        step_s=statistics.median(times[min(10, steps // 2) :]),
         peak_rss_mb=rss_mb,
         peak_device_mb=peak_device,
     )

@@ -17,11 +17,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+import demo_runs
 import pytest
 import torch
 import yaml
-
-import demo_runs
 from cli_helpers import demo_args
 from plyfile import PlyData
 

@@ -71,4 +71,3 @@ def test_committed_constraints_pin_one_version_per_package_and_target():
             assert name in pins, (target, name)
         assert pins["fpsample"][0].startswith("0."), "fpsample >= 1 has no macOS wheels"
         assert pins["numpy"][0].startswith("1."), "nerfstudio 1.1.5 needs numpy < 2"
-

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,8 +26,9 @@ def fake_python(tmp_path: Path, version: str) -> Path:
 
 def run_setup(tmp_path: Path, python: Path | str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": str(python), "SPLAT_METAL_VENV": str(tmp_path / "venv")}
-    return subprocess.run(["bash", "scripts/setup.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        ["bash", "scripts/setup.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.parametrize("version", ["3.9", "3.10", "3.11", "3.12", "3.13", "3.14"])

@@ -193,16 +193,27 @@ def write_outputs(runs: List[Run], out: Path, device: str) -> Path:
         w.writerow(["scene", "backend", "hooks", "steps", "gaussians", "steps_per_s", "host_syncs_per_step",
                     *(f"{s}_ms" for s in STAGES)])  # fmt: skip
         for r in runs:
-            w.writerow([r.scene, r.backend, int(r.hooks), r.steps, r.gaussians, f"{r.steps_per_s:.3f}",
-                        "" if r.host_syncs is None else r.host_syncs, *(f"{r.median(s):.2f}" for s in STAGES)])
+            w.writerow(
+                [
+                    r.scene,
+                    r.backend,
+                    int(r.hooks),
+                    r.steps,
+                    r.gaussians,
+                    f"{r.steps_per_s:.3f}",
+                    "" if r.host_syncs is None else r.host_syncs,
+                    *(f"{r.median(s):.2f}" for s in STAGES),
+                ]
+            )
     keys = sorted({k for r in runs for m in r.memory for k in m} - {"step", "gaussians"})
     with open(out / "memory.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["scene", "backend", "hooks", "step", "gaussians", *keys])
         for r in runs:
             for m in r.memory:
-                w.writerow([r.scene, r.backend, int(r.hooks), m["step"], m["gaussians"],
-                            *(f"{m[k]:.1f}" for k in keys)])
+                w.writerow(
+                    [r.scene, r.backend, int(r.hooks), m["step"], m["gaussians"], *(f"{m[k]:.1f}" for k in keys)]
+                )
     png = out / "memory.png"
     import matplotlib
 
@@ -237,8 +248,10 @@ def summary_line(runs: List[Run], device: str) -> str:
     for r in runs:
         peak = max((max(v for k, v in m.items() if k.endswith("_mib")) for m in r.memory), default=0.0)
         syncs = "" if r.host_syncs is None else f", {r.host_syncs} host syncs/step"
-        parts.append(f"{r.scene} {r.backend} hooks {'on' if r.hooks else 'off'}: {r.steps_per_s:.2f} steps/s"
-                     f"{syncs}, {r.gaussians} gaussians, peak {peak:.0f} MiB")
+        parts.append(
+            f"{r.scene} {r.backend} hooks {'on' if r.hooks else 'off'}: {r.steps_per_s:.2f} steps/s"
+            f"{syncs}, {r.gaussians} gaussians, peak {peak:.0f} MiB"
+        )
     return " | ".join(parts)
 
 
@@ -269,10 +282,11 @@ def main(argv=None) -> int:
         for j, backend in enumerate(backends):
             # the emulator runs Metal kernels ~100x slower than a GPU: --quick times it on 3 steps
             n = EMULATED_QUICK_STEPS if (args.quick and backend == "metal" and device == "cpu") else steps
-            for hooks in ((True, False) if i == 0 and j == 0 else (True,)):
+            for hooks in (True, False) if i == 0 and j == 0 else (True,):
                 t0 = time.perf_counter()
-                run = run_scene(data, scene, backend, device, n, hooks, mem_every, refine_every, work,
-                                count_syncs=hooks)
+                run = run_scene(
+                    data, scene, backend, device, n, hooks, mem_every, refine_every, work, count_syncs=hooks
+                )
                 runs.append(run)
                 print(f"{scene}, {backend}, hooks {'on' if hooks else 'off'}: {run.steps_per_s:.2f} steps/s, "
                       + ", ".join(f"{s} {run.median(s):.1f} ms" for s in STAGES)

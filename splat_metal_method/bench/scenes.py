@@ -92,8 +92,18 @@ def garden_points(out: Path, n_points: int = 20_000, downscale: int = 4, path: O
     for i, (v, K, image) in enumerate(zip(views, Ks_views, images)):
         name = f"images/frame_{i:05d}.png"
         Image.fromarray(image, mode="RGB").save(out / name)
-        frames.append({"file_path": name, "transform_matrix": (np.linalg.inv(v) @ flip).tolist(),
-                       "fl_x": K[0, 0], "fl_y": K[1, 1], "cx": K[0, 2], "cy": K[1, 2], "w": width, "h": height})
+        frames.append(
+            {
+                "file_path": name,
+                "transform_matrix": (np.linalg.inv(v) @ flip).tolist(),
+                "fl_x": K[0, 0],
+                "fl_y": K[1, 1],
+                "cx": K[0, 2],
+                "cy": K[1, 2],
+                "w": width,
+                "h": height,
+            }
+        )
     demo_scene.write_ply(out / "points.ply", means, colors)
     transforms = {"camera_model": "OPENCV", "k1": 0.0, "k2": 0.0, "p1": 0.0, "p2": 0.0,
                   "ply_file_path": "points.ply", "frames": frames}  # fmt: skip

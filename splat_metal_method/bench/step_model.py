@@ -135,6 +135,8 @@ def table(ledger: Ledger, label: str) -> str:
         for device in DEVICES:
             m = model_step(ledger, scene, device)
             ref = f"{MSPLAT_M4MAX_MS_PER_STEP:.1f} ms" if (device == "M4 Max" and scene is GARDEN_FULL) else ""
-            lines.append(f"| {scene.name} | {device} | {m.cpu_ms:.1f} | {m.gpu_ms:.1f} ({m.gpu_kernels_ms:.1f} + "
-                         f"{m.gpu_aten_ms:.1f}) | {m.step_ms:.1f} | {ref} |")
+            lines.append(
+                f"| {scene.name} | {device} | {m.cpu_ms:.1f} | {m.gpu_ms:.1f} ({m.gpu_kernels_ms:.1f} + "
+                f"{m.gpu_aten_ms:.1f}) | {m.step_ms:.1f} | {ref} |"
+            )
     return "\n".join(lines)

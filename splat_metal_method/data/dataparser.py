@@ -109,7 +109,7 @@ def _read_transforms(data: Path) -> Tuple[Path, Path, dict]:
     except OSError as e:
         raise DatasetError(f"cannot read {transforms}: {e.strerror or e}") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("frames"), list) or not meta["frames"]:
-        raise DatasetError(f"{transforms} lists no frames (expected a non-empty \"frames\" list)")
+        raise DatasetError(f'{transforms} lists no frames (expected a non-empty "frames" list)')
     return transforms, data_dir, meta
 
 
@@ -143,7 +143,7 @@ def check_dataset(data: Path, inference: bool = False, load_3D_points: bool = Tr
     shared_ok = {key: check_value(key, meta[key], "") for key in CAMERA_KEYS if key in meta}  # shared by all frames
     for i, frame in enumerate(meta["frames"]):
         if not isinstance(frame, dict) or not isinstance(frame.get("file_path"), str):
-            problems.append(f"frame {i} in {transforms} has no \"file_path\"")
+            problems.append(f'frame {i} in {transforms} has no "file_path"')
             continue
         label = f"frame {i} ({frame['file_path']})"
         camera_ok = True

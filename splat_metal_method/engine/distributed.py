@@ -320,7 +320,12 @@ def gathered_state_dict(state_dict: Dict[str, Tensor], counts: Sequence[int], n_
     out = {}
     for key in sorted(state_dict):
         value = state_dict[key]
-        if ".gauss_params." in f".{key}" and isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == n_local:
+        if (
+            ".gauss_params." in f".{key}"
+            and isinstance(value, Tensor)
+            and value.dim() >= 1
+            and value.shape[0] == n_local
+        ):
             value = gather_rows(value, counts)
         out[key] = value
     return out

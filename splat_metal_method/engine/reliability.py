@@ -367,4 +367,3 @@ def install_atomic_ply_export() -> bool:
     if not getattr(func, _ATOMIC_MARK, False):
         cls.write_ply = staticmethod(atomic_ply_writer(func))
     return True
-

@@ -32,8 +32,7 @@ from typing import Any, Dict, Iterator, Literal, Optional, Sequence, Type
 import torch
 from nerfstudio.engine.callbacks import TrainingCallback, TrainingCallbackLocation
 from nerfstudio.engine.trainer import Trainer
-from nerfstudio.utils import writer
-from nerfstudio.utils import comms
+from nerfstudio.utils import comms, writer
 from nerfstudio.utils.decorators import check_eval_enabled
 from nerfstudio.utils.misc import step_check
 from nerfstudio.utils.rich_utils import CONSOLE

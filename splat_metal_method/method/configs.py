@@ -16,14 +16,15 @@ from nerfstudio.pipelines.base_pipeline import VanillaPipelineConfig
 from nerfstudio.plugins.types import MethodSpecification
 from nerfstudio.utils.rich_utils import CONSOLE
 
-from ..engine import distributed
-from ..patches import startup as startup_fix, viewer as viewer_fixes
 from ..data.datamanager import SplatMetalDatamanagerConfig
 from ..data.dataparser import SplatMetalDataParserConfig, check_dataset
-from .mcmc import SplatMetalMCMCModelConfig, apply_schedule_scale
-from .model import SplatMetalModelConfig
+from ..engine import distributed
 from ..engine.trainer import SplatMetalTrainer
 from ..ops import best_device
+from ..patches import startup as startup_fix
+from ..patches import viewer as viewer_fixes
+from .mcmc import SplatMetalMCMCModelConfig, apply_schedule_scale
+from .model import SplatMetalModelConfig
 
 viewer_fixes.apply()  # before any Viewer exists: Ctrl-C could hang after a browser left (viewer_fixes.py)
 startup_fix.apply()  # before nerfstudio builds its external-method stand-ins: a third of start-up (startup_fix.py)

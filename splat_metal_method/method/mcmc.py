@@ -36,8 +36,8 @@ from typing import Callable, Deque, List, Literal, Optional, Tuple, Type
 import torch
 from gsplat.strategy import MCMCStrategy
 
-from ..engine import memory
 from .. import ops
+from ..engine import memory
 from .model import SplatMetalModel, SplatMetalModelConfig
 
 # gsplat's default cap, used where the device's memory is unknown.
@@ -158,7 +158,9 @@ def run_length(trainer_config) -> int:
         load_dir = Path(trainer_config.load_dir)
         step = trainer_config.load_step
         if step is None:  # nerfstudio loads the latest
-            found = [int(m.group(1)) for f in load_dir.glob("step-*.ckpt") if (m := re.match(r"step-(\d+)\.ckpt", f.name))]
+            found = [
+                int(m.group(1)) for f in load_dir.glob("step-*.ckpt") if (m := re.match(r"step-(\d+)\.ckpt", f.name))
+            ]
             step = max(found) if found else None
         return steps + (step + 1 if step is not None else 0)
     if path is not None and (m := re.match(r"step-(\d+)\.ckpt", Path(path).name)):

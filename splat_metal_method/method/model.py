@@ -25,11 +25,12 @@ from nerfstudio.models.splatfacto import RGB2SH, SplatfactoModel, SplatfactoMode
 from nerfstudio.utils.rich_utils import CONSOLE
 
 from ..engine import distributed, memory, reliability
-from ..viewer import render_device
-from ..verify import self_check
 from ..ops import rasterization
 from ..ops.loss import l1_ssim_loss
 from ..ops.ssim import FusedSSIM
+from ..verify import self_check
+from ..viewer import render_device
+
 
 def viewmat_from_c2w(camera_to_world: torch.Tensor) -> torch.Tensor:  # [C, 3(4), 4] -> [C, 4, 4]
     """splatfacto's get_viewmat (same values and gradients), built from device ops only: splatfacto's
@@ -278,7 +279,9 @@ class SplatMetalModel(SplatfactoModel):
         if self.crop_box is not None and not self.training:
             crop_ids = self.crop_box.within(params["means"].to(self.device)).squeeze().to(device)
             if crop_ids.sum() == 0:
-                return self.get_empty_outputs(int(camera.width.item()), int(camera.height.item()), self.background_color)
+                return self.get_empty_outputs(
+                    int(camera.width.item()), int(camera.height.item()), self.background_color
+                )
             params = {k: v[crop_ids] for k, v in params.items()}
         colors = torch.cat((params["features_dc"][:, None, :], params["features_rest"]), dim=1)  # [N, K, 3]
 
@@ -331,7 +334,9 @@ class SplatMetalModel(SplatfactoModel):
         )
         self.memory.note_render(self.training, self.info)
         if self.training:
-            self.strategy.step_pre_backward(self.gauss_params, self.optimizers, self.strategy_state, self.step, self.info)
+            self.strategy.step_pre_backward(
+                self.gauss_params, self.optimizers, self.strategy_state, self.step, self.info
+            )
 
         background = self._get_background_color().to(device)
         color = render if render.shape[-1] == 3 else render[..., :3]  # "RGB": no slicing view

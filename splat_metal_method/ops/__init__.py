@@ -8,6 +8,7 @@ __all__ = [
     "BACKENDS",
     "BackendUnavailable",
     "backend_module",
+    "best_device",
     "compute_relocation",
     "distributed_rasterization",
     "quat_scale_to_covar_preci",

@@ -76,7 +76,13 @@ class ProjectFn(torch.autograd.Function):
             v_scales if need[2] else None,
             v_viewmats if need[3] else None,
             v_Ks if need[4] else None,
-            None, None, None, None, None, None, None,  # width, height, eps2d, near, far, radius_clip, calc_comp
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,  # width, height, eps2d, near, far, radius_clip, calc_comp
         )
 
 

@@ -39,8 +39,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .constants import EPS2D, TILE_SIZE
-from .rasterization import BACKENDS, RENDER_MODES, BackendUnavailable, _check_inputs, backend_module, rasterization
-from .rasterization import resolve_backend
+from .rasterization import (
+    BACKENDS,
+    RENDER_MODES,
+    BackendUnavailable,
+    _check_inputs,
+    backend_module,
+    rasterization,
+    resolve_backend,
+)
 
 RASTERIZE_MODES = ("classic", "antialiased")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -213,8 +220,9 @@ def distributed_rasterization(
         _check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds,
                       tile_size)  # fmt: skip
         if rasterize_mode not in RASTERIZE_MODES:
-            raise ValueError(f"[distributed_rasterization] rasterize_mode must be one of {RASTERIZE_MODES}, "
-                             f"got {rasterize_mode!r}")
+            raise ValueError(
+                f"[distributed_rasterization] rasterize_mode must be one of {RASTERIZE_MODES}, got {rasterize_mode!r}"
+            )
         if viewmats.shape[0] < 1:
             raise ValueError("[distributed_rasterization] every rank must render at least one camera, got C=0")
         if means.dtype not in _DTYPES:

@@ -45,7 +45,6 @@ def l1_ssim_loss(pred: Tensor, gt: Tensor, ssim_lambda: float, backend: str = "a
         raise ValueError(f"[l1_ssim_loss] pred and gt must both be [H, W, C] or [B, H, W, C], got "
                          f"{list(pred.shape)} and {list(gt.shape)}")  # fmt: skip
     from .rasterization import resolve_backend
-
     from .stage_fallback import failed
 
     if resolve_backend(backend, pred.device) == "metal" and _metal_covers(pred, gt) and "loss" not in failed():

@@ -315,7 +315,9 @@ def rasterization(
 
         chunks = chunked.plan(means2d, radii, depths, tile_size, tile_width, tile_height, int(max_intersections))
     if chunks is None:
-        tiles_per_gauss, isect_ids, flatten_ids = ops.isect_tiles(means2d, radii, depths, tile_size, tile_width, tile_height)
+        tiles_per_gauss, isect_ids, flatten_ids = ops.isect_tiles(
+            means2d, radii, depths, tile_size, tile_width, tile_height
+        )
         isect_offsets = ops.isect_offset_encode(isect_ids, C, tile_width, tile_height)
         render_colors, render_alphas = ops.rasterize_to_pixels(
             means2d, conics, colors.contiguous(), opacities.contiguous(), width, height, tile_size,

@@ -68,7 +68,6 @@ def project(
     compensation ratio when asked) are not finite or whose radius does not fit int32. Culled pairs get
     exactly zero gradients: the values are computed once to find them, then again with every culled
     pair's inputs replaced by a harmless constant, so no NaN or inf meets a zero gradient (0 * inf)."""
-    C, N = viewmats.shape[0], means.shape[0]
     quat_sq = (quats * quats).sum(dim=-1)  # [N]
     gauss_ok = _rows_finite(means) & _rows_finite(quats) & torch.isfinite(quat_sq) & _rows_finite(scales)  # [N]
     cam_ok = _rows_finite(viewmats[:, :3, :], 2)  # [C] (the 12 entries projection reads)
@@ -120,9 +119,9 @@ def _project_pairs(means, quats, scales, viewmats, Ks, width, height, eps2d, nea
     tx_c = tz * torch.minimum(torch.maximum(tx / tz, -lim_x_neg), lim_x_pos)
     ty_c = tz * torch.minimum(torch.maximum(ty / tz, -lim_y_neg), lim_y_pos)
     zero = torch.zeros_like(tz)
-    J = torch.stack(
-        [fx / tz, zero, -fx * tx_c / (tz * tz), zero, fy / tz, -fy * ty_c / (tz * tz)], dim=-1
-    ).reshape(tz.shape + (2, 3))  # [C, N, 2, 3]
+    J = torch.stack([fx / tz, zero, -fx * tx_c / (tz * tz), zero, fy / tz, -fy * ty_c / (tz * tz)], dim=-1).reshape(
+        tz.shape + (2, 3)
+    )  # [C, N, 2, 3]
     cov2d = J @ covars_c @ J.transpose(-1, -2)  # [C, N, 2, 2]
     means2d = torch.stack([fx * tx / tz + cx, fy * ty / tz + cy], dim=-1)  # [C, N, 2]
 

@@ -21,6 +21,7 @@ import torch
 
 from .kernel_checks import Check, _timed, covariance_checks, full_op_checks, loss_checks, stage_checks
 
+
 def _native_cpu_fact() -> str:
     from ..ops.cpu import build
 
@@ -80,8 +81,10 @@ def safe_math_fact(device: torch.device) -> str:
     name = f"MSL {version // 100}.{version % 100 // 10}"
     if version >= SAFE_MATH_MSL:
         return f"declared ({name}: PYTORCH_MPS_FAST_MATH cannot change them)"
-    return (f"not declarable ({name} < 3.2): PYTORCH_MPS_FAST_MATH would compile them with fast math; the "
-            "self-check then runs the stages it breaks on the reference")
+    return (
+        f"not declarable ({name} < 3.2): PYTORCH_MPS_FAST_MATH would compile them with fast math; the "
+        "self-check then runs the stages it breaks on the reference"
+    )
 
 
 def _print_pipelines(device: torch.device) -> None:
@@ -127,8 +130,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="splat-metal-doctor", description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["auto", "mps", "cuda", "cpu"], default="auto")
     parser.add_argument("--size", default="61x37", help="image WIDTHxHEIGHT of the test scene (keep it non-square)")
-    parser.add_argument("--emit-metal", metavar="DIR", help="write each assembled kernel library to DIR/*.metal and exit "
-                        "(for compile checks with `xcrun metal`)")
+    parser.add_argument(
+        "--emit-metal",
+        metavar="DIR",
+        help="write each assembled kernel library to DIR/*.metal and exit (for compile checks with `xcrun metal`)",
+    )
     args = parser.parse_args(argv)
     if args.emit_metal:
         from pathlib import Path

@@ -34,8 +34,11 @@ class Check:
         """One line naming the stage and what went wrong (or its errors)."""
         if self.error:
             return f"{self.stage} {self.direction}: raised {self.error}"
-        what = f"max abs error {self.max_abs:.2e} (tolerance {FWD_ATOL:.0e})" if self.direction == "forward" else \
-            f"relative error {self.rel:.2e} (tolerance {BWD_RTOL:.0e})"
+        what = (
+            f"max abs error {self.max_abs:.2e} (tolerance {FWD_ATOL:.0e})"
+            if self.direction == "forward"
+            else f"relative error {self.rel:.2e} (tolerance {BWD_RTOL:.0e})"
+        )
         return f"{self.stage} {self.direction}: {what}"
 
 
@@ -49,7 +52,9 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
-def random_scene(device: torch.device, n: int = 300, width: int = 61, height: int = 37, cameras: int = 2, seed: int = 0):
+def random_scene(
+    device: torch.device, n: int = 300, width: int = 61, height: int = 37, cameras: int = 2, seed: int = 0
+):
     """A seeded scene of n gaussians in front of `cameras` cameras; width != height on purpose."""
     g = torch.Generator().manual_seed(seed)
     means = torch.randn(n, 3, generator=g) * 0.6
@@ -121,9 +126,20 @@ def _compare(name: str, run: Callable, inputs: Dict[str, torch.Tensor], fast, re
 
 
 def stage_checks(
-    device: torch.device, fast, ref, width: int, height: int, *, tile_size: int = 16, channels: Sequence[int] = (4,),
-    sh_degrees: Sequence[int] = (0, 1, 2, 3), modes: Sequence[str] = ("classic", "antialiased"),
-    absgrad: bool = False, backgrounds: bool = True, cameras: int = 2, n: int = 300,
+    device: torch.device,
+    fast,
+    ref,
+    width: int,
+    height: int,
+    *,
+    tile_size: int = 16,
+    channels: Sequence[int] = (4,),
+    sh_degrees: Sequence[int] = (0, 1, 2, 3),
+    modes: Sequence[str] = ("classic", "antialiased"),
+    absgrad: bool = False,
+    backgrounds: bool = True,
+    cameras: int = 2,
+    n: int = 300,
 ) -> List[Check]:
     """Stages of the backend contract, forward and backward, `fast` vs `ref`, on one seeded scene: the
     projection in each rasterize mode, SH at each degree, intersection + sort at `tile_size`, and the
@@ -163,7 +179,9 @@ def stage_checks(
         same = same and torch.equal(fast.isect_offset_encode(ids_f, C, tw, th).cpu(), offsets.cpu())
         checks.append(Check(f"isect + sort (tile {ts})", "forward", 0.0 if same else float("inf"), 0.0, ms, same))
     except Exception as e:
-        checks.append(Check(f"isect + sort (tile {ts})", "forward", float("inf"), 0.0, 0.0, False, f"{type(e).__name__}: {e}"))
+        checks.append(
+            Check(f"isect + sort (tile {ts})", "forward", float("inf"), 0.0, 0.0, False, f"{type(e).__name__}: {e}")
+        )
         tiles_r, ids_r, flat_r = ref.isect_tiles(means2d, radii, depths, ts, tw, th)
         offsets = ref.isect_offset_encode(ids_r, C, tw, th)
 
@@ -221,14 +239,21 @@ def loss_checks(device: torch.device) -> List[Check]:
 
 
 def full_op_checks(
-    device: torch.device, backend: str, width: int, height: int, *, depth_chunks: int = 0, n: int = 300,
-    cameras: int = 2, absgrad: bool = False, rasterize_mode: str = "classic",
+    device: torch.device,
+    backend: str,
+    width: int,
+    height: int,
+    *,
+    depth_chunks: int = 0,
+    n: int = 300,
+    cameras: int = 2,
+    absgrad: bool = False,
+    rasterize_mode: str = "classic",
 ) -> List[Check]:
     """The whole public op `backend` vs "reference" (used for gsplat on CUDA, which has no stage API).
     With `depth_chunks`, `backend` renders with an intersection budget of about 1/depth_chunks of the
     scene's intersections (ops/chunked.py: resumed compositing), the reference without one."""
-    from ..ops import rasterization
-    from ..ops import reference
+    from ..ops import rasterization, reference
     from ..ops.chunked import count_intersections
 
     scene, W, H = random_scene(device, n=n, width=width, height=height, cameras=cameras)

@@ -138,8 +138,8 @@ def kernel_source_hash() -> str:
 
 
 def _key(device: torch.device, run: RunKernels) -> Tuple[str, dict]:
-    from .kernel_checks import BWD_RTOL, FWD_ATOL
     from ..ops.metal.kernels import msl_version
+    from .kernel_checks import BWD_RTOL, FWD_ATOL
 
     facts = {
         "torch": torch.__version__,
@@ -179,8 +179,8 @@ def run_checks(device: torch.device, run: RunKernels):
     """kernel_checks.stage_checks restricted to what `run` uses, Metal vs reference on `device`; with depth
     chunks, also the whole op cut into about 3 chunks (resumed compositing) vs the unchunked reference;
     for MCMC, also the covariance kernel; always the fused training loss."""
-    from .kernel_checks import covariance_checks, full_op_checks, loss_checks, stage_checks
     from ..ops import metal, reference
+    from .kernel_checks import covariance_checks, full_op_checks, loss_checks, stage_checks
 
     with torch.inference_mode(False), torch.enable_grad():  # renders run under no_grad; the check needs grads
         checks = stage_checks(

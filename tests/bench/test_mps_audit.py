@@ -249,16 +249,16 @@ def _classify(audits) -> Tuple[Dict[str, str], Dict[str, str], Set[str]]:
     table = load_dispatch_table()
     missing, foreign, seen = {}, {}, set()
     for audit in audits.values():
-        for func, where in audit.recording.first_seen.items():
+        for func, seen_at in audit.recording.first_seen.items():
             key = aten_key(func)
             if key is None:
                 if func.namespace not in BACKEND_INDEPENDENT_NAMESPACES:
-                    foreign.setdefault(str(func), where)
+                    foreign.setdefault(str(func), seen_at)
                 continue
             seen.add(key)
             keys = table.get(key)
             if keys is None or not (keys & (MPS_NATIVE | COMPOSITE)):
-                missing.setdefault(key, where)
+                missing.setdefault(key, seen_at)
     return missing, foreign, seen
 
 
@@ -365,8 +365,8 @@ def test_composite_ops_come_down_to_mps_kernels(audits):
 def test_no_float64_on_the_training_path(audits):
     found = {}
     for backend, audit in audits.items():
-        for op, where in audit.recording.float64.items():
-            found.setdefault(op, f"{backend}: {where}")
+        for op, seen_at in audit.recording.float64.items():
+            found.setdefault(op, f"{backend}: {seen_at}")
     assert not found, "float64 tensors on the training path (MPS has no float64):\n" + "\n".join(
         f"  {k}: {v}" for k, v in sorted(found.items())
     )

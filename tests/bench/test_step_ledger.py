@@ -67,9 +67,9 @@ def test_ledger_sees_the_whole_step(ledgers):
             assert steady.parts[part] > 0, (method, part, dict(steady.parts))
         # host-local reads: of tensors already on the host (an explicit copy, e.g. runtime.host_read, or
         # host-side step counters of an unfused optimizer), never a second sync
-        assert all(any(k in where for k in ("adam", "optimizer", "isect", "reliability")) for _, where in steady.host_local), (
-            steady.host_local
-        )
+        assert all(
+            any(k in where for k in ("adam", "optimizer", "isect", "reliability")) for _, where in steady.host_local
+        ), steady.host_local
         # refining adds host reads (data-dependent sizes) and aten ops
         assert refine.host_syncs > steady.host_syncs and refine.aten_dispatches > steady.aten_dispatches
         assert steady.intersections > 0 and steady.pixels == WIDTH * HEIGHT and steady.n_gaussians > 0

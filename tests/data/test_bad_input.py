@@ -14,9 +14,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli, snapshot
 from PIL import Image
 
-from cli_helpers import run_cli, snapshot
 from splat_metal_method.data import demo_scene
 from splat_metal_method.data.dataparser import DatasetError, SplatMetalDataParserConfig, check_dataset
 
@@ -130,7 +130,7 @@ def _message_lines(stderr: str) -> list:
     """The error message at the end of stderr: from the last line starting "splat-metal: " on."""
     lines = stderr.rstrip().splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith("splat-metal: ")]
-    return lines[starts[-1]:] if starts else []
+    return lines[starts[-1] :] if starts else []
 
 
 @pytest.mark.parametrize("case", list(CLI_CASES))
@@ -182,8 +182,10 @@ def test_dataparser_raises_dataset_error(case, scene_copy, tmp_path):
         (lambda s: (s / "transforms.json").write_text('{"frames": [{"file_path": '), ["not valid JSON", "line 1"]),
         (lambda s: _edit_transforms(s, lambda m: m.update(frames=[])), ["lists no frames"]),
         (lambda s: (s / demo_scene.PLY_NAME).unlink(), ["seed points", demo_scene.PLY_NAME, "do not exist"]),
-        (lambda s: _edit_transforms(s, lambda m: m["frames"][1]["transform_matrix"][0].__setitem__(3, "nan")),
-         ["frame 1", "transform_matrix"]),
+        (
+            lambda s: _edit_transforms(s, lambda m: m["frames"][1]["transform_matrix"][0].__setitem__(3, "nan")),
+            ["frame 1", "transform_matrix"],
+        ),
         (lambda s: _edit_transforms(s, lambda m: m.pop("fl_y")), ["no fl_y"]),
         (lambda s: _edit_transforms(s, lambda m: m.update(w=32.5)), ["w = 32.5", "whole number"]),
     ],

@@ -23,10 +23,19 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from cli_helpers import (checkpoint_differences, checkpoint_step, checkpoints, cli_env, demo_args, executable,
-                         final_checkpoint, run_dir, small_scene,
-                         interrupt_after_checkpoint, run_cli)  # fmt: skip
+from cli_helpers import (
+    checkpoint_differences,
+    checkpoint_step,
+    checkpoints,
+    cli_env,
+    demo_args,
+    executable,
+    final_checkpoint,
+    interrupt_after_checkpoint,  # fmt: skip
+    run_cli,
+    run_dir,
+    small_scene,
+)
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -38,7 +47,9 @@ OPTIONS = dict(
     pipeline__model__refine_every=10, pipeline__model__background_color="white",
     pipeline__model__sh_degree_interval=20,
 )  # fmt: skip
-START_LINE = re.compile(r"splat-metal distributed: world size (\d+), backend (\w+), gaussians per rank ([\d,]+(?: / [\d,]+)*)")
+START_LINE = re.compile(
+    r"splat-metal distributed: world size (\d+), backend (\w+), gaussians per rank ([\d,]+(?: / [\d,]+)*)"
+)
 # On a loaded 2-core machine two ranks take longer; 1.0 dB is far below what a broken exchange costs
 # (a rank rendering only its own shard loses > 5 dB) and above the seed-to-seed spread of this run.
 PSNR_MARGIN_DB = 1.0
@@ -335,7 +346,9 @@ def test_mcmc_on_two_processes_keeps_cap_max_resumes_bit_identical_and_exports(t
     n = state["pipeline"]["_model.gauss_params.means"].shape[0]
     assert sum(counts) == n == MCMC_CAP, (counts, n)  # grown to the cap (3 refines), not past it
     assert sorted(counts) == [166, 167], counts
-    assert final_checkpoint(first_run)["pipeline"]["_model.gauss_params.means"].shape[0] == 300  # no refine before the resume
+    assert (
+        final_checkpoint(first_run)["pipeline"]["_model.gauss_params.means"].shape[0] == 300
+    )  # no refine before the resume
     differences = checkpoint_differences(state, final_checkpoint(continued))
     assert differences == [], differences[:20]
     exported = run_cli("ns-export", "gaussian-splat", "--load-config", run / "config.yml", "--output-dir",

@@ -82,7 +82,11 @@ class _Model(torch.nn.Module):
                 "opacities": torch.nn.Parameter(torch.randn(n, 1, generator=g)),
             }
         )
-        self.strategy_state = {"grad2d": torch.rand(n, generator=g), "count": torch.arange(n).float(), "scene_scale": 1.5}
+        self.strategy_state = {
+            "grad2d": torch.rand(n, generator=g),
+            "count": torch.arange(n).float(),
+            "scene_scale": 1.5,
+        }
 
 
 def _check_model_moves(rank: int, world: int) -> None:
@@ -180,6 +184,7 @@ def _check_pause(rank: int, world: int) -> None:
     run.counts = [4] * world
     took_lock = []
     if rank == 0:
+
         def viewer():  # takes the lock while training is paused, then resumes training
             time.sleep(0.5)
             with trainer.train_lock:

@@ -28,14 +28,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List
 
+import demo_runs
 import psutil
 import pytest
 import torch
 import yaml
+from cli_helpers import (
+    CliResult,
+    checkpoint_step,
+    checkpoints,
+    cli_env,
+    demo_args,
+    executable,
+    hung_process_report,
+    run_cli,
+)
 
-import demo_runs
-from cli_helpers import (CliResult, checkpoint_step, checkpoints, cli_env, demo_args, executable,
-                         hung_process_report, run_cli)
 from splat_metal_method.data import demo_scene
 from splat_metal_method.engine.reliability import INJECT_NAN_ENV
 from splat_metal_method.engine.trainer import INTERRUPTED_EXIT_CODE

@@ -21,10 +21,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import (
+    checkpoint_differences,
+    checkpoint_step,
+    checkpoints,
+    cli_env,
+    demo_args,
+    executable,
+    final_checkpoint,
+    interrupt_after_checkpoint,
+    run_cli,
+    run_dir,
+    small_scene,
+    tensorboard_scalars,
+)
 
-from cli_helpers import (checkpoint_differences, checkpoint_step, checkpoints, cli_env, demo_args, executable,
-                         final_checkpoint, run_dir, small_scene,
-                         interrupt_after_checkpoint, run_cli, tensorboard_scalars)
 from splat_metal_method.engine import resume_state
 from splat_metal_method.engine.trainer import INTERRUPTED_EXIT_CODE
 
@@ -49,8 +60,9 @@ def _args(scene: Path, out: Path, timestamp: str, **options) -> list:
 def _interrupted(scene: Path, out: Path) -> tuple:
     """Ctrl-C once step INTERRUPT_AFTER is saved."""
     args = [executable("ns-train"), *_args(scene, out, "interrupted", steps_per_save=1)]
-    return interrupt_after_checkpoint(args, out / "interrupted.log", cli_env(out / "torch_home"),
-                                      run_dir(out, "interrupted"), INTERRUPT_AFTER)
+    return interrupt_after_checkpoint(
+        args, out / "interrupted.log", cli_env(out / "torch_home"), run_dir(out, "interrupted"), INTERRUPT_AFTER
+    )
 
 
 def _train(scene: Path, out: Path, timestamp: str, *extra, **options):

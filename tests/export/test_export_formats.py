@@ -28,17 +28,17 @@ import sys
 from pathlib import Path
 from typing import Dict, List
 
+import demo_runs
 import numpy as np
 import pytest
 import torch
 import yaml
-from nerfstudio.models.splatfacto import RGB2SH
-
-import demo_runs
 from cli_helpers import run_cli
 from export_readers import read_splat, read_spz
-from splat_metal_method.export.cli import ExportSplats
+from nerfstudio.models.splatfacto import RGB2SH
 from test_export_roundtrip import _cameras, _copy_run_with_checkpoint, model_from_ply
+
+from splat_metal_method.export.cli import ExportSplats
 
 pytestmark = pytest.mark.timeout(900)
 

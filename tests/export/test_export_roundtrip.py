@@ -15,13 +15,12 @@ import shutil
 from pathlib import Path
 from typing import Dict
 
+import demo_runs
 import numpy as np
 import pytest
 import torch
 import yaml
 from nerfstudio.models.splatfacto import RGB2SH, SH2RGB
-
-import demo_runs
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -116,7 +115,7 @@ def _copy_run_with_checkpoint(config: Path, dest_root: Path, edit) -> Path:
     ckpt_path = demo_runs.latest_checkpoint(config)
     ckpt = torch.load(ckpt_path, map_location="cpu")
     prefix = "_model.gauss_params."
-    params = {k[len(prefix):]: v for k, v in ckpt["pipeline"].items() if k.startswith(prefix)}
+    params = {k[len(prefix) :]: v for k, v in ckpt["pipeline"].items() if k.startswith(prefix)}
     edit(params)
     ckpt["pipeline"].update({prefix + k: v for k, v in params.items()})
     models = cfg.get_base_dir() / "nerfstudio_models"

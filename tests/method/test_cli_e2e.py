@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from cli_helpers import CliResult, checkpoint_step, checkpoints, demo_args, run_cli
 from PIL import Image
 
-from cli_helpers import CliResult, checkpoint_step, checkpoints, demo_args, run_cli
 from splat_metal_method.data import demo_scene
 from splat_metal_method.method.configs import default_device_type, splat_metal_trainer_config
 

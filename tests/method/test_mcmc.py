@@ -8,8 +8,8 @@ import torch
 from gsplat.strategy import MCMCStrategy
 
 from splat_metal_method.engine import memory
-from splat_metal_method.verify import self_check
 from splat_metal_method.method.mcmc import SplatMetalMCMCStrategy, resolve_cap_max, routed_ops
+from splat_metal_method.verify import self_check
 
 SH_REST = 15
 

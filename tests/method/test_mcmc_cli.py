@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cli_helpers import checkpoints, demo_args, interrupt_after_checkpoint, tensorboard_scalars
 from demo_runs import demo_scene, run_tool, tool, tool_env
 
@@ -61,7 +60,7 @@ def run(tmp_path_factory):
 def gauss_params(ckpt: Path) -> dict:
     state = torch.load(ckpt, map_location="cpu")  # weights_only: checkpoints.py allow-lists what it needs
     prefix = "_model.gauss_params."
-    return {k[len(prefix):]: v for k, v in state["pipeline"].items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in state["pipeline"].items() if k.startswith(prefix)}
 
 
 def test_short_run_scales_the_schedule_and_says_so(run):
@@ -71,7 +70,10 @@ def test_short_run_scales_the_schedule_and_says_so(run):
     import yaml
 
     log = re.sub(r"\s+", " ", run["log"])
-    assert "MCMC schedule scaled to 30 steps (x0.001 of 30K; schedule-scale auto): means' lr (and noise) decay over 30 steps" in log, log[-3000:]
+    assert (
+        "MCMC schedule scaled to 30 steps (x0.001 of 30K; schedule-scale auto): means' lr (and noise) decay over 30 steps"
+        in log
+    ), log[-3000:]
     cfg = yaml.load((run["run_dir"] / "config.yml").read_text(), Loader=yaml.Loader)
     model = cfg.pipeline.model
     assert (model.schedule_scale, model.warmup_length, model.refine_every, model.stop_split_at) == ("auto", 5, 5, 1200)
@@ -151,8 +153,14 @@ def test_continued_and_ctrl_c_resumed_runs_are_bit_identical_to_the_uninterrupte
     interrupted_dir = out / "scene" / METHOD / "interrupted"
     with ThreadPoolExecutor(3) as pool:
         whole, first = pool.submit(train, "whole", TOTAL), pool.submit(train, "first", FIRST)
-        interrupted = pool.submit(interrupt_after_checkpoint, args("interrupted", TOTAL, save_every=1),
-                                  out / "interrupted.log", method_env(), interrupted_dir, 12)
+        interrupted = pool.submit(
+            interrupt_after_checkpoint,
+            args("interrupted", TOTAL, save_every=1),
+            out / "interrupted.log",
+            method_env(),
+            interrupted_dir,
+            12,
+        )
         whole, first, (code, text) = whole.result(), first.result(), interrupted.result()
     assert code == INTERRUPTED_EXIT_CODE, text[-3000:]
     match = re.search(r"Resume with: (\S*ns-train .*?--max-num-iterations \d+)", " ".join(text.split()))

@@ -4,8 +4,8 @@ comparison at full size and on a bigger scene: benchmarks/bench_mcmc.py (README 
 
 from __future__ import annotations
 
-from mcmc_runs import method_config, schedule, train_and_evaluate
 from demo_runs import demo_scene
+from mcmc_runs import method_config, schedule, train_and_evaluate
 
 STEPS = 240
 TOLERANCE_DB = 0.5
@@ -16,7 +16,9 @@ def test_mcmc_within_half_a_db_of_default_with_no_more_gaussians(tmp_path_factor
     default = train_and_evaluate("default", method_config("default", scene, STEPS, **schedule("default", STEPS)), STEPS)
     cfg = method_config("mcmc", scene, STEPS, cap_max=default.gaussians, **schedule("mcmc", STEPS))
     mcmc = train_and_evaluate("mcmc", cfg, STEPS)
-    print(f"default: {default.psnr:.2f} dB, {default.gaussians:,} gaussians; "
-          f"mcmc: {mcmc.psnr:.2f} dB, {mcmc.gaussians:,} gaussians; difference {mcmc.psnr - default.psnr:+.2f} dB")
+    print(
+        f"default: {default.psnr:.2f} dB, {default.gaussians:,} gaussians; "
+        f"mcmc: {mcmc.psnr:.2f} dB, {mcmc.gaussians:,} gaussians; difference {mcmc.psnr - default.psnr:+.2f} dB"
+    )
     assert mcmc.gaussians <= default.gaussians
     assert mcmc.psnr >= default.psnr - TOLERANCE_DB, (mcmc, default)

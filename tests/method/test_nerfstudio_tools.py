@@ -14,12 +14,11 @@ import math
 import os
 import shutil
 
+import demo_runs
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-
-import demo_runs
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -126,7 +125,6 @@ def test_ns_render_interpolate_video(run, pipeline, tmp_path, ffmpeg):
     """`ns-render interpolate` to an mp4 (ffmpeg), rgb + depth + accumulation: the decoded frames
     match our renders of the same interpolated path (within video compression)."""
     import mediapy
-
     from nerfstudio.cameras.camera_paths import get_interpolated_camera_path
 
     steps, names = 3, ["rgb", "depth", "accumulation"]

@@ -56,11 +56,25 @@ class Case:
 # Each tile size of 1-5 (a simdgroup of 1-25 live lanes), a partial last simdgroup (12: 144 = 4.5 x 32,
 # 17: 289, 31: 961), full simdgroups (8, 16, 32), each required channel count, every option.
 CORNERS = [
-    Case(1, 1, cameras=1), Case(1, 64, absgrad=False), Case(2, 3, depth_chunks=True), Case(2, 33, cameras=3),
-    Case(3, 9, background=False), Case(4, 9, passes=True), Case(4, 5), Case(5, 16, cameras=1),
-    Case(7, 2, depth_chunks=True), Case(8, 64), Case(12, 9, passes=True), Case(12, 33, absgrad=False),
-    Case(16, 1), Case(16, 3, depth_chunks=True, passes=True), Case(16, 4, cameras=3), Case(17, 5),
-    Case(31, 4, background=False), Case(32, 3, cameras=1), Case(32, 64, depth_chunks=True),
+    Case(1, 1, cameras=1),
+    Case(1, 64, absgrad=False),
+    Case(2, 3, depth_chunks=True),
+    Case(2, 33, cameras=3),
+    Case(3, 9, background=False),
+    Case(4, 9, passes=True),
+    Case(4, 5),
+    Case(5, 16, cameras=1),
+    Case(7, 2, depth_chunks=True),
+    Case(8, 64),
+    Case(12, 9, passes=True),
+    Case(12, 33, absgrad=False),
+    Case(16, 1),
+    Case(16, 3, depth_chunks=True, passes=True),
+    Case(16, 4, cameras=3),
+    Case(17, 5),
+    Case(31, 4, background=False),
+    Case(32, 3, cameras=1),
+    Case(32, 64, depth_chunks=True),
 ]
 
 
@@ -80,9 +94,7 @@ def _sample() -> tuple[int, list[Case]]:
 
 
 SEED, SAMPLE = _sample()
-CASES = [pytest.param(c, id=f"corner-{c}") for c in CORNERS] + [
-    pytest.param(c, id=f"seed{SEED}-{c}") for c in SAMPLE
-]
+CASES = [pytest.param(c, id=f"corner-{c}") for c in CORNERS] + [pytest.param(c, id=f"seed{SEED}-{c}") for c in SAMPLE]
 BACKENDS = ["metal"] + (["cpu"] if cpu_build.load() is not None else [])
 
 

@@ -23,9 +23,9 @@ import torch.multiprocessing as mp
 from gsplat.strategy import DefaultStrategy
 from scenes import look_at, random_scene
 
+from splat_metal_method.engine.distributed import settle_collectives
 from splat_metal_method.ops import distributed_rasterization, rasterization
 from splat_metal_method.ops.cpu import available as cpu_available
-from splat_metal_method.engine.distributed import settle_collectives
 from splat_metal_method.ops.distributed import gsplat_distributed_misfit
 
 TOL = 2e-4  # float32: relative to the largest magnitude of the quantity compared

@@ -21,6 +21,7 @@ def _seeded():
     an ill-conditioned draw once pushed covariance @ precision past its float32 tolerance)."""
     torch.manual_seed(0)
 
+
 N_MAX = 51  # gsplat's table size
 
 

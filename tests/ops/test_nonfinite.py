@@ -24,8 +24,7 @@ import pytest
 import torch
 from scenes import random_scene
 
-from splat_metal_method.ops import rasterization
-from splat_metal_method.ops import reference
+from splat_metal_method.ops import rasterization, reference
 from splat_metal_method.ops.rasterization import backend_module
 
 WIDTH, HEIGHT = 40, 30  # non-square, partial tiles on both axes

@@ -156,9 +156,7 @@ def make_params(seed=0):
 
 def camera(width=48, height=30):
     """One camera at (0, 0, 3) looking down -z at the origin (camera z = 3 - world z), non-square."""
-    viewmat = torch.tensor(
-        [[1.0, 0.0, 0.0, 0.0], [0.0, -1.0, 0.0, 0.0], [0.0, 0.0, -1.0, 3.0], [0.0, 0.0, 0.0, 1.0]]
-    )
+    viewmat = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, -1.0, 0.0, 0.0], [0.0, 0.0, -1.0, 3.0], [0.0, 0.0, 0.0, 1.0]])
     K = torch.tensor([[40.0, 0.0, width / 2], [0.0, 40.0, height / 2], [0.0, 0.0, 1.0]])
     return viewmat[None], K[None], width, height
 

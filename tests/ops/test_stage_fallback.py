@@ -18,9 +18,9 @@ import pipelines
 import pytest
 import torch
 
-from splat_metal_method.verify import self_check
 from splat_metal_method.ops import backend_module, metal, quat_scale_to_covar_preci, reference, stage_fallback
 from splat_metal_method.ops.metal import runtime
+from splat_metal_method.verify import self_check
 
 STEPS = 3
 STAGE_KERNELS = {  # Metal kernels each stage launches in a training step (forward + backward)
@@ -127,8 +127,11 @@ def test_strict_mode_stops_on_the_same_wrong_stage(fresh_process, wrong_rasteriz
     model = _metal_model("strict")
     model.train()
     runtime.reset_launch_counts()
-    with pytest.raises(self_check.SelfCheckFailed, match=r"(?s)failed their self-check.*rasterize \(tile 16.*"
-                       r"Stopped before training \(--pipeline.model.metal-self-check strict\)"):
+    with pytest.raises(
+        self_check.SelfCheckFailed,
+        match=r"(?s)failed their self-check.*rasterize \(tile 16.*"
+        r"Stopped before training \(--pipeline.model.metal-self-check strict\)",
+    ):
         self_check.ensure_verified(model, torch.device("cpu"), "metal")
     assert stage_fallback.failed() == set()  # nothing falls back: the run stops
     # The verdict is cached: strict stops again without running a kernel, fallback mode uses it too.

@@ -9,12 +9,11 @@ import socket
 import threading
 from types import SimpleNamespace
 
+import demo_runs
 import numpy as np
 import pytest
 
-import demo_runs
 import splat_metal_method.method.configs  # noqa: F401  (applies the fixes, as ns-train and ns-viewer do)
-
 
 NO_SCENE = SimpleNamespace(set_background_image=lambda *args, **kwargs: None)  # a client's frames go nowhere
 

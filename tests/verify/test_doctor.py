@@ -12,7 +12,9 @@ def test_doctor_passes_on_cpu():
     exe = shutil.which("splat-metal-doctor")
     assert exe, "the splat-metal-doctor console script is not installed (pip install -e .)"
     env = {**os.environ, "COLUMNS": "200"}  # rich wraps table cells at the terminal width
-    res = subprocess.run([exe, "--device", "cpu", "--size", "45x29"], capture_output=True, text=True, timeout=600, env=env)
+    res = subprocess.run(
+        [exe, "--device", "cpu", "--size", "45x29"], capture_output=True, text=True, timeout=600, env=env
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "auto backend here: cpu" in res.stdout
     assert "rasterization (cpu)" in res.stdout and "MISMATCH" not in res.stdout

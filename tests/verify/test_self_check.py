@@ -9,9 +9,9 @@ strict mode's stop is tested in-process in tests/ops/test_stage_fallback.py."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import demo_runs
@@ -19,9 +19,9 @@ import pytest
 import torch
 from cli_helpers import checkpoints, cli_env, demo_args, run_cli
 
-from splat_metal_method.verify import self_check
 from splat_metal_method.ops.metal import kernels, runtime
 from splat_metal_method.ops.metal.emulator import MetalCompileError, compile_library
+from splat_metal_method.verify import self_check
 
 PACKAGE = Path(self_check.__file__).resolve().parents[1]  # the package root (self_check is in verify/)
 RIGHT = "basis[2] = 0.48860251190292f * z;"
@@ -71,8 +71,10 @@ def test_ns_train_checks_metal_kernels_first_and_falls_back_on_a_wrong_one(tmp_p
     assert verdict["passed"] and verdict["run"] == {"tile_size": 16, "channels": [3, 4], "rasterize_mode": "classic",
                                                     "absgrad": True, "sh_degree": 3, "depth_chunks": True,
                                                     "covariance": False}  # fmt: skip
-    print(f"self-check on the emulator: {verdict['checks']} checks in {verdict['seconds']} s; "
-          f"ns-train (1 step) {right.seconds:.1f} s")
+    print(
+        f"self-check on the emulator: {verdict['checks']} checks in {verdict['seconds']} s; "
+        f"ns-train (1 step) {right.seconds:.1f} s"
+    )
 
     sh = install / "splat_metal_method" / "ops" / "metal" / "sh.metal"
     assert sh.read_text().count(RIGHT) == 1

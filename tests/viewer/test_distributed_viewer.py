@@ -7,14 +7,22 @@ from __future__ import annotations
 import subprocess
 import time
 
+import demo_runs
 import numpy as np
 import torch
-
-import demo_runs
 from cli_helpers import cli_env, executable
+from test_viewer import (  # noqa: F401
+    _assert_frame_is_the_models_render,
+    _free_port,
+    _http_up,
+    _render_like_viewer,
+    _settled_frame,  # fmt: skip
+    _stop,
+    _wait_for,
+    browser,
+)
+
 from splat_metal_method.viewer.render_device import RENDER_LOG_ENV
-from test_viewer import (_assert_frame_is_the_models_render, _free_port, _http_up, _render_like_viewer,  # noqa: F401
-                         _settled_frame, _stop, _wait_for, browser)  # fmt: skip
 
 STEPS = 40
 
@@ -54,7 +62,9 @@ def test_rank_0_serves_the_viewer_with_every_shard(tmp_path_factory, tmp_path, b
             p.data = p.data[: counts[0]]
         shard_only = _render_like_viewer(model, record, shot.shape)
         shard_diff = np.abs(shard_only - shot).mean()
-        assert shard_diff > 4 * frame_diff, f"can't tell rank 0's shard ({shard_diff:.4f}) from the scene ({frame_diff:.4f})"
+        assert shard_diff > 4 * frame_diff, (
+            f"can't tell rank 0's shard ({shard_diff:.4f}) from the scene ({frame_diff:.4f})"
+        )
         assert proc.poll() is None, "torchrun ended while rank 0's viewer was open"
     finally:
         ended = _stop(proc)

@@ -18,17 +18,19 @@ import json
 import math
 import os
 
+import demo_runs
 import numpy as np
 import pytest
-from PIL import Image
-
-import demo_runs
 import real_capture
 from cli_helpers import cli_env, run_cli
+from PIL import Image
 
 # The browser helpers of the viewer tests (one copy: test_viewer.py owns them).
 from test_viewer import (  # noqa: F401 (browser is a fixture)
-    _assert_frame_is_the_models_render, _settled_frame, browser, ns_viewer_in_browser,
+    _assert_frame_is_the_models_render,
+    _settled_frame,
+    browser,
+    ns_viewer_in_browser,
 )  # fmt: skip
 
 CUT_FRAMES = list(range(0, 97, 7))  # 14 photos spread around the figure; --eval-mode interval holds out 0 and 8
@@ -116,7 +118,7 @@ def test_held_out_psnr_beats_seed_points_and_constant_colour(cut, trained):
     assert pipeline.model.num_points != CUT_POINTS, "no densification on the real capture"
 
 
-def test_viewer_first_frame_in_chromium(trained, tmp_path, browser, monkeypatch):
+def test_viewer_first_frame_in_chromium(trained, tmp_path, browser, monkeypatch):  # noqa: F811 (fixture)
     """`ns-viewer --load-config` on the trained run with Chromium connected: the first full-resolution
     frame on the canvas is the model's render of the viewer's camera."""
     with ns_viewer_in_browser(trained, browser, tmp_path, ENV) as (proc, trace, log, opened):

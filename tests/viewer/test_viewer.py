@@ -29,14 +29,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, List, Optional
 
+import demo_runs
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-import demo_runs
-from splat_metal_method.viewer import render_device
 from splat_metal_method.ops import resolve_backend
+from splat_metal_method.viewer import render_device
 from splat_metal_method.viewer.render_device import RENDER_DEVICE_ENV, RENDER_LOG_ENV, render_target
 
 CPU_AUTO = resolve_backend("auto", torch.device("cpu"))  # what a model on cpu renders with by default
@@ -745,6 +745,7 @@ def test_browser_shows_training_in_the_viewer(tmp_path_factory, tmp_path, browse
             return steps if len(steps) >= 3 and steps[-1] >= 2 else None
 
         steps = _wait_for("viewer renders at three training steps", renders_across_steps, 240, proc, log)
+
         # A render in the trace still has to reach Chromium and be drawn; on a loaded machine that
         # lags the trace by seconds, so wait for the canvas (a frame drawn, not a blank canvas).
         def drawn_frame():
@@ -762,6 +763,7 @@ def test_browser_shows_training_in_the_viewer(tmp_path_factory, tmp_path, browse
         _wait_for("the viewer to show training paused", lambda: browser.shown("Resume Training"), 60, proc, log)
         resized = time.time()
         browser.driver.set_window_size(1000, 700)  # a new camera aspect: the viewer renders again
+
         # A render holds the train lock, so one made now waits out the step under way: its record
         # carries the step training paused at, and that step's checkpoint is the paused model.
         def paused_checkpoint():

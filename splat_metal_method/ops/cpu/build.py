@@ -103,8 +103,13 @@ def _build() -> ctypes.CDLL:
     lib.splat_sh_fwd.argtypes = [i64, i64, i64] + [ptr] * 4 + [i32]
     lib.splat_sh_bwd.argtypes = [i64, i64, i64] + [ptr] * 6 + [i32]
     lib.splat_quat_scale_to_covar_preci_fwd.argtypes = [i64, i32, ptr, ptr, ptr, ptr, i32]
-    for name in ("splat_project_fwd", "splat_project_bwd", "splat_sh_fwd", "splat_sh_bwd",
-                 "splat_quat_scale_to_covar_preci_fwd"):
+    for name in (
+        "splat_project_fwd",
+        "splat_project_bwd",
+        "splat_sh_fwd",
+        "splat_sh_bwd",
+        "splat_quat_scale_to_covar_preci_fwd",
+    ):
         getattr(lib, name).restype = i32
     return lib
 

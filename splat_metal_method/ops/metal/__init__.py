@@ -21,10 +21,10 @@ from torch import Tensor
 
 from ..autograd_stages import ProjectFn, SphericalHarmonicsFn, resumed_transmittance_grad
 from ..constants import TRANSMITTANCE_MIN
+from . import rasterize as _rasterize  # _rasterize.RASTER_CHUNK read at each call (tests lower it)
 from .isect import isect_offset_encode_fwd, isect_tiles_fwd
 from .project import project_fwd
 from .project_bwd import project_bwd
-from . import rasterize as _rasterize  # _rasterize.RASTER_CHUNK read at each call (tests lower it)
 from .rasterize import plan_passes, rasterize_to_pixels_fwd
 from .rasterize_bwd import rasterize_to_pixels_bwd
 from .sh import spherical_harmonics_fwd
@@ -85,7 +85,12 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
             v_colors if need[2] else None,
             v_opacities if need[3] else None,
             v_backgrounds if need[4] else None,
-            None, None, None, None, None, None,  # width, height, tile_size, offsets, flatten_ids, absgrad buffer
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,  # width, height, tile_size, offsets, flatten_ids, absgrad buffer
         )
 
 
@@ -132,8 +137,10 @@ class _RasterizeDepthChunkFn(torch.autograd.Function):
 
 # The Metal implementations ProjectFn and SphericalHarmonicsFn run.
 KERNELS = SimpleNamespace(
-    project_fwd=project_fwd, project_bwd=project_bwd,
-    spherical_harmonics_fwd=spherical_harmonics_fwd, spherical_harmonics_bwd=spherical_harmonics_bwd,
+    project_fwd=project_fwd,
+    project_bwd=project_bwd,
+    spherical_harmonics_fwd=spherical_harmonics_fwd,
+    spherical_harmonics_bwd=spherical_harmonics_bwd,
 )
 
 

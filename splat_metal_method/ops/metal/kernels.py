@@ -16,9 +16,18 @@ from .. import constants
 from . import variants
 from .runtime import library_for, load_source
 from .variants import (  # noqa: F401 (group_threads and the geometry are part of this module's API)
-    GROUP_1D, RADIX_BINS, RADIX_BITS, RADIX_BLOCK, RADIX_KEYS_PER_THREAD, RADIX_THREADS, SCAN_BLOCK, SCAN_ITEMS,
-    SCAN_THREADS, group_threads,
+    GROUP_1D,
+    RADIX_BINS,
+    RADIX_BITS,
+    RADIX_BLOCK,
+    RADIX_KEYS_PER_THREAD,
+    RADIX_THREADS,
+    SCAN_BLOCK,
+    SCAN_ITEMS,
+    SCAN_THREADS,
+    group_threads,
 )
+
 
 def _base_defines(tile_size: int) -> dict:
     return {
@@ -151,7 +160,9 @@ def standard_variants() -> dict:
 
 def all_sources() -> dict:
     """name -> full assembled source of every standard library (for `xcrun metal` compile checks)."""
-    return {name: stage_source(f, constants.TILE_SIZE, extra) for name, (f, extra) in variants.standard_variants().items()}
+    return {
+        name: stage_source(f, constants.TILE_SIZE, extra) for name, (f, extra) in variants.standard_variants().items()
+    }
 
 
 def compile_all(device: torch.device):

@@ -107,7 +107,7 @@ class Band(NamedTuple):
         its storage offset); anything else (a [1] placeholder, a [C, D] table) unchanged."""
         if self.camera is None or t.dim() < 3:
             return t
-        return t[self.camera, self.y0:self.y0 + self.height]
+        return t[self.camera, self.y0 : self.y0 + self.height]
 
     def means(self, means2d: Tensor) -> Tensor:
         """means2d [C, N, 2] in the band's pixel rows (y - y0): the kernels place a pixel by its row in
@@ -121,11 +121,12 @@ class Band(NamedTuple):
 
     def table(self, t: Tensor) -> Tensor:
         """A per-camera [C, ...] table (backgrounds) from the band's camera on."""
-        return t if self.camera is None or t.dim() < 2 else t[self.camera:]
+        return t if self.camera is None or t.dim() < 2 else t[self.camera :]
 
 
-def band(d: Dispatch, C: int, height: int, tile_size: int, tile_width: int, tile_height: int,
-         rows: Optional[int] = None) -> Band:
+def band(
+    d: Dispatch, C: int, height: int, tile_size: int, tile_width: int, tile_height: int, rows: Optional[int] = None
+) -> Band:
     """The Band of dispatch `d`. Gaussian and intersection indices stay global."""
     group = (tile_size, rows or tile_size, 1)  # rows of a tile per group (kernels.tile_library)
     if d.camera is None:
@@ -182,8 +183,10 @@ def rasterize_to_pixels_fwd(
         raise ValueError(f"[{op}] tile_size must be 1..32 (one thread per pixel of a tile), got {tile_size}")
     tile_height, tile_width = math.ceil(height / tile_size), math.ceil(width / tile_size)
     if tuple(isect_offsets.shape) != (C, tile_height, tile_width) or isect_offsets.dtype != torch.int32:
-        raise ValueError(f"[{op}] isect_offsets must be [C, tile_height, tile_width] = "
-                         f"{[C, tile_height, tile_width]} int32, got {list(isect_offsets.shape)} {isect_offsets.dtype}")
+        raise ValueError(
+            f"[{op}] isect_offsets must be [C, tile_height, tile_width] = "
+            f"{[C, tile_height, tile_width]} int32, got {list(isect_offsets.shape)} {isect_offsets.dtype}"
+        )
     if flatten_ids.dim() != 1 or flatten_ids.dtype != torch.int32:
         raise ValueError(f"[{op}] flatten_ids must be [M] int32, got {list(flatten_ids.shape)} {flatten_ids.dtype}")
     if backgrounds is not None:
@@ -216,8 +219,9 @@ def rasterize_to_pixels_fwd(
     if M == 0:  # kernels bind every buffer; give flatten_ids one (never read) element
         flatten_ids = torch.zeros((1,), dtype=torch.int32, device=device)
 
-    lib, rows = tile_library(device, "rasterize.metal", "rasterize_fwd", tile_size,
-                             lambda _rows: (("SPLAT_CHANNELS", D),))  # rows: of a tile per group (kernels.py)
+    lib, rows = tile_library(
+        device, "rasterize.metal", "rasterize_fwd", tile_size, lambda _rows: (("SPLAT_CHANNELS", D),)
+    )  # rows: of a tile per group (kernels.py)
     means2d, others = means2d.contiguous(), (conics.contiguous(), colors.contiguous(), opacities.contiguous())
     offsets, flatten_ids = isect_offsets.contiguous().view(-1), flatten_ids.contiguous()
     per_pixel = (render_colors, render_alphas, transmittance, last_ids, pixel_done)

@@ -13,6 +13,7 @@ from .kernels import tile_library
 from .rasterize import MAX_CHANNELS, RASTER_CHUNK, PassPlan, band, plan_passes
 from .variants import bwd_batch
 
+
 def rasterize_to_pixels_bwd(
     means2d: Tensor,  # [C, N, 2]
     conics: Tensor,  # [C, N, 3]
@@ -54,7 +55,9 @@ def rasterize_to_pixels_bwd(
             raise ValueError(f"[{op}] {name} must be {list(shape)} float32 on {device}, "
                              f"got {list(t.shape)} {t.dtype} on {t.device}")  # fmt: skip
     if tuple(last_ids.shape) != (C, height, width) or last_ids.dtype != torch.int32:
-        raise ValueError(f"[{op}] last_ids must be {[C, height, width]} int32, got {list(last_ids.shape)} {last_ids.dtype}")
+        raise ValueError(
+            f"[{op}] last_ids must be {[C, height, width]} int32, got {list(last_ids.shape)} {last_ids.dtype}"
+        )
     if absgrad_out is not None and (tuple(absgrad_out.shape) != (C, N, 2) or not absgrad_out.is_contiguous()
                                     or absgrad_out.dtype != torch.float32):  # fmt: skip
         raise ValueError(f"[{op}] absgrad_out must be a contiguous [C,N,2] float32 buffer")
@@ -81,8 +84,13 @@ def rasterize_to_pixels_bwd(
     bg = backgrounds.contiguous() if backgrounds is not None else placeholder
     abs_buf = absgrad_out if absgrad_out is not None else placeholder
 
-    lib, rows = tile_library(device, "rasterize_bwd.metal", "rasterize_bwd", tile_size,
-                             lambda rows: (("SPLAT_CHANNELS", D), ("SPLAT_BWD_BATCH", bwd_batch(tile_size, D, rows))))
+    lib, rows = tile_library(
+        device,
+        "rasterize_bwd.metal",
+        "rasterize_bwd",
+        tile_size,
+        lambda rows: (("SPLAT_CHANNELS", D), ("SPLAT_BWD_BATCH", bwd_batch(tile_size, D, rows))),
+    )
     means2d, others = means2d.contiguous(), (conics.contiguous(), colors.contiguous(), opacities.contiguous())
     offsets, flatten_ids = isect_offsets.contiguous().view(-1), flatten_ids.contiguous()
     per_pixel = (transmittance.contiguous(), last_ids.contiguous(), v_render_colors.contiguous(),

@@ -159,9 +159,7 @@ def _line_name(path: Path) -> str:
         return "splat_metal_method/ops/metal/" + path.relative_to(KERNEL_DIR).as_posix()
     except ValueError:
         pass
-    return "".join(
-        chr(b) if 32 <= b < 127 and b not in b'"\\' else f"\\{b:03o}" for b in path.as_posix().encode()
-    )
+    return "".join(chr(b) if 32 <= b < 127 and b not in b'"\\' else f"\\{b:03o}" for b in path.as_posix().encode())
 
 
 def load_source(*metal_files: str | os.PathLike, defines: dict[str, object] | None = None) -> str:
@@ -201,8 +199,10 @@ def pipeline_limits(kernel) -> dict[str, int | None]:
     torch.mps.compile_shader's kernels have max_threads_per_threadgroup (the pipeline's
     maxTotalThreadsPerThreadgroup: register-dependent, can be < 1024), thread_execution_width and
     static_thread_group_memory_length; the emulator reports what it enforces."""
-    return {a: getattr(kernel, a, None) for a in
-            ("max_threads_per_threadgroup", "thread_execution_width", "static_thread_group_memory_length")}
+    return {
+        a: getattr(kernel, a, None)
+        for a in ("max_threads_per_threadgroup", "thread_execution_width", "static_thread_group_memory_length")
+    }
 
 
 def fitted_group(group_size, limits: dict[str, int | None]) -> tuple[int]:

@@ -42,7 +42,9 @@ def prefix_sum(values: Tensor, inclusive: bool = False, out: Optional[Tensor] = 
     if out is None:
         out = torch.empty((n,), dtype=torch.int64, device=device)
     elif out.shape != (n,) or out.dtype != torch.int64 or not out.is_contiguous() or out.device != device:
-        raise ValueError(f"[prefix_sum] out must be [{n}] contiguous int64 on {device}, got {list(out.shape)} {out.dtype}")
+        raise ValueError(
+            f"[prefix_sum] out must be [{n}] contiguous int64 on {device}, got {list(out.shape)} {out.dtype}"
+        )
     if n == 0:
         return out
     values = values.contiguous()

@@ -26,7 +26,9 @@ def spherical_harmonics_bwd(
     lead = tuple(dirs.shape[:-1])
     K = coeffs.shape[-2]
     if tuple(v_colors.shape) != lead + (3,) or v_colors.dtype != torch.float32:
-        raise ValueError(f"[{op}] v_colors must be {list(lead) + [3]} float32, got {list(v_colors.shape)} {v_colors.dtype}")
+        raise ValueError(
+            f"[{op}] v_colors must be {list(lead) + [3]} float32, got {list(v_colors.shape)} {v_colors.dtype}"
+        )
     device = dirs.device
     total = dirs.numel() // 3
     v_coeffs = torch.empty(coeffs.shape, dtype=torch.float32, device=device)

@@ -33,7 +33,9 @@ def radix_sort_pairs(
     calling thread's workspace under names starting with ``scratch``: the results are then valid only
     until the next sort with the same ``scratch`` (ops/workspace.py: never return them from a stage)."""
     if values is not None and values.shape != keys.shape:
-        raise ValueError(f"[radix_sort] keys and values must have one shape, got {list(keys.shape)}, {list(values.shape)}")
+        raise ValueError(
+            f"[radix_sort] keys and values must have one shape, got {list(keys.shape)}, {list(values.shape)}"
+        )
     if keys.dtype != torch.int32 or (values is not None and values.dtype != torch.int32):
         raise ValueError(f"[radix_sort] keys and values must be int32, got {keys.dtype}, "
                          f"{None if values is None else values.dtype}")  # fmt: skip
@@ -54,7 +56,11 @@ def radix_sort_pairs(
     def buffer(name, size, dtype, exact=True):  # exact=False: a workspace buffer may be longer (kernels get n)
         if ws is None:
             return torch.empty((size,), dtype=dtype, device=device)
-        return ws.get(f"{scratch}.{name}", size, dtype, device) if exact else ws.at_least(f"{scratch}.{name}", size, dtype, device)
+        return (
+            ws.get(f"{scratch}.{name}", size, dtype, device)
+            if exact
+            else ws.at_least(f"{scratch}.{name}", size, dtype, device)
+        )
 
     lib = library(device, "sort.metal")
     n_blocks = (n + RADIX_BLOCK - 1) // RADIX_BLOCK

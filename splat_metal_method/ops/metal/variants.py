@@ -93,6 +93,7 @@ def standard_variants() -> dict:
     for name, channels in (("rgb", 3), ("rgbd", 4), ("d", 1)):
         batch = bwd_batch(constants.TILE_SIZE, channels)
         variants[f"rasterize_bwd_{name}"] = (
-            "rasterize_bwd.metal", (("SPLAT_CHANNELS", channels), ("SPLAT_BWD_BATCH", batch))
+            "rasterize_bwd.metal",
+            (("SPLAT_CHANNELS", channels), ("SPLAT_BWD_BATCH", batch)),
         )
     return variants

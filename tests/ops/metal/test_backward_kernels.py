@@ -403,7 +403,9 @@ E2E = [  # (C, W, H, N, sh_degree, rasterize_mode, render_mode, backgrounds)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", E2E, ids=lambda c: f"C{c[0]}-{c[1]}x{c[2]}-N{c[3]}-sh{c[4]}-{c[5]}-{c[6]}-bg{int(c[7])}")
+@pytest.mark.parametrize(
+    "case", E2E, ids=lambda c: f"C{c[0]}-{c[1]}x{c[2]}-N{c[3]}-sh{c[4]}-{c[5]}-{c[6]}-bg{int(c[7])}"
+)
 def test_public_api_gradients_match_reference(device, case):
     C, W, H, N, sh_degree, mode, render_mode, bg = case
     scene = random_scene(n=N, C=C, width=W, height=H, seed=31, sh_degree=sh_degree, backgrounds=bg)

@@ -59,7 +59,7 @@ def test_a_dense_4k_view_never_puts_more_than_the_budget_in_one_command_buffer(b
         if d.pass_index == 0:
             cams = range(lengths.shape[0]) if d.camera is None else [d.camera]
             for c in cams:
-                covered[c, d.rows[0]:d.rows[1]] += 1
+                covered[c, d.rows[0] : d.rows[1]] += 1
         assert d.work * runtime.BWD_WORK_FACTOR <= budget, d  # one 4K tile row always fits at chunk 8192
     assert (covered == 1).all(), "pass 0 must visit every tile exactly once (it finalises them)"
 
@@ -69,8 +69,10 @@ def test_a_dense_4k_view_never_puts_more_than_the_budget_in_one_command_buffer(b
     total = TILE_PIXELS * int(lengths.sum()) * (1 + runtime.BWD_WORK_FACTOR)
     if total > budget:  # the render does not fit one command buffer: it was cut, and tightly enough
         assert len(buffers) >= math.ceil(total / budget)
-    print(f"4K, {background}/tile + one tile of 100k: {plan.n_passes} passes, {len(plan.dispatches)} dispatches, "
-          f"{len(buffers)} command buffers, max {max(b.work for b in buffers):.3g} <= {budget:.3g}")
+    print(
+        f"4K, {background}/tile + one tile of 100k: {plan.n_passes} passes, {len(plan.dispatches)} dispatches, "
+        f"{len(buffers)} command buffers, max {max(b.work for b in buffers):.3g} <= {budget:.3g}"
+    )
 
 
 def test_without_planning_the_same_view_would_pass_the_budget():
@@ -97,15 +99,28 @@ def test_plan_passes_without_host_read_when_one_small_dispatch_fits():
 # a real render under the emulator
 # --------------------------------------------------------------------------------------------------
 def render(max_intersections=None):
-    scene = random_scene(n=300, C=2, width=45, height=37, seed=4, sh_degree=0, backgrounds=True,
-                         scale_range=(0.3, 0.9), opacity_range=(0.05, 0.2))
+    scene = random_scene(
+        n=300,
+        C=2,
+        width=45,
+        height=37,
+        seed=4,
+        sh_degree=0,
+        backgrounds=True,
+        scale_range=(0.3, 0.9),
+        opacity_range=(0.05, 0.2),
+    )
     ts = {k: v.clone().requires_grad_(True) for k, v in scene.tensors().items() if k != "Ks"}
     colors, alphas, meta = rasterization(**scene.kwargs(**ts), absgrad=True, tile_size=8, backend="metal",
                                          max_intersections=max_intersections)  # fmt: skip
     assert meta.get("depth_chunks", 1) > 1 if max_intersections else True
     ((colors * torch.linspace(0.3, 1.0, colors.shape[-1])).sum() + 0.5 * alphas.sum()).backward()
-    return {"colors": colors.detach(), "alphas": alphas.detach(), "absgrad": meta["means2d"].absgrad,
-            **{f"grad.{k}": t.grad for k, t in ts.items()}}
+    return {
+        "colors": colors.detach(),
+        "alphas": alphas.detach(),
+        "absgrad": meta["means2d"].absgrad,
+        **{f"grad.{k}": t.grad for k, t in ts.items()},
+    }
 
 
 @pytest.mark.parametrize("max_intersections", [None, 1500], ids=["whole", "depth-chunks"])
@@ -124,13 +139,17 @@ def test_a_low_budget_commits_between_dispatches_and_keeps_the_results(monkeypat
     buffers = runtime.command_buffers()
     launches = runtime.launch_counts()
     raster = [b for b in buffers if b.launches.get("rasterize_fwd") or b.launches.get("rasterize_bwd")]
-    print(f"{len(buffers)} command buffers, {launches.get('rasterize_fwd')} rasterize_fwd and "
-          f"{launches.get('rasterize_bwd')} rasterize_bwd dispatches; work per buffer: {[b.work for b in raster]}")
+    print(
+        f"{len(buffers)} command buffers, {launches.get('rasterize_fwd')} rasterize_fwd and "
+        f"{launches.get('rasterize_bwd')} rasterize_bwd dispatches; work per buffer: {[b.work for b in raster]}"
+    )
     assert launches["rasterize_fwd"] > 2 and launches["rasterize_bwd"] > 2  # passes were cut into bands
     assert max(b.work for b in buffers) <= budget
     commits = [b for b in raster if b.closed_by == "commit"]
     assert len(commits) >= 2, [(b.closed_by, dict(b.launches), b.work) for b in buffers]
-    assert any(b.launches.get("rasterize_fwd") for b in commits) and any(b.launches.get("rasterize_bwd") for b in commits)
+    assert any(b.launches.get("rasterize_fwd") for b in commits) and any(
+        b.launches.get("rasterize_bwd") for b in commits
+    )
     for k, v in want.items():  # float atomics: the summation order follows the schedule and the bands
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6 + 1e-5 * float(v.abs().max()), msg=k)
 

@@ -40,8 +40,25 @@ def test_position_attributes_follow_metal_definitions(lib):
     ax = np.minimum(gx, W - tgx * gx)  # actual width of this (possibly edge) group
     ay = np.minimum(gy, H - tgy * gy)
     tidx = tx + ty * ax
-    expected = [x, y, tx, ty, tgx, tgy, ax, ay, np.full_like(x, W), np.full_like(x, H), tidx, tidx % 32,
-                tidx // 32, np.full_like(x, 32), (ax * ay + 31) // 32, np.full_like(x, 32), np.ones_like(x)]
+    expected = [
+        x,
+        y,
+        tx,
+        ty,
+        tgx,
+        tgy,
+        ax,
+        ay,
+        np.full_like(x, W),
+        np.full_like(x, H),
+        tidx,
+        tidx % 32,
+        tidx // 32,
+        np.full_like(x, 32),
+        (ax * ay + 31) // 32,
+        np.full_like(x, 32),
+        np.ones_like(x),
+    ]
     for k, e in enumerate(expected):
         np.testing.assert_array_equal(o[..., k], e, err_msg=f"attribute column {k}")
 
@@ -75,9 +92,11 @@ def test_helpers_take_threadgroup_pointers(lib):
 
 
 def test_unsupported_threadgroup_use_is_refused():
-    src = ("#include <metal_stdlib>\nusing namespace metal;\n"
-           "kernel void two(device float* o [[buffer(0)]], uint i [[thread_index_in_threadgroup]]) {\n"
-           "  threadgroup float a[4], b[4];\n  a[i] = 1.0f; b[i] = 2.0f; o[i] = a[i] + b[i];\n}\n")
+    src = (
+        "#include <metal_stdlib>\nusing namespace metal;\n"
+        "kernel void two(device float* o [[buffer(0)]], uint i [[thread_index_in_threadgroup]]) {\n"
+        "  threadgroup float a[4], b[4];\n  a[i] = 1.0f; b[i] = 2.0f; o[i] = a[i] + b[i];\n}\n"
+    )
     with pytest.raises(EmulatorError, match=r"unsupported use of `threadgroup` at line 4"):
         compile_library(src, "two")
 
@@ -126,7 +145,9 @@ def test_max_total_threads_per_threadgroup_is_enforced_like_torch(lib):
     lib.limited_32(out, threads=128, group_size=32)
     assert out.tolist() == [2.0] * 128
     assert lib.limited_32.max_total_threads_per_threadgroup == 32
-    with pytest.raises(EmulatorError, match=r"limited_64.*128 threads, more than .*max_total_threads_per_threadgroup\(64\)"):
+    with pytest.raises(
+        EmulatorError, match=r"limited_64.*128 threads, more than .*max_total_threads_per_threadgroup\(64\)"
+    ):
         lib.limited_64(out, threads=128, group_size=128)
     with pytest.raises(EmulatorError, match=r"limited_32.*64 threads"):
         lib.limited_32(out, threads=128, group_size=(64,))
@@ -150,7 +171,7 @@ def _simd_expected(x, flags, n, group):
             rows[idx, 5] = v[2]
             rows[idx, 6], rows[idx, 7] = v.max(), v.min()
             rows[idx, 8] = float(f.any()) + 2.0 * float(f.all())
-            ballots[idx] = int(sum(1 << int(l) for l in lanes[f]))
+            ballots[idx] = int(sum(1 << int(lane) for lane in lanes[f]))
     return rows, ballots.astype(np.uint32).view(np.int32)
 
 
@@ -205,13 +226,16 @@ def test_matrix_math_matches_numpy(lib):
     out = torch.zeros(32)
     lib.matrix_math(out, A.flatten().contiguous(), v, threads=1, group_size=1)
     a, x = A.double().numpy(), v.double().numpy()
-    expected = np.concatenate([
-        a @ x, x @ a,
-        (a @ a.T).T.flatten(),  # written column by column
-        (np.eye(3)).flatten(),  # A + 2I*0.5 - A
-        [4.0, 6.0],  # columns (1,2),(3,4) times (1,1)
-        [np.linalg.det(a), np.linalg.norm(x), np.linalg.norm(x), np.cross(x, [0, 0, 1])[0]],
-    ])
+    expected = np.concatenate(
+        [
+            a @ x,
+            x @ a,
+            (a @ a.T).T.flatten(),  # written column by column
+            (np.eye(3)).flatten(),  # A + 2I*0.5 - A
+            [4.0, 6.0],  # columns (1,2),(3,4) times (1,1)
+            [np.linalg.det(a), np.linalg.norm(x), np.linalg.norm(x), np.cross(x, [0, 0, 1])[0]],
+        ]
+    )
     np.testing.assert_allclose(out.numpy()[: len(expected)], expected, rtol=1e-5, atol=1e-5)
 
 
@@ -267,9 +291,11 @@ def test_swizzle_is_a_compile_error():
 
 def test_cache_hit_skips_the_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("SPLAT_METAL_CACHE_DIR", str(tmp_path))
-    src = ("#include <metal_stdlib>\nusing namespace metal;\n"
-           "kernel void fill(device float* o [[buffer(0)]], constant float& v [[buffer(1)]],"
-           " uint i [[thread_position_in_grid]]) { o[i] = v; }\n")
+    src = (
+        "#include <metal_stdlib>\nusing namespace metal;\n"
+        "kernel void fill(device float* o [[buffer(0)]], constant float& v [[buffer(1)]],"
+        " uint i [[thread_position_in_grid]]) { o[i] = v; }\n"
+    )
     before = library.compile_count()
     compile_library(src)
     assert library.compile_count() == before + 1

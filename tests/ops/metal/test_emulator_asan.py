@@ -24,15 +24,18 @@ from splat_metal_method.ops.metal.emulator import EmulatorError, compile_library
 ROOT = Path(__file__).resolve().parents[3]
 KERNELS = Path(__file__).parent / "kernels"
 SUITE = [  # the part of the kernel tests that also runs under ASan (the emulator tests that run kernels)
-    "tests/ops/metal/test_emulator.py", "-k", "not cache_hit and not runtime_seam and not compile_error and not swizzle",
+    "tests/ops/metal/test_emulator.py",
+    "-k",
+    "not cache_hit and not runtime_seam and not compile_error and not swizzle",
     "tests/ops/metal/test_forward_kernels.py::test_gradients_and_absgrad_flow_like_the_reference",
     "tests/ops/metal/test_loss_kernel.py::test_metal_loss_equals_reference",
 ]
 
 
 def asan_env() -> dict:
-    env = dict(os.environ, SPLAT_METAL_EMU_ASAN="1", LD_PRELOAD=library.asan_runtime(),
-               ASAN_OPTIONS="detect_leaks=0")  # Python itself never frees some of its memory
+    env = dict(
+        os.environ, SPLAT_METAL_EMU_ASAN="1", LD_PRELOAD=library.asan_runtime(), ASAN_OPTIONS="detect_leaks=0"
+    )  # Python itself never frees some of its memory
     env.pop("PYTEST_ADDOPTS", None)
     return env
 
@@ -54,8 +57,13 @@ SHARED_PAST_END = "lib.shared_past_end(torch.zeros(256), threads=256, group_size
 
 
 def test_kernel_suite_passes_under_asan():
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SUITE], cwd=ROOT,
-                         env=asan_env(), capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SUITE],
+        cwd=ROOT,
+        env=asan_env(),
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert "AddressSanitizer" not in res.stderr and "runtime error:" not in res.stderr, res.stderr[-4000:]
 
@@ -84,6 +92,9 @@ def test_out_of_bounds_access_goes_unnoticed_without_asan():
 def test_asan_build_refuses_a_process_without_the_runtime():
     env = dict(os.environ, SPLAT_METAL_EMU_ASAN="1")
     env.pop("LD_PRELOAD", None)
-    res = run_python("from splat_metal_method.ops.metal.emulator import compile_library\n"
-                     "compile_library('kernel void k(device float* o [[buffer(0)]]) {}')", env)
+    res = run_python(
+        "from splat_metal_method.ops.metal.emulator import compile_library\n"
+        "compile_library('kernel void k(device float* o [[buffer(0)]]) {}')",
+        env,
+    )
     assert res.returncode != 0 and "LD_PRELOAD=" in res.stderr and EmulatorError.__name__ in res.stderr, res.stderr

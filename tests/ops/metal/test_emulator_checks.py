@@ -38,7 +38,8 @@ def every_library() -> dict[str, str]:
     for ts, d in RASTER_VARIANTS:
         sources[f"rasterize_ts{ts}_d{d}"] = kernels.stage_source("rasterize.metal", ts, (("SPLAT_CHANNELS", d),))
         sources[f"rasterize_bwd_ts{ts}_d{d}"] = kernels.stage_source(
-            "rasterize_bwd.metal", ts, (("SPLAT_CHANNELS", d), ("SPLAT_BWD_BATCH", bwd_batch(ts, d))))
+            "rasterize_bwd.metal", ts, (("SPLAT_CHANNELS", d), ("SPLAT_BWD_BATCH", bwd_batch(ts, d)))
+        )
     sources["emulator_tests"] = runtime.load_source(KERNELS / "emulator_tests.metal")
     return sources
 
@@ -57,8 +58,10 @@ def test_every_kernel_library_passes_the_subset_and_address_space_checks():
 # --------------------------------------------------------------------------------------------------
 # planted bugs
 # --------------------------------------------------------------------------------------------------
-PARAMS = ("device float* out [[buffer(0)]], device const float* x [[buffer(1)]], constant float* c [[buffer(2)]], "
-          "constant long& n [[buffer(3)]], uint tid [[thread_index_in_threadgroup]]")
+PARAMS = (
+    "device float* out [[buffer(0)]], device const float* x [[buffer(1)]], constant float* c [[buffer(2)]], "
+    "constant long& n [[buffer(3)]], uint tid [[thread_index_in_threadgroup]]"
+)
 TEMPLATE = """#include <metal_stdlib>
 using namespace metal;
 {helpers}
@@ -70,23 +73,54 @@ using namespace metal;
   out[tid] = sh[(tid + 1) % 32] + float(n);
 }}
 """
-THREAD_HELPERS = ("inline float first(thread const float* p) { return p[0]; }\n"
-                  "inline void bump(thread float& v) { v += 1.0f; }\n"
-                  "inline float tg_first(threadgroup const float* p) { return p[0]; }\n"
-                  "inline float dev_first(device const float* p) { return p[0]; }\n")
+THREAD_HELPERS = (
+    "inline float first(thread const float* p) { return p[0]; }\n"
+    "inline void bump(thread float& v) { v += 1.0f; }\n"
+    "inline float tg_first(threadgroup const float* p) { return p[0]; }\n"
+    "inline float dev_first(device const float* p) { return p[0]; }\n"
+)
 MANY_BUFFERS = ", ".join(f"device float* b{i} [[buffer({i + 4})]]" for i in range(28))
 # id -> (helpers, kernel attribute, params, body, message the check gives)
 PLANTED = {
     # address spaces (clang)
-    "device_ptr_to_thread_param": (THREAD_HELPERS, "", PARAMS, "sh[tid] += first(x);", r"no matching function for call to 'first'"),
-    "threadgroup_ref_to_thread_param": (THREAD_HELPERS, "", PARAMS, "bump(sh[tid]);", r"no matching function for call to 'bump'"),
-    "device_ref_to_thread_param": (THREAD_HELPERS, "", PARAMS, "bump(out[tid]);", r"no matching function for call to 'bump'"),
+    "device_ptr_to_thread_param": (
+        THREAD_HELPERS,
+        "",
+        PARAMS,
+        "sh[tid] += first(x);",
+        r"no matching function for call to 'first'",
+    ),
+    "threadgroup_ref_to_thread_param": (
+        THREAD_HELPERS,
+        "",
+        PARAMS,
+        "bump(sh[tid]);",
+        r"no matching function for call to 'bump'",
+    ),
+    "device_ref_to_thread_param": (
+        THREAD_HELPERS,
+        "",
+        PARAMS,
+        "bump(out[tid]);",
+        r"no matching function for call to 'bump'",
+    ),
     "device_ptr_to_threadgroup_param": (THREAD_HELPERS, "", PARAMS, "sh[tid] += tg_first(x);", r"call to 'tg_first'"),
     "constant_ptr_to_device_param": (THREAD_HELPERS, "", PARAMS, "sh[tid] += dev_first(c);", r"call to 'dev_first'"),
     "threadgroup_ptr_to_thread_param": (THREAD_HELPERS, "", PARAMS, "sh[tid] += first(sh);", r"call to 'first'"),
-    "thread_address_in_device_ptr": ("", "", PARAMS, "float v = 1.0f; device float* p = &v; sh[tid] += *p;",
-                                     r"cannot initialize a variable of type 'device float \*'"),
-    "device_ptr_in_thread_local": ("", "", PARAMS, "float* p = out; sh[tid] += *p;", r"of type 'float \*' with an lvalue of type 'device float \*'"),
+    "thread_address_in_device_ptr": (
+        "",
+        "",
+        PARAMS,
+        "float v = 1.0f; device float* p = &v; sh[tid] += *p;",
+        r"cannot initialize a variable of type 'device float \*'",
+    ),
+    "device_ptr_in_thread_local": (
+        "",
+        "",
+        PARAMS,
+        "float* p = out; sh[tid] += *p;",
+        r"of type 'float \*' with an lvalue of type 'device float \*'",
+    ),
     "vla": ("", "", PARAMS, "float v[n]; v[0] = 1.0f; sh[tid] += v[0];", r"variable length array"),
     # the MSL subset
     "double": ("", "", PARAMS, "double d = x[tid]; sh[tid] = float(d);", r"`double`: Metal has no double"),
@@ -95,26 +129,73 @@ PLANTED = {
     "throw": ("", "", PARAMS, "if (x[tid] < 0.0f) throw 1;", r"exceptions"),
     "try": ("", "", PARAMS, "try { sh[tid] = 1.0f; } catch (...) {}", r"exceptions"),
     "virtual": ("struct Base { virtual float get() const { return 1.0f; } };", "", PARAMS, "", r"`virtual`"),
-    "function_pointer": ("inline float twice(float v) { return 2.0f * v; }", "", PARAMS,
-                         "float (*f)(float) = twice; sh[tid] = f(x[tid]);", r"function pointer"),
-    "recursion": ("inline float fact(float v) { return v <= 1.0f ? 1.0f : v * fact(v - 1.0f); }", "", PARAMS,
-                  "sh[tid] = fact(x[tid]);", r"recursion \(fact -> fact\)"),
-    "mutual_recursion": ("inline float ping(float v);\ninline float pong(float v) { return v <= 0.0f ? 0.0f : ping(v - 1.0f); }\n"
-                         "inline float ping(float v) { return pong(v); }", "", PARAMS, "sh[tid] = ping(x[tid]);",
-                         r"recursion \(p[io]ng -> p[io]ng -> p[io]ng\)"),
-    "non_ascii_comment": ("// caf\u00e9 au lait", "", PARAMS, "", r"non-ASCII character '\u00e9' \(U\+00E9\).*as ASCII"),
+    "function_pointer": (
+        "inline float twice(float v) { return 2.0f * v; }",
+        "",
+        PARAMS,
+        "float (*f)(float) = twice; sh[tid] = f(x[tid]);",
+        r"function pointer",
+    ),
+    "recursion": (
+        "inline float fact(float v) { return v <= 1.0f ? 1.0f : v * fact(v - 1.0f); }",
+        "",
+        PARAMS,
+        "sh[tid] = fact(x[tid]);",
+        r"recursion \(fact -> fact\)",
+    ),
+    "mutual_recursion": (
+        "inline float ping(float v);\ninline float pong(float v) { return v <= 0.0f ? 0.0f : ping(v - 1.0f); }\n"
+        "inline float ping(float v) { return pong(v); }",
+        "",
+        PARAMS,
+        "sh[tid] = ping(x[tid]);",
+        r"recursion \(p[io]ng -> p[io]ng -> p[io]ng\)",
+    ),
+    "non_ascii_comment": (
+        "// caf\u00e9 au lait",
+        "",
+        PARAMS,
+        "",
+        r"non-ASCII character '\u00e9' \(U\+00E9\).*as ASCII",
+    ),
     # kernel signatures
-    "buffer_31": ("", "", PARAMS.replace(", uint tid", ", " + MANY_BUFFERS + ", uint tid"), "",
-                  r"\[\[buffer\(31\)\]\].*at most 31 buffers"),
-    "buffer_without_address_space": ("", "", PARAMS.replace("device float* out", "float* out"), "",
-                                     r"buffer `float\* out` must be a device or constant"),
-    "helper_param_without_address_space": ("inline float first(const float* p) { return p[0]; }", "", PARAMS,
-                                           "", r"parameter `const float\* p` of first\(\) .* without an address space"),
-    "float_thread_index": ("", "", PARAMS.replace("uint tid", "float tid"), "", r"\[\[thread_index_in_threadgroup\]\] `float tid` must be uint or ushort"),
+    "buffer_31": (
+        "",
+        "",
+        PARAMS.replace(", uint tid", ", " + MANY_BUFFERS + ", uint tid"),
+        "",
+        r"\[\[buffer\(31\)\]\].*at most 31 buffers",
+    ),
+    "buffer_without_address_space": (
+        "",
+        "",
+        PARAMS.replace("device float* out", "float* out"),
+        "",
+        r"buffer `float\* out` must be a device or constant",
+    ),
+    "helper_param_without_address_space": (
+        "inline float first(const float* p) { return p[0]; }",
+        "",
+        PARAMS,
+        "",
+        r"parameter `const float\* p` of first\(\) .* without an address space",
+    ),
+    "float_thread_index": (
+        "",
+        "",
+        PARAMS.replace("uint tid", "float tid"),
+        "",
+        r"\[\[thread_index_in_threadgroup\]\] `float tid` must be uint or ushort",
+    ),
     "vector_thread_index": ("", "", PARAMS.replace("uint tid", "uint2 tid"), "", r"must be uint or ushort"),
     "int_position": ("", "", PARAMS + ", int3 pos [[thread_position_in_grid]]", "", r"`int3 pos` must be uint, uint2"),
-    "mixed_position_ranks": ("", "", PARAMS + ", uint2 pos [[thread_position_in_grid]], uint3 grid [[threads_per_grid]]",
-                             "", r"same number of components"),
+    "mixed_position_ranks": (
+        "",
+        "",
+        PARAMS + ", uint2 pos [[thread_position_in_grid]], uint3 grid [[threads_per_grid]]",
+        "",
+        r"same number of components",
+    ),
     "unknown_kernel_attribute": ("", "[[reqd_work_group_size(32)]] ", PARAMS, "", r"unsupported kernel attribute"),
 }
 
@@ -125,9 +206,15 @@ def planted_source(case: str, i: int = 0) -> str:
 
 
 def test_the_planted_template_is_valid_and_runs():
-    lib = compile_library(TEMPLATE.format(helpers=THREAD_HELPERS, attr="[[max_total_threads_per_threadgroup(32)]] ",
-                                          params=PARAMS, body="float v = 0.0f; bump(v); sh[tid] += first(&v) - 1.0f;",
-                                          i="ok"))
+    lib = compile_library(
+        TEMPLATE.format(
+            helpers=THREAD_HELPERS,
+            attr="[[max_total_threads_per_threadgroup(32)]] ",
+            params=PARAMS,
+            body="float v = 0.0f; bump(v); sh[tid] += first(&v) - 1.0f;",
+            i="ok",
+        )
+    )
     out, x, c = torch.zeros(32), torch.arange(32.0), torch.ones(1)
     lib.planted_ok(out, x, c, 2, threads=32, group_size=32)
     assert out.tolist() == [(t + 1) % 32 + 1.0 + 2.0 for t in range(32)]
@@ -141,9 +228,15 @@ def test_gpp_alone_accepts_every_planted_bug():
     # Why the checks exist: the emulator's g++ compiles all of these (each in a namespace of its own).
     tu = "#include <metal_stdlib>\nusing namespace metal;\n" + "".join(
         f"namespace case_{i} {{\n{planted_source(c, i).split('using namespace metal;', 1)[1]}}}\n"
-        for i, c in enumerate(PLANTED) if c not in GPP_REFUSES)
-    res = subprocess.run([library._CXX, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-I", str(library.SHIM_DIR),
-                          "-x", "c++", "-"], input=tu, capture_output=True, text=True)
+        for i, c in enumerate(PLANTED)
+        if c not in GPP_REFUSES
+    )
+    res = subprocess.run(
+        [library._CXX, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-I", str(library.SHIM_DIR), "-x", "c++", "-"],
+        input=tu,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
 
 
@@ -156,7 +249,10 @@ def test_planted_bug_is_refused(case):
 
 def test_non_ascii_install_path_is_refused_as_torch_would():
     src = '#line 1 "/Users/Jos\u00e9/splat/project.metal"\n' + planted_source("double").replace("double d", "float d")
-    with pytest.raises(MetalCompileError, match=r"non_ascii_path:1: non-ASCII .* inside the directive `#line 1 \"/Users/Jos\u00e9/splat/project\.metal\"`"):
+    with pytest.raises(
+        MetalCompileError,
+        match=r"non_ascii_path:1: non-ASCII .* inside the directive `#line 1 \"/Users/Jos\u00e9/splat/project\.metal\"`",
+    ):
         compile_library(src, "non_ascii_path")
 
 
@@ -164,7 +260,9 @@ def test_kernel_attribute_placement():
     between = planted_source("double").replace("kernel void", "kernel [[max_total_threads_per_threadgroup(32)]] void")
     with pytest.raises(EmulatorError, match=r"write kernel attributes before `kernel`"):
         compile_library(between, "between")
-    after = planted_source("double").replace("{\n  threadgroup", "[[max_total_threads_per_threadgroup(32)]] {\n  threadgroup", 1)
+    after = planted_source("double").replace(
+        "{\n  threadgroup", "[[max_total_threads_per_threadgroup(32)]] {\n  threadgroup", 1
+    )
     with pytest.raises(EmulatorError, match=r"attribute after the parameter list"):
         compile_library(after, "after")
     hidden = planted_source("double").replace("kernel void", "kernel\nstatic void")
@@ -177,8 +275,17 @@ def test_kernel_attribute_placement():
 # --------------------------------------------------------------------------------------------------
 def run_pipeline(monkeypatch, seed: int, backward: bool = True):
     monkeypatch.setenv("SPLAT_METAL_EMU_SEED", str(seed))
-    scene = random_scene(n=400, C=2, width=37, height=23, seed=5, sh_degree=1, backgrounds=True,
-                         scale_range=(0.1, 0.4), opacity_range=(0.05, 0.3))
+    scene = random_scene(
+        n=400,
+        C=2,
+        width=37,
+        height=23,
+        seed=5,
+        sh_degree=1,
+        backgrounds=True,
+        scale_range=(0.1, 0.4),
+        opacity_range=(0.05, 0.3),
+    )
     ts = {k: v.clone().requires_grad_(backward) for k, v in scene.tensors().items() if k != "Ks"}
     # tile 8: 64-thread groups, so tiles take several batches and the between-batch barriers matter
     colors, alphas, meta = rasterization(**scene.kwargs(**ts), absgrad=backward, tile_size=8, backend="metal")
@@ -220,14 +327,15 @@ def test_a_removed_barrier_in_rasterize_changes_the_result(monkeypatch, which):
             return src
         at = [m.start() for m in re.finditer(re.escape(barrier), src)]
         assert len(at) == 3, "rasterize.metal's barriers changed: update this test"
-        return src[:at[which]] + "/* barrier removed */" + src[at[which] + len(barrier):]
+        return src[: at[which]] + "/* barrier removed */" + src[at[which] + len(barrier) :]
 
     monkeypatch.setattr(kernels, "stage_source", without_barrier)
     noticed = []
     for seed in (0, 1):
         try:
-            noticed.append(not torch.allclose(run_pipeline(monkeypatch, seed, backward=False)["colors"], good["colors"],
-                                              atol=1e-3))
+            noticed.append(
+                not torch.allclose(run_pipeline(monkeypatch, seed, backward=False)["colors"], good["colors"], atol=1e-3)
+            )
         except EmulatorError as e:
             noticed.append("divergent control flow" in str(e))
     assert any(noticed), "the race went unnoticed"

@@ -20,7 +20,9 @@ TS, W, H = 16, 256, 160  # 16 x 10 tiles
 TILE_W, TILE_H = W // TS, H // TS
 TILE_BITS = (TILE_W * TILE_H).bit_length()
 SENTINEL = -7
-EMIT_RECT = "tile_rect(means2d[2 * g], means2d[2 * g + 1], radii[g], tile_size, tile_width, tile_height, x0, y0, x1, y1);"
+EMIT_RECT = (
+    "tile_rect(means2d[2 * g], means2d[2 * g + 1], radii[g], tile_size, tile_width, tile_height, x0, y0, x1, y1);"
+)
 GUARD = " && out < end"
 
 
@@ -66,8 +68,9 @@ def ranges_hold_only_their_gaussian(order, cum, tiles_per_gauss, flat_ids, M) ->
 def scene(n=60, seed=0):
     gen = torch.Generator().manual_seed(seed)
     # away from the right edge, so that the planted wider rectangle really is one tile wider
-    means2d = torch.stack([torch.empty(n).uniform_(40, 180, generator=gen),
-                           torch.empty(n).uniform_(20, 140, generator=gen)], dim=-1).contiguous()
+    means2d = torch.stack(
+        [torch.empty(n).uniform_(40, 180, generator=gen), torch.empty(n).uniform_(20, 140, generator=gen)], dim=-1
+    ).contiguous()
     radii = torch.randint(3, 40, (n,), generator=gen, dtype=torch.int32)
     depths = torch.empty(n).uniform_(1, 5, generator=gen)
     return means2d, radii, depths
@@ -95,8 +98,9 @@ def test_a_planted_emit_count_disagreement_stays_in_bounds():
 def test_without_the_guard_the_planted_disagreement_overwrites_neighbours():
     """What the guard prevents (and that the check above can fail): the wider rectangle unguarded."""
     means2d, radii, depths = scene()
-    tpg, order, cum, keys, ids, M = emit(isect_library(grow_emit=True, unguarded=True), means2d, radii, depths,
-                                         spare=4096)  # room for what the last gaussian writes past M
+    tpg, order, cum, keys, ids, M = emit(
+        isect_library(grow_emit=True, unguarded=True), means2d, radii, depths, spare=4096
+    )  # room for what the last gaussian writes past M
     assert not ranges_hold_only_their_gaussian(order, cum, tpg, ids, M)
     assert (ids[M:] != SENTINEL).any(), "the last gaussian in depth order should have written past M"
 

@@ -106,9 +106,9 @@ def test_gradient_of_the_loss_scales_with_the_incoming_gradient():
 def test_the_self_check_verifies_the_loss_and_a_failed_check_falls_back(monkeypatch):
     """The loss kernels' check (kernel_checks.loss_checks, run by the doctor and the self-check) passes,
     catches a planted wrong backward, and once the stage "loss" failed (the self-check's verdict on a GPU) l1_ssim_loss runs the reference."""
-    from splat_metal_method.verify import kernel_checks
     from splat_metal_method.ops import stage_fallback
     from splat_metal_method.ops.metal import loss as metal_loss
+    from splat_metal_method.verify import kernel_checks
 
     checks = kernel_checks.loss_checks(torch.device("cpu"))
     assert [c.direction for c in checks] == ["forward", "backward"] and all(c.ok for c in checks), checks

@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 
-from splat_metal_method.verify import doctor
 from splat_metal_method.ops.metal import kernels
 from splat_metal_method.ops.metal.emulator import MetalCompileError, compile_library
+from splat_metal_method.verify import doctor
 
 KERNEL = """#include <metal_stdlib>
 {pragmas}
@@ -34,8 +34,15 @@ def test_every_library_declares_safe_math_from_msl_3_2():
     assert "fma_probe" in dir(compile_library(KERNEL.format(pragmas=SAFE), "safe_math"))  # the subset check accepts it
 
 
-@pytest.mark.parametrize("pragma", ["#pragma METAL fp math_mode(fast)", "#pragma METAL fp contract(fast)",
-                                    "#pragma METAL fp math_mode(relaxed)", "#pragma unroll"])
+@pytest.mark.parametrize(
+    "pragma",
+    [
+        "#pragma METAL fp math_mode(fast)",
+        "#pragma METAL fp contract(fast)",
+        "#pragma METAL fp math_mode(relaxed)",
+        "#pragma unroll",
+    ],
+)
 def test_the_subset_check_refuses_math_the_emulator_does_not_run(pragma):
     with pytest.raises(MetalCompileError, match=re.escape(f"`{pragma}`: the MSL emulator runs safe math only")):
         compile_library(KERNEL.format(pragmas=pragma), "fast_math")

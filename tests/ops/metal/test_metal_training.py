@@ -20,9 +20,9 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pipelines
 import pytest
 import torch
-import pipelines
 from pipelines import seed_all, train_step
 
 from splat_metal_method.ops.metal import runtime
@@ -207,4 +207,6 @@ def test_thirty_training_steps_metal_vs_reference(demo_dir, monkeypatch):
     assert len(set(sizes)) > 1, "the metal run never densified/pruned"
     grew = [s for s in range(STEPS) if sizes[s + 1] > sizes[s]]
     assert grew, f"the metal run never grew: {sizes}"
-    print(f"metal run grew at steps {grew}: {sizes[0]} -> {sizes[-1]} gaussians (reference {ref_sizes[0]} -> {ref_sizes[-1]})")
+    print(
+        f"metal run grew at steps {grew}: {sizes[0]} -> {sizes[-1]} gaussians (reference {ref_sizes[0]} -> {ref_sizes[-1]})"
+    )

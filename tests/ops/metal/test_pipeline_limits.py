@@ -40,8 +40,11 @@ def test_fixed_geometry_launch_over_the_limit_stops_with_what_to_do():
     lib = runtime.get_library(SMALL_PIPELINE, "small_pipeline", runtime="emulator")
     out = torch.zeros(100)
     runtime.reset_launch_counts()
-    with pytest.raises(ThreadgroupLimitError, match=r"\[group_size_of\] .*at most 48 threads per threadgroup.*"
-                       r"dispatches 64 \(group_size \(8, 8\)\).*--pipeline.model.backend reference.*splat-metal-doctor"):
+    with pytest.raises(
+        ThreadgroupLimitError,
+        match=r"\[group_size_of\] .*at most 48 threads per threadgroup.*"
+        r"dispatches 64 \(group_size \(8, 8\)\).*--pipeline.model.backend reference.*splat-metal-doctor",
+    ):
         lib.group_size_of(out, 100, threads=(10, 10), group_size=(8, 8))
     assert runtime.launch_counts() == {} and out.eq(0).all()  # refused before the launch
 

@@ -13,8 +13,24 @@ from splat_metal_method.ops.metal.sort import radix_sort_pairs
 
 # the edges of a thread's run (16), of a simdgroup-sized count (32), of a group's threads (256) and of
 # a block (4096), one and several blocks, and a million values (245 blocks: the two-dispatch path)
-SIZES = [0, 1, 15, 16, 17, 31, 32, 33, 255, 256, 257, SCAN_BLOCK - 1, SCAN_BLOCK, SCAN_BLOCK + 1,
-         3 * SCAN_BLOCK + 7, 1_000_000]
+SIZES = [
+    0,
+    1,
+    15,
+    16,
+    17,
+    31,
+    32,
+    33,
+    255,
+    256,
+    257,
+    SCAN_BLOCK - 1,
+    SCAN_BLOCK,
+    SCAN_BLOCK + 1,
+    3 * SCAN_BLOCK + 7,
+    1_000_000,
+]
 
 
 def torch_prefix_sum(x: torch.Tensor, inclusive: bool) -> torch.Tensor:

@@ -21,8 +21,15 @@ from .parse import TgDecl
 
 STANDIN_DIR = Path(__file__).resolve().parent / "address_spaces"
 _CLANG = os.environ.get("SPLAT_METAL_EMU_CLANG", "clang++")
-_FLAGS = ["-std=c++17", "-fsyntax-only", "-nostdinc", "-nostdinc++", "-Wno-unknown-attributes",
-          "-Werror=vla", "-ferror-limit=20"]
+_FLAGS = [
+    "-std=c++17",
+    "-fsyntax-only",
+    "-nostdinc",
+    "-nostdinc++",
+    "-Wno-unknown-attributes",
+    "-Werror=vla",
+    "-ferror-limit=20",
+]
 
 
 def clang() -> str | None:
@@ -43,13 +50,18 @@ def check_address_spaces(source: str, tg_decls: list[TgDecl], name: str = "kerne
     """
     exe = clang()
     if exe is None:
-        raise EmulatorError(f"the address-space check needs clang++ ({_CLANG!r} not found; "
-                                "scripts/setup.sh installs it, or set $SPLAT_METAL_EMU_CLANG)")
+        raise EmulatorError(
+            f"the address-space check needs clang++ ({_CLANG!r} not found; "
+            "scripts/setup.sh installs it, or set $SPLAT_METAL_EMU_CLANG)"
+        )
     for d in sorted(tg_decls, key=lambda d: -d.start):
-        source = source[:d.start] + "static " + source[d.start:]
+        source = source[: d.start] + "static " + source[d.start :]
     prefix = "" if source.lstrip().startswith("#line") else f'#line 1 "{name}"\n'
-    res = subprocess.run([exe, *_FLAGS, "-I", str(STANDIN_DIR), "-x", "c++", "-"], input=prefix + source,
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [exe, *_FLAGS, "-I", str(STANDIN_DIR), "-x", "c++", "-"], input=prefix + source, capture_output=True, text=True
+    )
     if res.returncode != 0:
-        raise MetalCompileError(f"{name}: does not type-check with Metal's address spaces (device, constant, "
-                                f"threadgroup and thread are distinct on Apple GPUs):\n{res.stderr}")
+        raise MetalCompileError(
+            f"{name}: does not type-check with Metal's address spaces (device, constant, "
+            f"threadgroup and thread are distinct on Apple GPUs):\n{res.stderr}"
+        )

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import operator
 import hashlib
+import operator
 import os
 import shutil
 import subprocess
@@ -30,7 +30,11 @@ MAX_THREADGROUP_MEMORY = 32 * 1024
 
 _CXX = os.environ.get("CXX", "g++")
 _FLAGS = [
-    "-std=c++17", "-O2", "-fPIC", "-shared", "-pthread",
+    "-std=c++17",
+    "-O2",
+    "-fPIC",
+    "-shared",
+    "-pthread",
     "-Wno-attributes",  # [[buffer(0)]] and friends are unknown to g++ and ignored
     "-ffp-contract=off",  # no silent fma contraction: torch.mps.compile_shader has fast-math off
     "-U_FORTIFY_SOURCE",  # fortified longjmp refuses to jump between fiber stacks
@@ -73,8 +77,10 @@ def _shared_arrays(source: str, tg_decls: list[TgDecl]) -> str:
     (msl_emu::tg_array), on the same line."""
     for slot, d in sorted(enumerate(tg_decls), key=lambda e: -e[1].start):
         t = f"msl_tg_type_{slot}"
-        source = (source[:d.start] + f"using {t} = {d.type}{d.dims}; {t}& {d.name} = "
-                  f"*static_cast<{t}*>(msl_emu::tg_array({slot}, sizeof({t})));" + source[d.end:])
+        source = (
+            source[: d.start] + f"using {t} = {d.type}{d.dims}; {t}& {d.name} = "
+            f"*static_cast<{t}*>(msl_emu::tg_array({slot}, sizeof({t})));" + source[d.end :]
+        )
     return source
 
 
@@ -108,8 +114,10 @@ def asan_runtime() -> str:
     lib = "libclang_rt.asan-x86_64.so" if "clang" in _compiler_version() else "libasan.so"
     path = subprocess.run([_CXX, f"-print-file-name={lib}"], capture_output=True, text=True).stdout.strip()
     if not os.path.isabs(path) or not os.path.exists(path):
-        raise EmulatorError(f"cannot find {lib} of {_CXX!r} (for SPLAT_METAL_EMU_ASAN=1); install the compiler's "
-                            "AddressSanitizer runtime (Debian: it comes with g++ as libasan)")
+        raise EmulatorError(
+            f"cannot find {lib} of {_CXX!r} (for SPLAT_METAL_EMU_ASAN=1); install the compiler's "
+            "AddressSanitizer runtime (Debian: it comes with g++ as libasan)"
+        )
     return path
 
 
@@ -179,20 +187,25 @@ def compile_library(source: str, name: str = "kernels") -> "EmulatorLibrary":
     fibers = uses_fibers(source)
     flags = _flags()
     if asan_enabled() and not _asan_loaded():
-        raise EmulatorError("SPLAT_METAL_EMU_ASAN=1: AddressSanitizer builds load only into a process started with "
-                            f"LD_PRELOAD={asan_runtime()} (and ASAN_OPTIONS=detect_leaks=0 for Python)")
+        raise EmulatorError(
+            "SPLAT_METAL_EMU_ASAN=1: AddressSanitizer builds load only into a process started with "
+            f"LD_PRELOAD={asan_runtime()} (and ASAN_OPTIONS=detect_leaks=0 for Python)"
+        )
     check_spaces = address_spaces.clang() is not None
     if not check_spaces and not _warned_no_clang:
         _warned_no_clang = True
-        warnings.warn("clang++ not found: the MSL emulator skips its address-space check "
-                      "(scripts/setup.sh installs clang)", stacklevel=2)
+        warnings.warn(
+            "clang++ not found: the MSL emulator skips its address-space check (scripts/setup.sh installs clang)",
+            stacklevel=2,
+        )
     original = source
     source = _shared_arrays(source, tg_decls)
     prefix = "" if source.lstrip().startswith("#line") else f'#line 1 "{name}"\n'
     cpp = (
         prefix + source + "\n\n"
         '#line 1 "<emulator-generated launch wrappers>"\n'
-        "#include <type_traits>\nusing namespace metal;\n" + "".join(_wrapper(k) for k in kernels.values())
+        "#include <type_traits>\nusing namespace metal;\n"
+        + "".join(_wrapper(k) for k in kernels.values())
         + 'extern "C" const char* msl_emu_last_error() { return msl_emu::last_error.c_str(); }\n'
         + 'extern "C" void msl_emu_counters(int64_t* out) { msl_emu::read_counters(out); }\n'
     )
@@ -240,16 +253,25 @@ def _dims(kname: str, what: str, v) -> tuple[int, ...]:
 
 
 _KIND_WORDS = {"tensor": "a tensor", "int": "an int", "float": "a float"}
-_KIND_DECL = {"tensor": "a device/constant pointer", "int": "`constant long&` (int64)",
-              "float": "`constant float&` (float32)"}
+_KIND_DECL = {
+    "tensor": "a device/constant pointer",
+    "int": "`constant long&` (int64)",
+    "float": "`constant float&` (float32)",
+}
 
 
 class EmulatorKernel:
     def __init__(self, lib: "EmulatorLibrary", k: Kernel):
         self._lib, self._k = lib, k
         self._fn = getattr(lib._dll, f"launch_{k.name}")
-        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                             ctypes.c_uint64]
+        self._fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_uint64,
+        ]
         self._fn.restype = ctypes.c_int
         tg = getattr(lib._dll, f"tgmem_{k.name}")
         tg.restype = ctypes.c_int64
@@ -264,8 +286,10 @@ class EmulatorKernel:
         self.thread_execution_width = 32
         self.static_thread_group_memory_length = self.threadgroup_memory
         if not 1 <= self.max_threads_per_threadgroup <= MAX_THREADS_PER_GROUP:
-            raise EmulatorError(f"[{k.name}] [[max_total_threads_per_threadgroup({k.max_threads})]] is "
-                                f"{self.max_threads_per_threadgroup}; Metal allows 1..{MAX_THREADS_PER_GROUP}")
+            raise EmulatorError(
+                f"[{k.name}] [[max_total_threads_per_threadgroup({k.max_threads})]] is "
+                f"{self.max_threads_per_threadgroup}; Metal allows 1..{MAX_THREADS_PER_GROUP}"
+            )
 
     def __call__(self, *args, threads=None, group_size=None):
         k = self._k
@@ -278,29 +302,46 @@ class EmulatorKernel:
             raise EmulatorError(f"[{k.name}] group_size must be positive, got {group}")
         n_group = group[0] * (group[1] if len(group) > 1 else 1) * (group[2] if len(group) > 2 else 1)
         if n_group > MAX_THREADS_PER_GROUP:
-            raise EmulatorError(f"[{k.name}] group_size {group} has {n_group} threads; Metal allows at most "
-                                f"{MAX_THREADS_PER_GROUP} per threadgroup")
+            raise EmulatorError(
+                f"[{k.name}] group_size {group} has {n_group} threads; Metal allows at most "
+                f"{MAX_THREADS_PER_GROUP} per threadgroup"
+            )
         if n_group > self.max_threads_per_threadgroup:
-            raise EmulatorError(f"[{k.name}] group_size {group} has {n_group} threads, more than the kernel's "
-                                f"[[max_total_threads_per_threadgroup({self.max_threads_per_threadgroup})]] "
-                                "(torch.mps.compile_shader raises ValueError on a Mac)")
+            raise EmulatorError(
+                f"[{k.name}] group_size {group} has {n_group} threads, more than the kernel's "
+                f"[[max_total_threads_per_threadgroup({self.max_threads_per_threadgroup})]] "
+                "(torch.mps.compile_shader raises ValueError on a Mac)"
+            )
         if self.threadgroup_memory > MAX_THREADGROUP_MEMORY:
-            raise EmulatorError(f"[{k.name}] declares {self.threadgroup_memory} bytes of threadgroup memory; "
-                                f"Metal allows at most {MAX_THREADGROUP_MEMORY}")
+            raise EmulatorError(
+                f"[{k.name}] declares {self.threadgroup_memory} bytes of threadgroup memory; "
+                f"Metal allows at most {MAX_THREADGROUP_MEMORY}"
+            )
         if len(args) != len(k.buffers):
-            raise EmulatorError(f"[{k.name}] expects {len(k.buffers)} arguments "
-                                f"({', '.join(p.name for p in k.buffers)}), got {len(args)}")
+            raise EmulatorError(
+                f"[{k.name}] expects {len(k.buffers)} arguments "
+                f"({', '.join(p.name for p in k.buffers)}), got {len(args)}"
+            )
         slots = (ctypes.c_void_p * max(1, len(args)))()
         keep = []
         for i, (a, p) in enumerate(zip(args, k.buffers)):
             where = f"[{k.name}] argument {i} ({p.name}: `{p.type}`)"
-            got = "tensor" if isinstance(a, torch.Tensor) else "int" if isinstance(a, (bool, int)) else \
-                "float" if isinstance(a, float) else None
+            got = (
+                "tensor"
+                if isinstance(a, torch.Tensor)
+                else "int"
+                if isinstance(a, (bool, int))
+                else "float"
+                if isinstance(a, float)
+                else None
+            )
             if got is None:
                 raise EmulatorError(f"{where}: unsupported argument type {type(a).__name__}")
             if got != p.kind:
-                raise EmulatorError(f"{where} takes {_KIND_WORDS[p.kind]}, got {_KIND_WORDS[got]} "
-                                    f"(a Python {_KIND_WORDS[got]} binds to {_KIND_DECL[got]})")
+                raise EmulatorError(
+                    f"{where} takes {_KIND_WORDS[p.kind]}, got {_KIND_WORDS[got]} "
+                    f"(a Python {_KIND_WORDS[got]} binds to {_KIND_DECL[got]})"
+                )
             if got == "tensor":
                 if a.device.type != "cpu":
                     raise EmulatorError(f"{where}: the emulator runs CPU tensors only, got {a.device}")

@@ -29,11 +29,23 @@ from .errors import MetalCompileError
 from .parse import matching, split_top_level
 
 # position attributes that may be vectors (uint2/uint3 ...) and those that are scalars only
-GRID_ATTRS = {"thread_position_in_grid", "thread_position_in_threadgroup", "threadgroup_position_in_grid",
-              "threads_per_threadgroup", "dispatch_threads_per_threadgroup", "threads_per_grid",
-              "threadgroups_per_grid"}
-SCALAR_ATTRS = {"thread_index_in_threadgroup", "thread_index_in_simdgroup", "simdgroup_index_in_threadgroup",
-                "simdgroups_per_threadgroup", "threads_per_simdgroup", "thread_execution_width"}
+GRID_ATTRS = {
+    "thread_position_in_grid",
+    "thread_position_in_threadgroup",
+    "threadgroup_position_in_grid",
+    "threads_per_threadgroup",
+    "dispatch_threads_per_threadgroup",
+    "threads_per_grid",
+    "threadgroups_per_grid",
+}
+SCALAR_ATTRS = {
+    "thread_index_in_threadgroup",
+    "thread_index_in_simdgroup",
+    "simdgroup_index_in_threadgroup",
+    "simdgroups_per_threadgroup",
+    "threads_per_simdgroup",
+    "thread_execution_width",
+}
 KERNEL_ATTRS = {"max_total_threads_per_threadgroup"}
 MAX_BUFFERS = 31
 ADDRESS_SPACES = ("device", "constant", "threadgroup", "thread")
@@ -41,8 +53,10 @@ ADDRESS_SPACES = ("device", "constant", "threadgroup", "thread")
 _BANNED = [  # (regex over comment-free source, why Metal refuses it)
     (r"\bdouble\b", "`double`: Metal has no double precision (use float)"),
     (r"\bstd\s*::", "`std::`: there is no C++ standard library in MSL (metal:: has the math)"),
-    (r"\b(?:printf|fprintf|sprintf|snprintf|puts|malloc|calloc|realloc|free|abort|exit)\s*\(",
-     "a C library call: MSL has no C library (no printf, no heap)"),
+    (
+        r"\b(?:printf|fprintf|sprintf|snprintf|puts|malloc|calloc|realloc|free|abort|exit)\s*\(",
+        "a C library call: MSL has no C library (no printf, no heap)",
+    ),
     (r"\b(?:throw|try|catch)\b", "exceptions: MSL has no throw/try/catch"),
     (r"\bvirtual\b", "`virtual`: MSL has no virtual functions"),
     (r"\(\s*\*\s*\w*\s*\)\s*\(", "a function pointer: MSL kernels cannot use function pointers"),
@@ -75,12 +89,19 @@ def check_ascii(source: str, name: str) -> None:
             line_end = source.find("\n", i) % (len(source) + 1)
             hint = ""
             if _LINE_DIRECTIVE.match(source, line_start):
-                hint = (f" inside the directive `{source[line_start:line_end]}` (line "
-                        f"{source.count(chr(10), 0, i) + 1} of the assembled source): a kernel file's path is not "
-                        "ASCII; assemble the source with ASCII-only #line paths")
+                hint = (
+                    f" inside the directive `{source[line_start:line_end]}` (line "
+                    f"{source.count(chr(10), 0, i) + 1} of the assembled source): a kernel file's path is not "
+                    "ASCII; assemble the source with ASCII-only #line paths"
+                )
                 i = line_start
-            _fail(name, source, i, f"non-ASCII character {ch!r} (U+{ord(ch):04X}){hint}. torch.mps.compile_shader "
-                  "builds the shader source as ASCII, so this library would fail to build on a Mac")
+            _fail(
+                name,
+                source,
+                i,
+                f"non-ASCII character {ch!r} (U+{ord(ch):04X}){hint}. torch.mps.compile_shader "
+                "builds the shader source as ASCII, so this library would fail to build on a Mac",
+            )
 
 
 def _functions(clean: str) -> dict[str, list[tuple[int, int, int, int]]]:
@@ -91,10 +112,17 @@ def _functions(clean: str) -> dict[str, list[tuple[int, int, int, int]]]:
         c = clean[i]
         if c == "{":
             if depth == 0:
-                m = re.search(r"(\w+)\s*\(([^{};]*)\)\s*(?:const\s*)?$", clean[max(0, i - 4000):i])
-                head = clean[max(0, i - 4000):i]
-                if m and m.group(1) not in _NOT_CALLS and not re.search(r"\b(?:struct|class|namespace|enum|union)\b"
-                                                                        r"[^;{}]*$", head):
+                m = re.search(r"(\w+)\s*\(([^{};]*)\)\s*(?:const\s*)?$", clean[max(0, i - 4000) : i])
+                head = clean[max(0, i - 4000) : i]
+                if (
+                    m
+                    and m.group(1) not in _NOT_CALLS
+                    and not re.search(
+                        r"\b(?:struct|class|namespace|enum|union)\b"
+                        r"[^;{}]*$",
+                        head,
+                    )
+                ):
                     close = matching(clean, i, "{", "}")
                     p_open = i - len(head) + m.start(2) - 1
                     out.setdefault(m.group(1), []).append((p_open, i - len(head) + m.end(2), i, close))
@@ -120,9 +148,13 @@ def _check_recursion(name: str, source: str, clean: str, funcs: dict) -> None:
         state[f] = 1
         for g in sorted(calls[f]):
             if state.get(g) == 1:
-                cycle = path[path.index(g):] + [f, g] if g in path else [f, g]
-                _fail(name, source, first_call[(f, g)], f"recursion ({' -> '.join(dict.fromkeys(cycle))} -> {g}): "
-                      "Metal does not allow recursive functions")
+                cycle = path[path.index(g) :] + [f, g] if g in path else [f, g]
+                _fail(
+                    name,
+                    source,
+                    first_call[(f, g)],
+                    f"recursion ({' -> '.join(dict.fromkeys(cycle))} -> {g}): Metal does not allow recursive functions",
+                )
             if g not in state:
                 visit(g, path + [f])
         state[f] = 2
@@ -139,12 +171,16 @@ def _has_address_space(type_text: str) -> bool:
 def _check_param_address_spaces(name: str, source: str, clean: str, funcs: dict) -> None:
     for f, defs in funcs.items():
         for p0, p1, _, _ in defs:
-            for part in split_top_level(clean[p0 + 1:p1]):
+            for part in split_top_level(clean[p0 + 1 : p1]):
                 decl = re.sub(r"\[\[.*?\]\]", "", part)
                 if re.search(r"[*&]", decl) and not _has_address_space(decl):
-                    _fail(name, source, p0 + 1 + clean[p0 + 1:p1].find(part),
-                          f"parameter `{decl.strip()}` of {f}() is a pointer or reference without an address space: "
-                          "Metal needs device, constant, threadgroup or thread on every one")
+                    _fail(
+                        name,
+                        source,
+                        p0 + 1 + clean[p0 + 1 : p1].find(part),
+                        f"parameter `{decl.strip()}` of {f}() is a pointer or reference without an address space: "
+                        "Metal needs device, constant, threadgroup or thread on every one",
+                    )
 
 
 def _rank(type_text: str) -> tuple[str, int] | None:
@@ -158,31 +194,56 @@ def _check_kernel_signatures(name: str, source: str, kernels: dict) -> None:
         grid_ranks = {}
         for attr, value in k.attrs:
             if attr not in KERNEL_ATTRS:
-                _fail(name, source, k.offset, f"kernel {k.name}: unsupported kernel attribute [[{attr}]] "
-                      f"(supported: {', '.join(sorted(KERNEL_ATTRS))})")
+                _fail(
+                    name,
+                    source,
+                    k.offset,
+                    f"kernel {k.name}: unsupported kernel attribute [[{attr}]] "
+                    f"(supported: {', '.join(sorted(KERNEL_ATTRS))})",
+                )
             if not value.strip():
                 _fail(name, source, k.offset, f"kernel {k.name}: [[{attr}(N)]] needs a thread count")
         for p in k.params:
             if p.attr == "buffer":
                 if p.index >= MAX_BUFFERS:
-                    _fail(name, source, k.offset, f"kernel {k.name}: [[buffer({p.index})]] of `{p.text}`: Metal binds "
-                          f"at most {MAX_BUFFERS} buffers (indices 0..{MAX_BUFFERS - 1})")
+                    _fail(
+                        name,
+                        source,
+                        k.offset,
+                        f"kernel {k.name}: [[buffer({p.index})]] of `{p.text}`: Metal binds "
+                        f"at most {MAX_BUFFERS} buffers (indices 0..{MAX_BUFFERS - 1})",
+                    )
                 if not re.search(r"\b(device|constant)\b", p.type):
-                    _fail(name, source, k.offset, f"kernel {k.name}: buffer `{p.text}` must be a device or constant "
-                          "pointer/reference (an explicit address space)")
+                    _fail(
+                        name,
+                        source,
+                        k.offset,
+                        f"kernel {k.name}: buffer `{p.text}` must be a device or constant "
+                        "pointer/reference (an explicit address space)",
+                    )
                 continue
             r = _rank(p.type)
             if p.attr in SCALAR_ATTRS and (r is None or r[1] != 1):
                 _fail(name, source, k.offset, f"kernel {k.name}: [[{p.attr}]] `{p.text}` must be uint or ushort")
             if p.attr in GRID_ATTRS:
                 if r is None:
-                    _fail(name, source, k.offset, f"kernel {k.name}: [[{p.attr}]] `{p.text}` must be uint, uint2, "
-                          "uint3, ushort, ushort2 or ushort3")
+                    _fail(
+                        name,
+                        source,
+                        k.offset,
+                        f"kernel {k.name}: [[{p.attr}]] `{p.text}` must be uint, uint2, "
+                        "uint3, ushort, ushort2 or ushort3",
+                    )
                 if r[1] > 1:
                     grid_ranks[p.attr] = r[1]
         if len(set(grid_ranks.values())) > 1:
-            _fail(name, source, k.offset, f"kernel {k.name}: vector position attributes must all have the same number "
-                  f"of components, got {grid_ranks}")
+            _fail(
+                name,
+                source,
+                k.offset,
+                f"kernel {k.name}: vector position attributes must all have the same number "
+                f"of components, got {grid_ranks}",
+            )
 
 
 def check_msl_subset(source: str, clean: str, kernels: dict, name: str) -> None:
@@ -196,14 +257,24 @@ def check_msl_subset(source: str, clean: str, kernels: dict, name: str) -> None:
         if m:
             _fail(name, source, m.start(), why)
     for m in _INCLUDE.finditer(clean):
-        raw = source[m.start():m.end()]
+        raw = source[m.start() : m.end()]
         if not re.search(r"#\s*include\s*<metal_stdlib>", raw):
-            _fail(name, source, m.start(), f"`{raw.strip()}`: include only <metal_stdlib> "
-                  "(torch.mps.compile_shader compiles one string and has no include path)")
+            _fail(
+                name,
+                source,
+                m.start(),
+                f"`{raw.strip()}`: include only <metal_stdlib> "
+                "(torch.mps.compile_shader compiles one string and has no include path)",
+            )
     for m in _PRAGMA.finditer(clean):
         if " ".join(m.group(1).split()) not in _ALLOWED_PRAGMAS:
-            _fail(name, source, m.start(), f"`{m.group(0).strip()}`: the MSL emulator runs safe math only; allowed "
-                  f"pragmas: {', '.join('#pragma ' + p for p in sorted(_ALLOWED_PRAGMAS))}")
+            _fail(
+                name,
+                source,
+                m.start(),
+                f"`{m.group(0).strip()}`: the MSL emulator runs safe math only; allowed "
+                f"pragmas: {', '.join('#pragma ' + p for p in sorted(_ALLOWED_PRAGMAS))}",
+            )
     funcs = _functions(clean)
     _check_recursion(name, source, clean, funcs)
     _check_kernel_signatures(name, source, kernels)

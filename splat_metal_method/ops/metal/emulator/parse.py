@@ -34,10 +34,18 @@ _INT64_REF_TYPES = {"long", "int64_t", "ulong", "uint64_t", "bool"}
 _QUALIFIERS = {"device", "constant", "const", "volatile", "thread", "metal"}
 # pointee scalar type -> tensor dtypes allowed behind it (unknown types, e.g. structs, accept any)
 DTYPES = {
-    "float": {torch.float32}, "int": {torch.int32}, "uint": {torch.int32, torch.uint32},
-    "long": {torch.int64}, "ulong": {torch.int64, torch.uint64}, "int64_t": {torch.int64},
-    "short": {torch.int16}, "ushort": {torch.int16, torch.uint16}, "char": {torch.int8},
-    "uchar": {torch.uint8, torch.bool}, "bool": {torch.bool, torch.uint8}, "half": {torch.float16},
+    "float": {torch.float32},
+    "int": {torch.int32},
+    "uint": {torch.int32, torch.uint32},
+    "long": {torch.int64},
+    "ulong": {torch.int64, torch.uint64},
+    "int64_t": {torch.int64},
+    "short": {torch.int16},
+    "ushort": {torch.int16, torch.uint16},
+    "char": {torch.int8},
+    "uchar": {torch.uint8, torch.bool},
+    "bool": {torch.bool, torch.uint8},
+    "half": {torch.float16},
 }
 
 
@@ -131,7 +139,7 @@ def _scalar_of(base: str) -> str | None:
 def _parse_param(kname: str, text: str) -> Param:
     m = re.search(r"\[\[\s*(\w+)\s*(?:\(\s*(\d+)\s*\))?\s*\]\]", text)
     attr, idx = (m.group(1), m.group(2)) if m else ("", None)
-    decl = (text[: m.start()] + text[m.end():]).strip() if m else text
+    decl = (text[: m.start()] + text[m.end() :]).strip() if m else text
     nm = re.search(r"(\w+)\s*$", decl)
     if not nm:
         raise EmulatorError(f"[{kname}] cannot parse parameter {text!r}")
@@ -152,16 +160,19 @@ def _parse_param(kname: str, text: str) -> Param:
     elif attr in POSITION_FIELDS or attr in SCALAR_FIELDS:
         pass
     else:
-        raise EmulatorError(f"[{kname}] unsupported kernel parameter {text!r} "
-                            "(supported: [[buffer(i)]] and the position attributes)")
+        raise EmulatorError(
+            f"[{kname}] unsupported kernel parameter {text!r} (supported: [[buffer(i)]] and the position attributes)"
+        )
     return p
 
 
 _ATTRS = r"(?:\[\[(?:(?!\]\]).)*\]\]\s*)*"
 _KERNEL = re.compile(rf"(?P<pre>{_ATTRS})(?P<kw>\bkernel)\s+(?P<mid>{_ATTRS})void\s+(?P<name>\w+)\s*\(", re.S)
 _ATTR = re.compile(r"(\w+)\s*(?:\(([^()]*(?:\([^()]*\)[^()]*)*)\))?")  # name(arg) inside [[...]]
-_TG_DECL = re.compile(r"\bthreadgroup\s+((?:const\s+)?[A-Za-z_][\w:]*(?:\s*<[^;<>]*>)?)\s+(\w+)\s*"
-                      r"((?:\[[^\]]+\]\s*)*);")
+_TG_DECL = re.compile(
+    r"\bthreadgroup\s+((?:const\s+)?[A-Za-z_][\w:]*(?:\s*<[^;<>]*>)?)\s+(\w+)\s*"
+    r"((?:\[[^\]]+\]\s*)*);"
+)
 _TG_POINTER = re.compile(r"\bthreadgroup\s+(?:const\s+)?[A-Za-z_][\w:]*(?:\s*<[^;<>]*>)?\s*(?:const\s*)?[*&]")
 
 
@@ -181,45 +192,61 @@ def parse_kernels(source: str) -> tuple[dict[str, Kernel], list[TgDecl]]:
         name = m.group("name")
         kernel_words.add(m.start("kw"))
         close = matching(clean, m.end() - 1, "(", ")")
-        params = [_parse_param(name, t) for t in split_top_level(clean[m.end(): close])]
+        params = [_parse_param(name, t) for t in split_top_level(clean[m.end() : close])]
         body_open = clean.index("{", close)
         if "[[" in clean[close:body_open]:
-            raise EmulatorError(f"[{name}] a kernel attribute after the parameter list: write it before `kernel` "
-                                "(`[[max_total_threads_per_threadgroup(N)]] kernel void ...`), as MSL requires")
+            raise EmulatorError(
+                f"[{name}] a kernel attribute after the parameter list: write it before `kernel` "
+                "(`[[max_total_threads_per_threadgroup(N)]] kernel void ...`), as MSL requires"
+            )
         if m.group("mid").strip():
-            raise EmulatorError(f"[{name}] write kernel attributes before `kernel` "
-                                "(`[[max_total_threads_per_threadgroup(N)]] kernel void ...`, the placement Apple's "
-                                f"compiler is known to accept), not between `kernel` and `void`: {m.group('mid')!r}")
+            raise EmulatorError(
+                f"[{name}] write kernel attributes before `kernel` "
+                "(`[[max_total_threads_per_threadgroup(N)]] kernel void ...`, the placement Apple's "
+                f"compiler is known to accept), not between `kernel` and `void`: {m.group('mid')!r}"
+            )
         attrs = _ATTR.findall(m.group("pre"))
         body_close = matching(clean, body_open, "{", "}")
         buffers = sorted((p for p in params if p.attr == "buffer"), key=lambda p: p.index)
         if [p.index for p in buffers] != list(range(len(buffers))):
-            raise EmulatorError(f"[{name}] buffer indices must be 0..n-1 without gaps, got "
-                                f"{[p.index for p in buffers]}")
+            raise EmulatorError(
+                f"[{name}] buffer indices must be 0..n-1 without gaps, got {[p.index for p in buffers]}"
+            )
         decls = list(_TG_DECL.finditer(clean, body_open, body_close))
         tg_decls += [TgDecl(d.start(), d.end(), d.group(1), d.group(2), d.group(3).strip()) for d in decls]
         if name in kernels:
             raise EmulatorError(f"kernel {name!r} is defined twice")
-        kernels[name] = Kernel(name, params, buffers, [(d.group(1), d.group(2), d.group(3).strip()) for d in decls],
-                               [(a, v.strip()) for a, v in attrs], m.start("kw"))
+        kernels[name] = Kernel(
+            name,
+            params,
+            buffers,
+            [(d.group(1), d.group(2), d.group(3).strip()) for d in decls],
+            [(a, v.strip()) for a, v in attrs],
+            m.start("kw"),
+        )
     for w in re.finditer(r"\bkernel\b", clean):
         if w.start() not in kernel_words:
-            raise EmulatorError(f"cannot parse the kernel declaration at line {clean.count(chr(10), 0, w.start()) + 1} "
-                                "of the assembled source: write `kernel void name(...)`, optionally preceded by "
-                                "`[[max_total_threads_per_threadgroup(N)]]`")
+            raise EmulatorError(
+                f"cannot parse the kernel declaration at line {clean.count(chr(10), 0, w.start()) + 1} "
+                "of the assembled source: write `kernel void name(...)`, optionally preceded by "
+                "`[[max_total_threads_per_threadgroup(N)]]`"
+            )
     declared = {d.start for d in tg_decls}
     for t in re.finditer(r"\bthreadgroup\b", clean):
         if t.start() not in declared and not _TG_POINTER.match(clean, t.start()):
             line = clean.count("\n", 0, t.start()) + 1
             raise EmulatorError(
                 f"unsupported use of `threadgroup` at line {line} of the assembled source: "
-                f"{clean[t.start():clean.find(chr(10), t.start())].strip()!r}. Declare shared memory as "
+                f"{clean[t.start() : clean.find(chr(10), t.start())].strip()!r}. Declare shared memory as "
                 "`threadgroup T name[N];` (one array per statement) in a kernel body; elsewhere use it only "
-                "on pointer/reference types")
+                "on pointer/reference types"
+            )
     return kernels, tg_decls
 
 
 def uses_fibers(source: str) -> bool:
     """Kernels that never synchronise run as plain loops; anything else gets one fiber per thread."""
-    return re.search(r"\b(threadgroup_barrier|simdgroup_barrier|simd_\w+|quad_\w+)\s*\(",
-                     strip_comments(source)) is not None
+    return (
+        re.search(r"\b(threadgroup_barrier|simdgroup_barrier|simd_\w+|quad_\w+)\s*\(", strip_comments(source))
+        is not None
+    )
