@@ -94,11 +94,13 @@ def where(depth: int = 3) -> str:
     return " <- ".join(frames)
 
 
-def step_part() -> str:
+def step_part(skip_ops: bool = False) -> str:
+    """The part of the step the innermost matching frame belongs to (PARTS); with ``skip_ops``, of the
+    innermost frame outside the op layer (who called into our kernels)."""
     f = sys._getframe(1)
     while f is not None:
         name = f.f_code.co_filename.replace("\\", "/")
-        if not name.endswith("step_ledger.py"):
+        if not name.endswith("step_ledger.py") and not (skip_ops and "/splat_metal_method/ops/" in name):
             for pattern, part in PARTS:
                 if pattern in name:
                     return part
@@ -145,6 +147,8 @@ class Ledger:
     # argument and output once
     part_bytes: collections.Counter = field(default_factory=collections.Counter)
     kernels: Dict[str, KernelWork] = field(default_factory=dict)
+    # part of the step that called the op layer (step_part(skip_ops=True)) -> our kernel launches
+    launch_parts: collections.Counter = field(default_factory=collections.Counter)
     n_gaussians: int = 0
     pixels: int = 0  # rendered pixels (all cameras)
     intersections: int = 0  # tile intersections of the render(s)
@@ -223,6 +227,7 @@ class _Counting:
                 seen.add(a.data_ptr())
                 work.buffer_bytes += a.numel() * a.element_size()
         self.ledger.kernels.setdefault(name, KernelWork()).add(work)
+        self.ledger.launch_parts[step_part(skip_ops=True)] += 1
         return out
 
 

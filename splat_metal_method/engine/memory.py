@@ -268,11 +268,20 @@ class BudgetedStrategy(DefaultStrategy):
         if packed:
             return super()._update_state(params, state, info, packed=packed)
         grads = info[self.key_for_gradient].absgrad if self.absgrad else info[self.key_for_gradient].grad
-        grads = grads * self._pixel_scale(info, grads)  # [C, N, 2]: gsplat's two in-place column products
         n = len(params["means"])
         for key in ("grad2d", "count") + (("radii",) if self.refine_scale2d_stop_iter > 0 else ()):
             if state[key] is None:
                 state[key] = torch.zeros(n, device=grads.device)
+        if info.get("backend") == "metal" and grads.dtype == torch.float32:
+            # one kernel (ops/metal/train.metal densify_stats) for the 12 aten ops below, the same bits
+            from ..ops.metal.train import densify_stats
+
+            W, H, C = info["width"], info["height"], info["n_cameras"]
+            densify_stats(grads, info["radii"], state["grad2d"], state["count"],
+                          state["radii"] if self.refine_scale2d_stop_iter > 0 else None,
+                          W / 2.0 * C, H / 2.0 * C, float(max(W, H)))  # fmt: skip
+            return
+        grads = grads * self._pixel_scale(info, grads)  # [C, N, 2]: gsplat's two in-place column products
         visible = info["radii"] > 0.0  # [C, N]
         norms = torch.where(visible, grads.norm(dim=-1), 0.0)  # [C, N]
         state["grad2d"] += norms.sum(dim=0)

@@ -22,9 +22,9 @@ from splat_metal_method.bench import step_ledger, step_model
 # splat-metal's steady step is held at issue 23's target instead (561 / 3 = 187 dispatches, 1 host sync;
 # measured 184 and 1): a change that crosses it fails.
 BUDGETS = {
-    ("splat-metal", "steady"): {"host_syncs": 1, "aten_dispatches": 187, "kernel_launches": 41,
+    ("splat-metal", "steady"): {"host_syncs": 1, "aten_dispatches": 187, "kernel_launches": 42,
                                 "simd_reductions": 117_000, "device_atomics": 107_000},
-    ("splat-metal", "refine"): {"host_syncs": 10, "aten_dispatches": 455, "kernel_launches": 41},
+    ("splat-metal", "refine"): {"host_syncs": 10, "aten_dispatches": 455, "kernel_launches": 42},
     ("splat-metal", "eval"): {"host_syncs": 7, "aten_dispatches": 193, "kernel_launches": 35},
     # MCMC's kernel work doubled with initial scales x1 (was x0.1; mcmc.py init_scale): its gaussians cover
     # ~2x the tiles, as default's do (measured 107,796 reductions and 80,631 atomics; budgets before 51k, 38k).
@@ -62,9 +62,11 @@ def test_ledger_sees_the_whole_step(ledgers):
         assert bwd.launches == 1 and bwd.simd_reductions > 0 and bwd.device_atomics > 0, (method, bwd)
         assert steady.kernels["rasterize_fwd"].barriers > 0 and bwd.threadgroup_bytes > 0
         assert "rasterize_bwd" not in ev.kernels and ev.kernel_launches > 0  # a render has no backward
-        # every part of a training step issued aten ops
+        # every part of a training step issued aten ops, or launched our kernels (splat-metal's strategy: its
+        # statistics are one kernel, train.metal densify_stats)
         for part in ("rasterization op", "optimizer", "strategy", "autograd backward", "model, loss, camera opt"):
-            assert steady.parts[part] > 0, (method, part, dict(steady.parts))
+            assert steady.parts[part] + steady.launch_parts[part] > 0, (method, part, dict(steady.parts))
+        assert steady.launch_parts["strategy"] > 0 or method != "splat-metal", dict(steady.launch_parts)
         # host-local reads: of tensors already on the host (an explicit copy, e.g. runtime.host_read, or
         # host-side step counters of an unfused optimizer), never a second sync
         assert all(

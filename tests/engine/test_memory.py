@@ -327,6 +327,37 @@ def test_running_statistics_without_host_read_equal_gsplat(absgrad):
     assert states[1]["count"].max() >= 2 and (states[1]["count"] < 3).any()  # visibility varied
 
 
+@pytest.mark.parametrize("absgrad", [False, True])
+@pytest.mark.parametrize("C", [1, 2])
+def test_running_statistics_kernel_equals_the_torch_ops(absgrad, C):
+    """With the metal backend (info["backend"]), _update_state runs one kernel (train.metal
+    densify_stats) for its 12 aten ops: count and radii are the same bits, grad2d within float32 rounding,
+    several cameras too (culled and non-square), and the first update allocates the state as the torch path
+    does."""
+    g = torch.Generator().manual_seed(5)
+    N = 70
+    states = []
+    for backend in ("reference", "metal"):
+        strategy = memory.BudgetedStrategy(absgrad=absgrad, refine_scale2d_stop_iter=100)
+        state = strategy.initialize_state(scene_scale=1.0)
+        params = {"means": torch.zeros(N, 3)}
+        g.manual_seed(5)
+        for step in range(3):
+            means2d = torch.zeros(C, N, 2, requires_grad=True)
+            means2d.grad = torch.randn(C, N, 2, generator=g) * 10.0 ** (step - 2)
+            means2d.absgrad = means2d.grad.abs() * 2
+            radii = torch.randint(-1, 9, (C, N), generator=g, dtype=torch.int32).clamp_min(0)
+            info = {"width": 96, "height": 64, "n_cameras": C, "radii": radii, "gaussian_ids": None,
+                    "means2d": means2d, "backend": backend}  # fmt: skip
+            strategy._update_state(params, state, info)
+        states.append(state)
+    assert torch.equal(states[0]["count"], states[1]["count"]) and torch.equal(states[0]["radii"], states[1]["radii"])
+    # the norm: float32 sqrt(x * x + y * y) in the kernel (as MPS computes it), PyTorch's CPU norm accumulates
+    # in double: at most an ulp or two apart
+    torch.testing.assert_close(states[1]["grad2d"], states[0]["grad2d"], rtol=3e-7, atol=0)
+    assert (states[1]["count"] > 0).any() and (states[1]["count"] < 3 * C).any()
+
+
 def test_depth_chunk_plan_is_skipped_only_well_under_the_budget():
     """render_budget: a training render skips chunked.plan (its host read) when the previous one used
     at most 1/PLAN_HEADROOM of the budget; first render, eval, after a refine, near the budget: plans."""

@@ -64,6 +64,7 @@ _FIXED_VARIANTS = {
     "sort": ("sort.metal", ()),
     "scan": ("scan.metal", ()),
     "covar": ("covar.metal", ()),
+    "train": ("train.metal", ()),
     "rasterize_rgb": ("rasterize.metal", (("SPLAT_CHANNELS", 3),)),
     "rasterize_rgbd": ("rasterize.metal", (("SPLAT_CHANNELS", 4),)),
     "rasterize_d": ("rasterize.metal", (("SPLAT_CHANNELS", 1),)),

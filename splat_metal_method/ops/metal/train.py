@@ -1,0 +1,43 @@
+"""Dispatch of train.metal: the training step's small per-element work outside the render, one launch
+each where PyTorch issued 5-15 aten ops (each an encode on MPS): gsplat's densification statistics
+(densify_stats), the NaN guard's flag (nonfinite_flag) and the background composite (composite). Their
+references are the PyTorch expressions they replace (engine/memory.py, engine/reliability.py,
+ops/composite.py), which run for every other backend."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .kernels import grid_1d, library
+
+
+def _lib(device: torch.device):
+    return library(device, "train.metal")
+
+
+def densify_stats(
+    grads: Tensor,  # [C, N, 2] means2d.grad or .absgrad, float32
+    radii: Tensor,  # [C, N] int32
+    grad2d: Tensor,  # [N] float32, updated in place
+    count: Tensor,  # [N] float32, updated in place
+    radii_max: Optional[Tensor],  # [N] float32, updated in place, or None (not tracked)
+    scale_x: float,  # W / 2 * C
+    scale_y: float,  # H / 2 * C
+    size: float,  # max(W, H)
+) -> None:
+    """gsplat 1.4 DefaultStrategy's running statistics of one render (memory.BudgetedStrategy._update_state),
+    in place, in one launch. No host sync."""
+    C, N = radii.shape
+    for name, t in (("grad2d", grad2d), ("count", count)) + ((("radii", radii_max),) if radii_max is not None else ()):
+        if tuple(t.shape) != (N,) or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"[densify_stats] {name} must be a contiguous [{N}] float32 tensor, got "
+                             f"{list(t.shape)} {t.dtype}")  # fmt: skip
+    if N == 0:
+        return
+    _lib(grads.device).densify_stats(
+        grads.contiguous(), radii.contiguous(), grad2d, count, radii_max if radii_max is not None else grad2d,
+        C, N, float(scale_x), float(scale_y), float(size), int(radii_max is not None), **grid_1d(N),
+    )  # fmt: skip
