@@ -187,7 +187,30 @@ class NonFiniteGuard:
         tensors = params + [p.grad for p in params if p.grad is not None]
         if not tensors:
             return None
+        if self._metal_flag(tensors):
+            # with the metal backend one kernel (ops/metal/train.metal nonfinite_flag) per 12 tensors and one
+            # allocation: 0, or NaN where anything is not finite (no overflowing sum, no false alarm)
+            from ..ops.metal.train import nonfinite_flag
+
+            return nonfinite_flag(tensors)
         return torch.stack(torch._foreach_norm(tensors, 1)).sum()
+
+    def _metal_flag(self, tensors) -> bool:
+        """Whether the flag runs as a Metal kernel: the model renders with the metal backend (its kernels
+        run where its tensors are) and every tensor is contiguous float32."""
+        if self.__dict__.get("_metal") is None:
+            backend = getattr(getattr(self.model, "config", None), "backend", None)
+            device = tensors[0].device
+            metal = False
+            if backend is not None and device.type in ("mps", "cpu"):
+                from ..ops import BackendUnavailable, resolve_backend
+
+                try:
+                    metal = resolve_backend(backend, device) == "metal"
+                except BackendUnavailable:  # an unusable backend fails the render itself, with its message
+                    metal = False
+            self._metal = metal
+        return self._metal and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
     def _all_finite(self) -> bool:
         """The flag, read at once (one host sync)."""

@@ -5,6 +5,7 @@ test_reliability_cli.py; the Trainer's parts (checkpoints, signals) are in test_
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from pathlib import Path
 
@@ -188,6 +189,36 @@ def test_flag_is_one_foreach_norm_and_reads_the_host_once():
     norms = led.aten_ops["_foreach_norm.Scalar"]
     assert norms >= 2 * len(model.gauss_params) and led.aten_dispatches == norms + 3, led.aten_ops
     assert [what for what, _ in led.host_reads] == ["_local_scalar_dense"]  # read at once off MPS
+
+
+def test_flag_is_a_kernel_with_the_metal_backend():
+    """With the metal backend the flag is train.metal's nonfinite_flag: one allocation and one launch per
+    12 tensors (here 14: 7 parameters and their gradients), 0 when all is finite, NaN for a NaN or an Inf
+    anywhere, the last element of any tensor included."""
+    import types
+
+    from splat_metal_method.bench import step_ledger
+    from splat_metal_method.ops.metal import runtime
+
+    model, optimizers, guard = make()
+    model.config = types.SimpleNamespace(backend="metal")
+    train_step(model, optimizers)
+    runtime.reset_launch_counts()
+    with step_ledger.count("guard") as led:
+        flag = guard._flag()
+    assert led.aten_dispatches == 1 and led.kernel_launches == 2, (dict(led.aten_ops), led.kernels)
+    assert float(flag) == 0.0 and guard._all_finite()
+    tensors = list(model.gauss_params.values()) + [model.camera_opt]
+    tensors += [t.grad for t in tensors]
+    for k, t in enumerate(tensors):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            flat = t.detach().view(-1)
+            i = [0, flat.numel() - 1, flat.numel() // 2][k % 3]
+            old = flat[i].item()
+            flat[i] = bad
+            assert math.isnan(float(guard._flag())), (k, i, bad)
+            flat[i] = old
+    assert float(guard._flag()) == 0.0
 
 
 @pytest.mark.parametrize("where", ["value", "gradient"])

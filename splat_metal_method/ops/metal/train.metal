@@ -50,3 +50,56 @@ kernel void densify_stats(
     radii_max[n] = (isnan(old) || old >= r) ? old : r;  // torch.maximum (NaN propagates)
   }
 }
+
+// nonfinite_flag: the NaN guard's verdict (engine/reliability.py) over up to SPLAT_FLAG_SLOTS tensors
+// at once: flag[0] is set to NaN when any element of any tensor is NaN or +-Inf, and left as it is
+// otherwise (the host zeroes it once per step; several launches share it). One thread per
+// FLAG_RUN consecutive elements of the longest tensor; a thread reads the same run of every tensor.
+// Why it is shaped so: the guard ran one norm per tensor (MPS has no foreach kernels), a stack and a
+// sum every step. Racing threads store the same NaN (no read-modify-write), so no atomics are needed.
+// Bounds: slot k is read only below n[k] (0 for an unused slot, which is bound to a placeholder).
+#define SPLAT_FLAG_SLOTS 12
+#define FLAG_RUN 16
+inline bool flag_run_finite(const device float* t, long n, long start) {
+  bool ok = true;
+  const long end = min(start + (long)FLAG_RUN, n);
+  for (long i = start; i < end; ++i) {
+    ok = ok && isfinite(t[i]);
+  }
+  return ok;
+}
+
+[[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
+kernel void nonfinite_flag(
+    const device float* t0 [[buffer(0)]], const device float* t1 [[buffer(1)]],
+    const device float* t2 [[buffer(2)]], const device float* t3 [[buffer(3)]],
+    const device float* t4 [[buffer(4)]], const device float* t5 [[buffer(5)]],
+    const device float* t6 [[buffer(6)]], const device float* t7 [[buffer(7)]],
+    const device float* t8 [[buffer(8)]], const device float* t9 [[buffer(9)]],
+    const device float* t10 [[buffer(10)]], const device float* t11 [[buffer(11)]],
+    constant long& n0 [[buffer(12)]], constant long& n1 [[buffer(13)]],
+    constant long& n2 [[buffer(14)]], constant long& n3 [[buffer(15)]],
+    constant long& n4 [[buffer(16)]], constant long& n5 [[buffer(17)]],
+    constant long& n6 [[buffer(18)]], constant long& n7 [[buffer(19)]],
+    constant long& n8 [[buffer(20)]], constant long& n9 [[buffer(21)]],
+    constant long& n10 [[buffer(22)]], constant long& n11 [[buffer(23)]],
+    device float* flag [[buffer(24)]],  // [1]
+    uint i [[thread_position_in_grid]]) {
+  const long start = (long)i * FLAG_RUN;
+  bool ok = true;
+  ok = ok && flag_run_finite(t0, n0, start);
+  ok = ok && flag_run_finite(t1, n1, start);
+  ok = ok && flag_run_finite(t2, n2, start);
+  ok = ok && flag_run_finite(t3, n3, start);
+  ok = ok && flag_run_finite(t4, n4, start);
+  ok = ok && flag_run_finite(t5, n5, start);
+  ok = ok && flag_run_finite(t6, n6, start);
+  ok = ok && flag_run_finite(t7, n7, start);
+  ok = ok && flag_run_finite(t8, n8, start);
+  ok = ok && flag_run_finite(t9, n9, start);
+  ok = ok && flag_run_finite(t10, n10, start);
+  ok = ok && flag_run_finite(t11, n11, start);
+  if (!ok) {
+    flag[0] = as_type<float>(0x7fc00000u);  // a quiet NaN
+  }
+}

@@ -6,12 +6,15 @@ ops/composite.py), which run for every other backend."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from .kernels import grid_1d, library
+
+FLAG_SLOTS = 12  # tensors one nonfinite_flag launch reads (train.metal SPLAT_FLAG_SLOTS)
+FLAG_RUN = 16  # consecutive elements one thread of nonfinite_flag reads (train.metal FLAG_RUN)
 
 
 def _lib(device: torch.device):
@@ -41,3 +44,18 @@ def densify_stats(
         grads.contiguous(), radii.contiguous(), grad2d, count, radii_max if radii_max is not None else grad2d,
         C, N, float(scale_x), float(scale_y), float(size), int(radii_max is not None), **grid_1d(N),
     )  # fmt: skip
+
+
+def nonfinite_flag(tensors: Sequence[Tensor]) -> Tensor:
+    """A [1] float32 device tensor: 0 when every element of every tensor is finite, NaN otherwise. One
+    allocation and one launch per FLAG_SLOTS tensors (float32, contiguous). No host sync."""
+    device = tensors[0].device
+    flag = torch.zeros((1,), dtype=torch.float32, device=device)
+    for start in range(0, len(tensors), FLAG_SLOTS):
+        batch = [t for t in tensors[start : start + FLAG_SLOTS]]
+        lengths = [t.numel() for t in batch] + [0] * (FLAG_SLOTS - len(batch))
+        buffers = [t.contiguous() for t in batch] + [flag] * (FLAG_SLOTS - len(batch))
+        runs = -(-max(lengths) // FLAG_RUN)
+        if runs > 0:
+            _lib(device).nonfinite_flag(*buffers, *lengths, flag, **grid_1d(runs))
+    return flag
