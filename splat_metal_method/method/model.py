@@ -26,6 +26,7 @@ from nerfstudio.utils.rich_utils import CONSOLE
 
 from ..engine import distributed, memory, reliability
 from ..ops import rasterization
+from ..ops.composite import composite_background
 from ..ops.loss import l1_ssim_loss
 from ..ops.ssim import FusedSSIM
 from ..verify import self_check
@@ -339,8 +340,8 @@ class SplatMetalModel(SplatfactoModel):
             )
 
         background = self._get_background_color().to(device)
-        color = render if render.shape[-1] == 3 else render[..., :3]  # "RGB": no slicing view
-        rgb = torch.clamp(color + (1 - alpha) * background, 0.0, 1.0)
+        # clamp(color + (1 - alpha) * background, 0, 1): one kernel each way on the metal backend (ops/composite.py)
+        rgb = composite_background(render, alpha, background, backend)
         if self.config.use_bilateral_grid and self.training:
             if camera.metadata is not None and "cam_idx" in camera.metadata:
                 rgb = self._apply_bilateral_grid(rgb, camera.metadata["cam_idx"], H, W)

@@ -103,3 +103,61 @@ kernel void nonfinite_flag(
     flag[0] = as_type<float>(0x7fc00000u);  // a quiet NaN
   }
 }
+
+// composite_fwd: splatfacto's rgb = clamp(color + (1 - alpha) * background, 0, 1) of one rendered
+// camera, one thread per pixel p < P, in PyTorch's float32 operations and order (so the same bits);
+// clamp as torch.clamp (NaN stays NaN). color is [P, D] with D >= 3 (only the first 3 channels are
+// composited: "RGB+ED" renders carry depth last), alpha [P], background [3].
+inline float composite_clamp(float x) {
+  return isnan(x) ? x : min(max(x, 0.0f), 1.0f);
+}
+
+[[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
+kernel void composite_fwd(
+    const device float* color [[buffer(0)]],       // [P, D]
+    const device float* alpha [[buffer(1)]],       // [P]
+    const device float* background [[buffer(2)]],  // [3]
+    device float* rgb [[buffer(3)]],               // [P, 3]
+    constant long& P [[buffer(4)]],
+    constant long& D [[buffer(5)]],
+    uint p [[thread_position_in_grid]]) {
+  if ((long)p >= P) {
+    return;
+  }
+  const float t = 1.0f - alpha[p];
+  for (int k = 0; k < 3; ++k) {
+    rgb[3 * (long)p + k] = composite_clamp(color[D * (long)p + k] + t * background[k]);
+  }
+}
+
+// composite_bwd: the gradient of composite_fwd, as autograd takes it: clamp passes the gradient where
+// min <= x <= max (x recomputed in the same operations), v_color = that; v_alpha = -sum_k v_x[k] bg[k]
+// (the channel sum of the broadcast product, in channel order). v_color is [P, D]: channels past 3
+// (depth) get 0.
+[[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
+kernel void composite_bwd(
+    const device float* color [[buffer(0)]],       // [P, D]
+    const device float* alpha [[buffer(1)]],       // [P]
+    const device float* background [[buffer(2)]],  // [3]
+    const device float* v_rgb [[buffer(3)]],       // [P, 3]
+    device float* v_color [[buffer(4)]],           // [P, D]
+    device float* v_alpha [[buffer(5)]],           // [P]
+    constant long& P [[buffer(6)]],
+    constant long& D [[buffer(7)]],
+    uint p [[thread_position_in_grid]]) {
+  if ((long)p >= P) {
+    return;
+  }
+  const float t = 1.0f - alpha[p];
+  float v_t = 0.0f;
+  for (int k = 0; k < 3; ++k) {
+    const float x = color[D * (long)p + k] + t * background[k];
+    const float g = (x >= 0.0f && x <= 1.0f) ? v_rgb[3 * (long)p + k] : 0.0f;
+    v_color[D * (long)p + k] = g;
+    v_t += g * background[k];
+  }
+  for (long k = 3; k < D; ++k) {
+    v_color[D * (long)p + k] = 0.0f;
+  }
+  v_alpha[p] = -v_t;
+}

@@ -59,3 +59,35 @@ def nonfinite_flag(tensors: Sequence[Tensor]) -> Tensor:
         if runs > 0:
             _lib(device).nonfinite_flag(*buffers, *lengths, flag, **grid_1d(runs))
     return flag
+
+
+class CompositeFn(torch.autograd.Function):
+    """rgb = clamp(color[..., :3] + (1 - alpha) * background, 0, 1): composite_fwd / composite_bwd."""
+
+    @staticmethod
+    def forward(ctx, color, alpha, background):
+        P, D = alpha.numel(), color.shape[-1]
+        rgb = torch.empty(color.shape[:-1] + (3,), dtype=torch.float32, device=color.device)
+        if P > 0:
+            _lib(color.device).composite_fwd(color, alpha, background, rgb, P, D, **grid_1d(P))
+        ctx.save_for_backward(color, alpha, background)
+        return rgb
+
+    @staticmethod
+    def backward(ctx, v_rgb):
+        color, alpha, background = ctx.saved_tensors
+        P, D = alpha.numel(), color.shape[-1]
+        v_color = torch.empty(color.shape, dtype=torch.float32, device=color.device)
+        v_alpha = torch.empty(alpha.shape, dtype=torch.float32, device=color.device)
+        if P > 0:
+            _lib(color.device).composite_bwd(color, alpha, background, v_rgb.contiguous(), v_color, v_alpha, P, D,
+                                             **grid_1d(P))  # fmt: skip
+        return v_color, v_alpha, None
+
+
+def composite(
+    color: Tensor,  # [..., D] float32 contiguous, D >= 3 (channels past 3 are not composited)
+    alpha: Tensor,  # [..., 1] float32 contiguous
+    background: Tensor,  # [3] float32 contiguous, no gradient
+) -> Tensor:  # [..., 3]
+    return CompositeFn.apply(color, alpha, background)
