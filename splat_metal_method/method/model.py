@@ -284,7 +284,9 @@ class SplatMetalModel(SplatfactoModel):
                     int(camera.width.item()), int(camera.height.item()), self.background_color
                 )
             params = {k: v[crop_ids] for k, v in params.items()}
-        colors = torch.cat((params["features_dc"][:, None, :], params["features_rest"]), dim=1)  # [N, K, 3]
+        # Parameters as stored: rasterization applies exp, sigmoid and the SH bands' concatenation (inside the
+        # metal backend's kernels, about 15 aten ops a step fewer; before the stages on the others).
+        colors, colors_rest = params["features_dc"], params["features_rest"]  # [N, 3], [N, K-1, 3]
 
         if self.training:
             # Sizes as Python ints, noted from the dataset's host cameras before training: a read of
@@ -304,20 +306,28 @@ class SplatMetalModel(SplatfactoModel):
         self.last_size = (H, W)
 
         render_mode = "RGB+ED" if (self.config.output_depth_during_training or not self.training) else "RGB"
+        raw = {"scales_are_log": True, "opacities_are_logits": True, "colors_rest": colors_rest}
+        scales, opacities = params["scales"], params["opacities"]
         if self.config.sh_degree > 0:
             sh_degree = min(self.step // self.config.sh_degree_interval, self.config.sh_degree)
         else:
-            colors, sh_degree = torch.sigmoid(colors).squeeze(1), None  # [N, 3]
+            colors = torch.cat((colors[:, None, :], colors_rest), dim=1)  # [N, K, 3]
+            colors, sh_degree, raw["colors_rest"] = torch.sigmoid(colors).squeeze(1), None, None  # [N, 3]
 
         # A distributed training step renders this rank's camera from every rank's shard (ops/distributed.py).
         rasterize = rasterization
         if self.training and distributed.active():
             from ..ops.distributed import distributed_rasterization as rasterize
+
+            if raw["colors_rest"] is not None:
+                colors = torch.cat((colors[:, None, :], colors_rest), dim=1)  # [N, K, 3]
+            scales, opacities = torch.exp(scales), torch.sigmoid(opacities).squeeze(-1)
+            raw = {}
         render, alpha, self.info = rasterize(
             means=params["means"],
             quats=params["quats"],
-            scales=torch.exp(params["scales"]),
-            opacities=torch.sigmoid(params["opacities"]).squeeze(-1),
+            scales=scales,
+            opacities=opacities,
             colors=colors,
             viewmats=viewmat,
             Ks=K,
@@ -332,6 +342,7 @@ class SplatMetalModel(SplatfactoModel):
             rasterize_mode=self.config.rasterize_mode,
             backend=backend,
             max_intersections=self.memory.render_budget(self.training),
+            **raw,
         )
         self.memory.note_render(self.training, self.info)
         if self.training:

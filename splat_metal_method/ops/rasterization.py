@@ -196,58 +196,22 @@ def _check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degr
         fail(f"backgrounds must be [C,D] with C={C}, D={colors.shape[-1]} like colors, got {list(backgrounds.shape)}")
 
 
-def rasterization(
-    means: Tensor,  # [N, 3]
-    quats: Tensor,  # [N, 4] wxyz (normalised internally)
-    scales: Tensor,  # [N, 3]
-    opacities: Tensor,  # [N]
-    colors: Tensor,  # [N, D] post-activation, or [N, K, 3] SH coefficients with sh_degree
-    viewmats: Tensor,  # [C, 4, 4] world -> camera
-    Ks: Tensor,  # [C, 3, 3]
-    width: int,
-    height: int,
-    near_plane: float = 0.01,
-    far_plane: float = 1e10,
-    radius_clip: float = 0.0,
-    eps2d: float = EPS2D,
-    sh_degree: Optional[int] = None,
-    packed: bool = False,
-    tile_size: int = TILE_SIZE,
-    backgrounds: Optional[Tensor] = None,  # [C, D]
-    render_mode: str = "RGB",
-    sparse_grad: bool = False,
-    absgrad: bool = False,
-    rasterize_mode: str = "classic",
-    backend: str = "auto",
-    max_intersections: Optional[int] = None,
-) -> Tuple[Tensor, Tensor, Dict]:
-    """Renders C cameras. Returns render_colors [C,H,W,D'], render_alphas [C,H,W,1] and the meta
-    dict gsplat 1.4's DefaultStrategy reads (means2d with grad and, if asked, absgrad; radii [C,N];
-    width; height; n_cameras; ...).
+class _Shaped:
+    """What _check_inputs reads of a tensor (shape, dim(), device), for a tensor not materialised."""
 
-    ``max_intersections`` (not a gsplat argument): when the render's tile intersections exceed it,
-    it is rasterized in depth chunks with the same result (ops/chunked.py); meta then has
-    ``depth_chunks`` > 1 and no isect_ids/flatten_ids/isect_offsets. Ignored by backend "gsplat"."""
-    _check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds,
-                  tile_size)  # fmt: skip
-    if rasterize_mode not in ("classic", "antialiased"):
-        raise ValueError(f"[rasterization] rasterize_mode must be 'classic' or 'antialiased', got {rasterize_mode!r}")
-    name = resolve_backend(backend, means.device)
-    if name == "gsplat":
-        from gsplat.rendering import rasterization as gsplat_rasterization
+    def __init__(self, shape, device):
+        self.shape, self.device = torch.Size(shape), device
 
-        quats = zero_quats_to_identity(quats)
-        return gsplat_rasterization(
-            means, quats, scales, opacities, colors, viewmats, Ks, width, height,
-            near_plane=near_plane, far_plane=far_plane, radius_clip=radius_clip, eps2d=eps2d,
-            sh_degree=sh_degree, packed=packed, tile_size=tile_size, backgrounds=backgrounds,
-            render_mode=render_mode, sparse_grad=sparse_grad, absgrad=absgrad, rasterize_mode=rasterize_mode,
-        )  # fmt: skip
-    if packed or sparse_grad:
-        raise ValueError(f"[rasterization] packed/sparse_grad are only supported by backend 'gsplat' (using {name!r})")
-    ops = backend_module(name)
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+def _project_and_cull(ops, means, quats, scales, opacities, colors, viewmats, Ks, width, height, eps2d, near_plane,
+                      far_plane, radius_clip, rasterize_mode, sh_degree):  # fmt: skip
+    """The backend's project and spherical_harmonics stages and the culling between them (the oracle of
+    the metal backend's fused preparation, ops/metal/prepare.py): radii, means2d, depths, conics,
+    opacities [C, N] (culled 0, x compensations) and colours [C, N, D]."""
     C, N = viewmats.shape[0], means.shape[0]
-
     # Non-finite inputs (README "Known limits"). Projection culls a gaussian with a non-finite mean,
     # quaternion or scale and a camera with a non-finite view matrix itself (every backend, explicitly);
     # what it cannot see is culled here, the same way for every backend: a gaussian with a non-finite
@@ -298,6 +262,111 @@ def rasterization(
         dirs = means[None, :, :] - campos[:, None, :]  # [C, N, 3]
         coeffs = colors[None] if C == 1 else colors.expand(C, -1, -1, -1)  # [C, N, K, 3] (backward: 1 op for C == 1)
         colors = ops.spherical_harmonics(sh_degree, dirs, coeffs, radii > 0, activate=True)  # clamp_min(c + 0.5, 0)
+    return radii, means2d, depths, conics, opacities, colors
+
+
+def rasterization(
+    means: Tensor,  # [N, 3]
+    quats: Tensor,  # [N, 4] wxyz (normalised internally)
+    scales: Tensor,  # [N, 3]
+    opacities: Tensor,  # [N]
+    colors: Tensor,  # [N, D] post-activation, or [N, K, 3] SH coefficients with sh_degree
+    viewmats: Tensor,  # [C, 4, 4] world -> camera
+    Ks: Tensor,  # [C, 3, 3]
+    width: int,
+    height: int,
+    near_plane: float = 0.01,
+    far_plane: float = 1e10,
+    radius_clip: float = 0.0,
+    eps2d: float = EPS2D,
+    sh_degree: Optional[int] = None,
+    packed: bool = False,
+    tile_size: int = TILE_SIZE,
+    backgrounds: Optional[Tensor] = None,  # [C, D]
+    render_mode: str = "RGB",
+    sparse_grad: bool = False,
+    absgrad: bool = False,
+    rasterize_mode: str = "classic",
+    backend: str = "auto",
+    max_intersections: Optional[int] = None,
+    scales_are_log: bool = False,
+    opacities_are_logits: bool = False,
+    colors_rest: Optional[Tensor] = None,  # [N, K-1, 3]
+) -> Tuple[Tensor, Tensor, Dict]:
+    """Renders C cameras. Returns render_colors [C,H,W,D'], render_alphas [C,H,W,1] and the meta
+    dict gsplat 1.4's DefaultStrategy reads (means2d with grad and, if asked, absgrad; radii [C,N];
+    width; height; n_cameras; ...).
+
+    ``max_intersections`` (not a gsplat argument): when the render's tile intersections exceed it,
+    it is rasterized in depth chunks with the same result (ops/chunked.py); meta then has
+    ``depth_chunks`` > 1 and no isect_ids/flatten_ids/isect_offsets. Ignored by backend "gsplat".
+
+    Parameters as splatfacto stores them (not gsplat arguments): ``scales_are_log`` (scales are
+    log-scales: exp is applied), ``opacities_are_logits`` (opacities [N] or [N, 1] are logits: sigmoid),
+    ``colors_rest`` (with sh_degree: colors is the SH band 0 [N, 3] and colors_rest the others
+    [N, K-1, 3]). The metal backend applies them inside its kernels (ops/metal/prepare.py); the others
+    apply them first, as splatfacto does, with the same result."""
+    if rasterize_mode not in ("classic", "antialiased"):
+        raise ValueError(f"[rasterization] rasterize_mode must be 'classic' or 'antialiased', got {rasterize_mode!r}")
+    name = resolve_backend(backend, means.device)
+    ops = backend_module(name) if name != "gsplat" else None
+    fused = (
+        getattr(ops, "project_and_shade", None) is not None and sh_degree is not None and not packed
+        and not (torch.is_grad_enabled() and viewmats.requires_grad)
+        and all(t.dtype == torch.float32 and t.is_contiguous() for t in (means, quats, scales, opacities, colors))
+        and (colors_rest is None or (colors_rest.dtype == torch.float32 and colors_rest.is_contiguous()))
+    )  # fmt: skip
+    raw = (scales_are_log, opacities_are_logits, colors_rest is not None)
+    if fused:  # the same checks, of the activated shapes (no view op: each is an encode on MPS)
+        N = means.shape[0] if means.dim() == 2 else -1
+        if opacities_are_logits and tuple(opacities.shape) in ((N,), (N, 1)):
+            opacities_as = _Shaped((N,), opacities.device)
+        else:
+            opacities_as = opacities
+        colors_as = colors
+        if colors_rest is not None:
+            if tuple(colors.shape) not in ((N, 3), (N, 1, 3)) or colors_rest.dim() != 3 or colors_rest.shape[0] != N:
+                raise ValueError(f"[rasterization] with colors_rest, colors must be [N,3] or [N,1,3] and colors_rest "
+                                 f"[N,K-1,3], got {list(colors.shape)} and {list(colors_rest.shape)} (N={N})")  # fmt: skip
+            colors_as = _Shaped((N, 1 + colors_rest.shape[1], colors_rest.shape[2]), colors.device)
+        _check_inputs(means, quats, scales, opacities_as, colors_as, viewmats, Ks, sh_degree, render_mode, backgrounds,
+                      tile_size)  # fmt: skip
+    if not fused and any(raw):  # as splatfacto's get_outputs, before calling gsplat
+        if colors_rest is not None:
+            if sh_degree is None:
+                raise ValueError("[rasterization] colors_rest needs sh_degree (SH coefficients)")
+            colors = torch.cat((colors.reshape(colors.shape[0], 1, 3), colors_rest), dim=1)
+        scales = torch.exp(scales) if scales_are_log else scales
+        opacities = torch.sigmoid(opacities).reshape(-1) if opacities_are_logits else opacities
+    if not fused:
+        _check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds,
+                      tile_size)  # fmt: skip
+    if name == "gsplat":
+        from gsplat.rendering import rasterization as gsplat_rasterization
+
+        quats = zero_quats_to_identity(quats)
+        return gsplat_rasterization(
+            means, quats, scales, opacities, colors, viewmats, Ks, width, height,
+            near_plane=near_plane, far_plane=far_plane, radius_clip=radius_clip, eps2d=eps2d,
+            sh_degree=sh_degree, packed=packed, tile_size=tile_size, backgrounds=backgrounds,
+            render_mode=render_mode, sparse_grad=sparse_grad, absgrad=absgrad, rasterize_mode=rasterize_mode,
+        )  # fmt: skip
+    if packed or sparse_grad:
+        raise ValueError(f"[rasterization] packed/sparse_grad are only supported by backend 'gsplat' (using {name!r})")
+    C, N = viewmats.shape[0], means.shape[0]
+    if fused:  # the metal backend: projection, the culling below and SH colours in its kernels (prepare.py)
+        with torch.no_grad():
+            inv_viewmats = torch.linalg.inv_ex(viewmats)[0]  # [C, 4, 4]
+        radii, means2d, depths, conics, opacities, colors = ops.project_and_shade(
+            means, quats, scales, opacities, colors, colors_rest, viewmats, Ks, inv_viewmats, width, height, eps2d,
+            near_plane, far_plane, radius_clip, rasterize_mode == "antialiased", sh_degree, scales_are_log,
+            opacities_are_logits,
+        )  # fmt: skip
+    else:
+        radii, means2d, depths, conics, opacities, colors = _project_and_cull(
+            ops, means, quats, scales, opacities, colors, viewmats, Ks, width, height, eps2d, near_plane, far_plane,
+            radius_clip, rasterize_mode, sh_degree,
+        )  # fmt: skip
 
     if render_mode in ("RGB+D", "RGB+ED"):
         colors = torch.cat([colors, depths[..., None]], dim=-1)

@@ -23,6 +23,7 @@ from ..autograd_stages import ProjectFn, SphericalHarmonicsFn, resumed_transmitt
 from ..constants import TRANSMITTANCE_MIN
 from . import rasterize as _rasterize  # _rasterize.RASTER_CHUNK read at each call (tests lower it)
 from .isect import isect_offset_encode_fwd, isect_tiles_fwd
+from .prepare import project_and_shade
 from .project import project_fwd
 from .project_bwd import project_bwd
 from .rasterize import plan_passes, rasterize_to_pixels_fwd
@@ -38,6 +39,7 @@ __all__ = [
     "rasterize_to_pixels",
     "rasterize_to_pixels_fwd",
     "rasterize_depth_chunk",
+    "project_and_shade",  # not a contract stage: rasterization.py's fused preparation (prepare.py)
 ]
 
 

@@ -2,6 +2,14 @@
 // non-packed, pinhole). Backward kernels will live next to the forward one.
 // Compiled after common.h: kernels.py prepends it (compile_shader has no include path).
 
+// Flags of the fused preparation (project_fwd, project_bwd; prepare.py passes them).
+#define PROJECT_FUSED 1              // cull as rasterization.py's glue, write opacities_out / v_opacities
+#define PROJECT_EXP_SCALES 2         // scales are logs: exp here, and the chain rule in backward
+#define PROJECT_SIGMOID_OPACITIES 4  // opacities are logits: sigmoid here, and its derivative in backward
+#define PROJECT_CAMPOS 8             // inv_viewmats is bound (SH colours): culls a camera whose position is not finite
+#define PROJECT_MEANS_SH 16          // backward: v_means_sh (the SH directions' gradient) is added to v_means
+#define PROJECT_SH_APART 64          // the SH bands as splatfacto keeps them: band 0 and the others in two tensors
+
 // project_fwd: one thread per (camera, gaussian), flat index idx = c*N + n < C*N.
 // Why it is shaped so: each output element depends on one gaussian and one camera only, so threads
 // are independent (no barriers, no shared memory) and a thread may return early.
@@ -39,12 +47,54 @@ kernel void project_fwd(
     constant float& far_plane [[buffer(16)]],
     constant float& radius_clip [[buffer(17)]],
     constant long& calc_comp [[buffer(18)]],
+    // The fused preparation (prepare.py, PROJECT_* flags; 0: the plain stage, buffers 19-23 are placeholders):
+    const device float* opacities [[buffer(19)]],  // [N] (logits with PROJECT_SIGMOID_OPACITIES)
+    const device float* sh_dc [[buffer(20)]],      // SH band 0: [N, 3] with PROJECT_SH_APART, else [N, K, 3] (all bands)
+    const device float* sh_rest [[buffer(21)]],    // SH bands 1..K-1: [N, K-1, 3] with PROJECT_SH_APART, else = sh_dc
+    const device float* inv_viewmats [[buffer(22)]],  // [C, 4, 4] inv(viewmats): camera c's position at [c, 0:3, 3]
+    device float* opacities_out [[buffer(23)]],    // [C, N] opacity (x compensation) the rasterizer composites
+    constant long& flags [[buffer(24)]],
+    constant long& sh_k [[buffer(25)]],  // SH coefficients per gaussian (K)
+    constant long& inv_row_stride [[buffer(26)]],  // inv_viewmats[c, r, k] at c * 16 + r * row + k * col
+    constant long& inv_col_stride [[buffer(27)]],  // (torch.linalg.inv_ex returns column-major matrices)
     uint idx [[thread_position_in_grid]]) {
   if ((long)idx >= C * N) {
     return;
   }
   const long cam = (long)idx / N;
   const long g = (long)idx - cam * N;
+  const bool fused = (flags & PROJECT_FUSED) != 0;
+  // Fused: what rasterization.py's glue culls besides projection (its "x * 0 == 0" tests): a gaussian
+  // whose activated opacity or any of its sh_k SH coefficients is not finite, and a camera whose 16 view
+  // matrix entries or position are not finite. Culled there: zeros below and opacity 0; kept: the
+  // opacity times the compensation (0 where projection culls), written at the end.
+  float opacity = 0.0f;
+  bool keep = true;
+  if (fused) {
+    opacity = opacities[g];
+    if ((flags & PROJECT_SIGMOID_OPACITIES) != 0) {
+      opacity = 1.0f / (1.0f + exp(-opacity));
+    }
+    keep = isfinite(opacity);
+    const bool apart = (flags & PROJECT_SH_APART) != 0;
+    const long dc_stride = apart ? 3 : 3 * sh_k, rest_stride = apart ? 3 * (sh_k - 1) : 3 * sh_k;
+    const long rest_offset = apart ? 0 : 3;
+    for (long k = 0; k < 3; ++k) {
+      keep = keep && isfinite(sh_dc[g * dc_stride + k]);
+    }
+    for (long k = 0; k < 3 * (sh_k - 1); ++k) {
+      keep = keep && isfinite(sh_rest[g * rest_stride + rest_offset + k]);
+    }
+    const device float* Vc = viewmats + cam * 16;
+    for (int k = 0; k < 16; ++k) {
+      keep = keep && isfinite(Vc[k]);
+    }
+    if ((flags & PROJECT_CAMPOS) != 0) {
+      const device float* Vi = inv_viewmats + cam * 16 + 3 * inv_col_stride;
+      keep = keep && isfinite(Vi[0]) && isfinite(Vi[inv_row_stride]) && isfinite(Vi[2 * inv_row_stride]);
+    }
+    opacities_out[idx] = (keep && calc_comp == 0) ? opacity : 0.0f;
+  }
 
   // Culled entries: zeros everywhere (overwritten below if the gaussian survives).
   radii[idx] = 0;
@@ -64,8 +114,13 @@ kernel void project_fwd(
   const float mx = means[3 * g + 0], my = means[3 * g + 1], mz = means[3 * g + 2];
   // Non-finite or overflowing parameters, or a non-finite camera: culled (explicit; README Known limits).
   const device float* q = quats + 4 * g;
-  if (!splat_params_finite(mx, my, mz, q[0], q[1], q[2], q[3], scales[3 * g + 0], scales[3 * g + 1],
-                           scales[3 * g + 2]) ||
+  float s0 = scales[3 * g + 0], s1 = scales[3 * g + 1], s2 = scales[3 * g + 2];
+  if ((flags & PROJECT_EXP_SCALES) != 0) {  // log-scales, as splatfacto stores them
+    s0 = exp(s0);
+    s1 = exp(s1);
+    s2 = exp(s2);
+  }
+  if (!keep || !splat_params_finite(mx, my, mz, q[0], q[1], q[2], q[3], s0, s1, s2) ||
       !splat_viewmat_finite(V[0], V[1], V[2], V[3], V[4], V[5], V[6], V[7], V[8], V[9], V[10], V[11])) {
     return;
   }
@@ -77,8 +132,7 @@ kernel void project_fwd(
   }
 
   // covar = (R S)(R S)^T, R from the normalised quaternion (covar.h, shared with the CPU backend).
-  const SplatMat3 cov = splat_covariance(splat_quat_to_rotmat(q[0], q[1], q[2], q[3]), scales[3 * g + 0],
-                                         scales[3 * g + 1], scales[3 * g + 2]);
+  const SplatMat3 cov = splat_covariance(splat_quat_to_rotmat(q[0], q[1], q[2], q[3]), s0, s1, s2);
   float tmp[9];
   mat3_mul(Rv, cov.m, tmp);
   float covc[9];  // camera-space covariance Rv cov Rv^T
@@ -144,5 +198,8 @@ kernel void project_fwd(
   conics[3 * idx + 2] = conic_c;
   if (calc_comp != 0) {
     compensations[idx] = ratio > 0.0f ? sqrt(ratio) : 0.0f;
+  }
+  if (fused) {
+    opacities_out[idx] = calc_comp != 0 ? opacity * compensations[idx] : opacity;
   }
 }

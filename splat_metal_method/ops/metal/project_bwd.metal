@@ -61,6 +61,15 @@ inline void mat3_mul_at(thread const float* a, thread const float* b, thread flo
 #error "SPLAT_PROJECT_BWD_GROUP must be a positive multiple of 32"
 #endif
 #define PROJECT_BWD_MAX_SIMDGROUPS (SPLAT_PROJECT_BWD_GROUP / 8)
+// Flags of the fused preparation (as project.metal). Fused, the backward also takes the glue's steps in
+// reverse: v_opacity = v_opacities_out x compensation (0 where culled: radius 0), v_compensation =
+// v_opacities_out x opacity, then sigmoid's derivative (g (1 - y) y, as PyTorch's sigmoid_backward) and
+// exp's (g exp(s)) for raw parameters, and the SH directions' gradient added to v_means.
+#define PROJECT_FUSED 1
+#define PROJECT_EXP_SCALES 2
+#define PROJECT_SIGMOID_OPACITIES 4
+#define PROJECT_MEANS_SH 16
+#define PROJECT_NO_V_DEPTHS 32  // the depths fed nothing: v_depths is a placeholder, read as 0
 [[max_total_threads_per_threadgroup(SPLAT_PROJECT_BWD_GROUP)]]
 kernel void project_bwd(
     const device float* means [[buffer(0)]],       // [N, 3]
@@ -84,6 +93,13 @@ kernel void project_bwd(
     constant long& calc_comp [[buffer(18)]],
     constant long& calc_camera [[buffer(19)]],
     constant long& n_groups [[buffer(20)]],
+    // The fused preparation (prepare.py; flags 0: the plain stage, buffers 21-24 are placeholders):
+    const device float* opacities [[buffer(21)]],    // [N] the forward's input (logits with PROJECT_SIGMOID_OPACITIES)
+    const device float* v_opacities_out [[buffer(22)]],  // [C, N] d loss / d opacities_out
+    const device float* v_means_sh [[buffer(23)]],   // [C, N, 3] d loss / d SH directions (PROJECT_MEANS_SH); may be
+                                                     // v_means itself (each thread reads its row before writing it)
+    device float* v_opacities [[buffer(24)]],        // [C, N] d loss / d opacities (the input)
+    constant long& flags [[buffer(25)]],
     uint2 gpos [[thread_position_in_grid]],
     uint2 tgp [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -117,7 +133,19 @@ kernel void project_bwd(
         1.0f - 2.0f * (qy * qy + qz * qz), 2.0f * (qx * qy - qw * qz), 2.0f * (qx * qz + qw * qy),
         2.0f * (qx * qy + qw * qz), 1.0f - 2.0f * (qx * qx + qz * qz), 2.0f * (qy * qz - qw * qx),
         2.0f * (qx * qz - qw * qy), 2.0f * (qy * qz + qw * qx), 1.0f - 2.0f * (qx * qx + qy * qy)};
-    const float s[3] = {scales[3 * g + 0], scales[3 * g + 1], scales[3 * g + 2]};
+    float s[3] = {scales[3 * g + 0], scales[3 * g + 1], scales[3 * g + 2]};
+    if ((flags & PROJECT_EXP_SCALES) != 0) {
+      s[0] = exp(s[0]);
+      s[1] = exp(s[1]);
+      s[2] = exp(s[2]);
+    }
+    float opacity = 0.0f;  // activated (fused)
+    if ((flags & PROJECT_FUSED) != 0) {
+      opacity = opacities[g];
+      if ((flags & PROJECT_SIGMOID_OPACITIES) != 0) {
+        opacity = 1.0f / (1.0f + exp(-opacity));
+      }
+    }
     float M[9];
     for (int r = 0; r < 3; ++r) {
       for (int c = 0; c < 3; ++c) {
@@ -171,10 +199,18 @@ kernel void project_bwd(
     const device float* vc = v_conics + 3 * idx;
     float G00, G01, G11;
     inverse_vjp2(P00, P01, P11, vc[0], 0.5f * vc[1], vc[2], &G00, &G01, &G11);
+    float v_opacity = 0.0f;
+    if ((flags & PROJECT_FUSED) != 0) {
+      v_opacity = v_opacities_out[idx];
+    }
     if (calc_comp != 0) {
       const float ratio = det_orig / det;
+      if ((flags & PROJECT_FUSED) != 0) {
+        v_opacity = v_opacities_out[idx] * (ratio > 0.0f ? sqrt(ratio) : 0.0f);
+      }
       if (ratio > 0.0f) {
-        const float v_ratio = v_comp[idx] * 0.5f / sqrt(ratio);  // d sqrt(r) / d r = 1 / (2 sqrt(r))
+        const float vc_in = (flags & PROJECT_FUSED) != 0 ? v_opacities_out[idx] * opacity : v_comp[idx];
+        const float v_ratio = vc_in * 0.5f / sqrt(ratio);  // d sqrt(r) / d r = 1 / (2 sqrt(r))
         const float det2 = det * det;
         G00 += v_ratio * (c0 * det - det_orig * c) / det2;
         G11 += v_ratio * (a0 * det - det_orig * a) / det2;
@@ -210,7 +246,7 @@ kernel void project_bwd(
     float v_mc[3];
     v_mc[0] = fx / tz * vu;
     v_mc[1] = fy / tz * vv;
-    v_mc[2] = -fx * tx / tz2 * vu - fy * ty / tz2 * vv + v_depths[idx];
+    v_mc[2] = -fx * tx / tz2 * vu - fy * ty / tz2 * vv + ((flags & PROJECT_NO_V_DEPTHS) != 0 ? 0.0f : v_depths[idx]);
     v_mc[2] += -fx / tz2 * vJ[0] - fy / tz2 * vJ[4];
     v_mc[2] += 2.0f * fx * tx_c / tz3 * vJ[2] + 2.0f * fy * ty_c / tz3 * vJ[5];
     if (x_clamped) {
@@ -226,7 +262,14 @@ kernel void project_bwd(
 
     // ---- world -> camera ----
     for (int k = 0; k < 3; ++k) {
-      v_means[3 * idx + k] = Rv[0 * 3 + k] * v_mc[0] + Rv[1 * 3 + k] * v_mc[1] + Rv[2 * 3 + k] * v_mc[2];
+      const float v_m = Rv[0 * 3 + k] * v_mc[0] + Rv[1 * 3 + k] * v_mc[1] + Rv[2 * 3 + k] * v_mc[2];
+      v_means[3 * idx + k] = (flags & PROJECT_MEANS_SH) != 0 ? v_m + v_means_sh[3 * idx + k] : v_m;
+    }
+    if ((flags & PROJECT_FUSED) != 0) {
+      if ((flags & PROJECT_SIGMOID_OPACITIES) != 0) {
+        v_opacity = v_opacity * (1.0f - opacity) * opacity;
+      }
+      v_opacities[idx] = v_opacity;
     }
     float tmp[9];
     float v_cov[9];  // Rv^T v_covc Rv
@@ -262,6 +305,9 @@ kernel void project_bwd(
     float vRq[9];
     for (int k = 0; k < 3; ++k) {
       v_scales[3 * idx + k] = vM[0 * 3 + k] * Rq[0 * 3 + k] + vM[1 * 3 + k] * Rq[1 * 3 + k] + vM[2 * 3 + k] * Rq[2 * 3 + k];
+      if ((flags & PROJECT_EXP_SCALES) != 0) {
+        v_scales[3 * idx + k] = v_scales[3 * idx + k] * s[k];
+      }
       for (int r = 0; r < 3; ++r) {
         vRq[r * 3 + k] = vM[r * 3 + k] * s[k];
       }
@@ -288,6 +334,9 @@ kernel void project_bwd(
     }
     for (int k = 0; k < 4; ++k) {
       v_quats[4 * idx + k] = 0.0f;
+    }
+    if ((flags & PROJECT_FUSED) != 0) {
+      v_opacities[idx] = 0.0f;
     }
   }
 

@@ -1,0 +1,186 @@
+"""The fused preparation of a render: projection, culling and SH colours in two kernels each way.
+
+rasterization.py's glue between the projection and SH stages (its non-finite culling, the opacity
+mask and compensation product, the view directions, the SH mask) and the model's activations
+(exp of the log-scales, sigmoid of the opacity logits, the concatenation of the SH bands) were about
+45 aten ops per training step forward and backward, each one encode on MPS. Here project.metal's
+project_fwd and sh.metal's sh_fused_fwd do them in the same float32 operations (project_bwd and
+sh_fused_bwd the backward), so one PrepareFn replaces ProjectFn + SphericalHarmonicsFn + the glue.
+The oracle is the unfused path (rasterization.py with any other backend, and the metal backend where
+this does not apply: no SH colours, or a viewmat that needs a gradient through its inverse).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..autograd_stages import camera_grads
+from .kernels import grid_1d, group_library, library
+from .variants import PROJECT_BWD_GROUP
+
+# project.metal / project_bwd.metal flags
+FUSED, EXP_SCALES, SIGMOID_OPACITIES, CAMPOS, MEANS_SH, NO_V_DEPTHS, SH_APART = 1, 2, 4, 8, 16, 32, 64
+
+
+def _layout(sh_dc: Tensor, sh_rest: Optional[Tensor]) -> Tuple[Tensor, Tensor, int, int, int, int]:
+    """(dc buffer, rest buffer, K, dc_stride, rest_stride, rest_offset) as the kernels read coefficients:
+    one [N, K, 3] tensor, or splatfacto's bands apart (dc [N, 3] or [N, 1, 3], rest [N, K-1, 3])."""
+    if sh_rest is None:
+        K = sh_dc.shape[1]
+        return sh_dc, sh_dc, K, 3 * K, 3 * K, 3
+    K = sh_rest.shape[1] + 1
+    return sh_dc, (sh_rest if K > 1 else sh_dc), K, 3, 3 * (K - 1), 0
+
+
+class PrepareFn(torch.autograd.Function):
+    """radii, means2d, depths, conics, opacities [C, N] (masked, x compensation) and activated SH colours
+    [C, N, 3] of the gaussians in every camera, as rasterization.py's unfused path computes them."""
+
+    @staticmethod
+    def forward(ctx, means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, inv_viewmats, width, height, eps2d,
+                near_plane, far_plane, radius_clip, calc_comp, degree, exp_scales, sigmoid_opacities):  # fmt: skip
+        device = means.device
+        N, C = means.shape[0], viewmats.shape[0]
+        dc, rest, K, dc_stride, rest_stride, rest_offset = _layout(sh_dc, sh_rest)
+        radii = torch.empty((C, N), dtype=torch.int32, device=device)
+        means2d = torch.empty((C, N, 2), dtype=torch.float32, device=device)
+        depths = torch.empty((C, N), dtype=torch.float32, device=device)
+        conics = torch.empty((C, N, 3), dtype=torch.float32, device=device)
+        comp = torch.empty((C, N), dtype=torch.float32, device=device) if calc_comp else depths
+        opacities_out = torch.empty((C, N), dtype=torch.float32, device=device)
+        colors = torch.empty((C, N, 3), dtype=torch.float32, device=device)
+        flags = FUSED | CAMPOS | (EXP_SCALES if exp_scales else 0) | (SIGMOID_OPACITIES if sigmoid_opacities else 0)
+        flags |= SH_APART if sh_rest is not None else 0
+        inv_r, inv_c = inv_viewmats.stride(1), inv_viewmats.stride(2)
+        if not inv_viewmats.is_contiguous():  # linalg.inv_ex's column-major result: bound as its transpose (a view)
+            inv_viewmats = inv_viewmats.mT
+        if C * N > 0:
+            library(device, "project.metal").project_fwd(
+                means, quats, scales, viewmats, Ks, radii, means2d, depths, conics, comp,
+                C, N, int(width), int(height), float(eps2d), float(near_plane), float(far_plane),
+                float(radius_clip), int(bool(calc_comp)),
+                opacities, dc, rest, inv_viewmats, opacities_out, flags, K, inv_r, inv_c,
+                **grid_1d(C * N),
+            )  # fmt: skip
+            library(device, "sh.metal").sh_fused_fwd(
+                means, inv_viewmats, dc, rest, radii, colors, C, N, int(degree), dc_stride, rest_stride, rest_offset,
+                inv_r, inv_c, **grid_1d(C * N),
+            )  # fmt: skip
+        ctx.save_for_backward(
+            means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, inv_viewmats, radii, colors
+        )
+        ctx.args = (width, height, eps2d, calc_comp, degree, flags, inv_r, inv_c)
+        ctx.mark_non_differentiable(radii)
+        ctx.set_materialize_grads(False)  # outputs that fed nothing (depths in RGB renders) arrive as None
+        return radii, means2d, depths, conics, opacities_out, colors
+
+    @staticmethod
+    def backward(ctx, _v_radii, v_means2d, v_depths, v_conics, v_opacities_out, v_colors):
+        means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, inv_viewmats, radii, colors = ctx.saved_tensors
+        width, height, eps2d, calc_comp, degree, flags, inv_r, inv_c = ctx.args
+        need = ctx.needs_input_grad
+        device = means.device
+        N, C = means.shape[0], viewmats.shape[0]
+        dc, rest, K, dc_stride, rest_stride, rest_offset = _layout(sh_dc, sh_rest)
+
+        def grad_or_zeros(g, *tail):
+            return g.contiguous() if g is not None else means.new_zeros((C, N) + tail)
+
+        v_means2d, v_conics = grad_or_zeros(v_means2d, 2), grad_or_zeros(v_conics, 3)
+        v_opacities_out, v_colors = grad_or_zeros(v_opacities_out), grad_or_zeros(v_colors, 3)
+        lead = () if C == 1 else (C,)  # [C, N, .] written flat; for one camera the inputs' own shapes
+        v_dc = torch.empty(lead + tuple(dc.shape), dtype=torch.float32, device=device)
+        v_rest = v_dc if sh_rest is None or K == 1 else torch.empty(lead + tuple(rest.shape), dtype=torch.float32,
+                                                                    device=device)  # fmt: skip
+        # the SH directions' gradient is written into v_means, to which project_bwd adds its own (in place)
+        v_means = v_dirs = torch.empty(lead + (N, 3), dtype=torch.float32, device=device)
+        v_quats = torch.empty(lead + (N, 4), dtype=torch.float32, device=device)
+        v_scales = torch.empty(lead + (N, 3), dtype=torch.float32, device=device)
+        v_opacities = torch.empty(lead + tuple(opacities.shape), dtype=torch.float32, device=device)
+        lib, group = group_library(device, "project_bwd.metal", "project_bwd", "SPLAT_PROJECT_BWD_GROUP",
+                                   PROJECT_BWD_GROUP)  # fmt: skip
+        n_groups = (N + group - 1) // group
+        camera_grad = bool(need[6] or need[7])
+        part = torch.empty((C, n_groups, 16), dtype=torch.float32, device=device) if camera_grad else v_means
+        if C * N > 0:
+            library(device, "sh_bwd.metal").sh_fused_bwd(
+                means, inv_viewmats, dc, rest, radii, v_colors, colors, v_dc, v_rest, v_dirs,
+                C, N, K, int(degree), dc_stride, rest_stride, rest_offset, inv_r, inv_c, **grid_1d(C * N),
+            )  # fmt: skip
+            lib.project_bwd(
+                means, quats, scales, viewmats, Ks, radii, v_means2d,
+                v_depths.contiguous() if v_depths is not None else v_means2d, v_conics, v_means2d,
+                v_means, v_quats, v_scales, part,
+                N, int(width), int(height), float(eps2d), int(bool(calc_comp)), int(camera_grad), n_groups,
+                opacities, v_opacities_out, v_dirs, v_opacities, flags | MEANS_SH | (NO_V_DEPTHS if v_depths is None else 0),
+                threads=(n_groups * group, C), group_size=(group, 1),
+            )  # fmt: skip
+        v_viewmats = v_Ks = None
+        if camera_grad:
+            total = part.sum(dim=1) if C * N > 0 else torch.zeros((C, 16), dtype=torch.float32, device=device)
+            v_viewmats, v_Ks = camera_grads(total, bool(need[6]), bool(need[7]))
+        if C > 1:
+            v_means, v_quats, v_scales, v_opacities = (
+                v_means.sum(0),
+                v_quats.sum(0),
+                v_scales.sum(0),
+                v_opacities.sum(0),
+            )
+            v_dc = v_dc.sum(0)
+            v_rest = v_dc if sh_rest is None or K == 1 else v_rest.sum(0)
+        v_sh_rest = None
+        if sh_rest is not None:
+            v_sh_rest = v_rest if K > 1 else torch.zeros_like(sh_rest)
+        return (
+            v_means if need[0] else None,
+            v_quats if need[1] else None,
+            v_scales if need[2] else None,
+            v_opacities if need[3] else None,
+            v_dc if need[4] else None,
+            v_sh_rest if need[5] else None,
+            v_viewmats if need[6] else None,
+            v_Ks if need[7] else None,
+            None,  # inv_viewmats: only without a viewmat gradient (rasterization.py), so it needs none
+            None, None, None, None, None, None, None, None, None, None,  # width .. sigmoid_opacities
+        )  # fmt: skip
+
+
+def project_and_shade(
+    means: Tensor,  # [N, 3]
+    quats: Tensor,  # [N, 4]
+    scales: Tensor,  # [N, 3] (logs with exp_scales)
+    opacities: Tensor,  # [N] or [N, 1] (logits with sigmoid_opacities)
+    sh_dc: Tensor,  # [N, K, 3] all the SH coefficients, or with sh_rest band 0: [N, 3] / [N, 1, 3]
+    sh_rest: Optional[Tensor],  # [N, K-1, 3] or None
+    viewmats: Tensor,  # [C, 4, 4], no gradient through its inverse
+    Ks: Tensor,  # [C, 3, 3]
+    inv_viewmats: Tensor,  # [C, 4, 4] torch.linalg.inv_ex(viewmats)[0]: camera positions at [:, :3, 3]
+    width: int,
+    height: int,
+    eps2d: float,
+    near_plane: float,
+    far_plane: float,
+    radius_clip: float,
+    calc_compensations: bool,
+    sh_degree: int,
+    exp_scales: bool = False,
+    sigmoid_opacities: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """radii [C,N] int32, means2d [C,N,2], depths [C,N], conics [C,N,3], opacities [C,N], colours [C,N,3]."""
+    N = means.shape[0]
+    if means.shape[0] * viewmats.shape[0] >= 2**31:
+        raise ValueError(f"[project_and_shade] C*N = {N * viewmats.shape[0]} exceeds the kernels' 32-bit index")
+    tensors = (means, quats, scales, opacities, sh_dc, viewmats, Ks) + ((sh_rest,) if sh_rest is not None else ())
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError("[project_and_shade] every tensor must be contiguous float32")
+    if inv_viewmats.dtype != torch.float32 or inv_viewmats.stride() not in ((16, 4, 1), (16, 1, 4)):
+        raise ValueError("[project_and_shade] inv_viewmats must be float32 [C, 4, 4], row- or column-major")
+    return PrepareFn.apply(
+        means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, inv_viewmats, int(width), int(height), float(eps2d),
+        float(near_plane), float(far_plane), float(radius_clip), bool(calc_compensations), int(sh_degree),
+        bool(exp_scales), bool(sigmoid_opacities),
+    )  # fmt: skip

@@ -1,0 +1,152 @@
+"""The metal backend's fused preparation (ops/metal/prepare.py: project_fwd/project_bwd and
+sh_fused_fwd/sh_fused_bwd in their fused mode) against the unfused path it replaces (the project and
+spherical_harmonics stages with rasterization.py's culling glue between them, and splatfacto's
+activations in PyTorch), on the same metal kernels, and against the reference backend: forward
+outputs and meta, every parameter's gradient (raw: log-scales, opacity logits, the SH bands apart as
+splatfacto stores them; and activated), several cameras, antialiased, and non-finite values the glue
+culls (opacity, an SH coefficient beyond the degree in use, a camera whose view matrix' last row or
+position is not finite)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scenes import random_scene
+
+from splat_metal_method.bench import step_ledger
+from splat_metal_method.ops import metal, rasterization
+
+W, H = 40, 24  # non-square
+K = 16  # SH coefficients stored (degree 3), fewer in use below degree 3
+
+
+def _params(C: int, seed: int, poison: str):
+    s = random_scene(n=70, C=C, width=W, height=H, seed=seed, sh_degree=3)
+    coeffs = s.colors.float()
+    params = {
+        "means": s.means.float(),
+        "quats": s.quats.float(),
+        "log_scales": torch.log(s.scales.float()),
+        "logit_opacities": torch.logit(s.opacities.float())[:, None],  # [N, 1] as splatfacto stores it
+        "features_dc": coeffs[:, 0].contiguous(),
+        "features_rest": coeffs[:, 1:].contiguous(),
+    }
+    viewmats, Ks = s.viewmats.float(), s.Ks.float()
+    if poison == "gaussians":
+        params["logit_opacities"][3, 0] = float("nan")
+        params["features_rest"][5, 14, 1] = float("inf")  # beyond degree 1's bands: still culled
+        params["log_scales"][7, 2] = float("nan")
+        params["features_dc"][9, 0] = float("-inf")
+    elif poison == "camera" and C > 1:
+        viewmats[1, 3, 2] = float("nan")  # the last row: projection does not read it, the glue's check does
+    return params, viewmats, Ks
+
+
+def _render(params, viewmats, Ks, degree, raw, antialiased, fused, monkeypatch):
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    Ks = Ks.clone().requires_grad_()
+    if raw:
+        kwargs = dict(scales=leaves["log_scales"], opacities=leaves["logit_opacities"], colors=leaves["features_dc"],
+                      scales_are_log=True, opacities_are_logits=True, colors_rest=leaves["features_rest"])  # fmt: skip
+    else:
+        kwargs = dict(scales=torch.exp(leaves["log_scales"]), opacities=torch.sigmoid(leaves["logit_opacities"])[:, 0],
+                      colors=torch.cat((leaves["features_dc"][:, None], leaves["features_rest"]), dim=1))  # fmt: skip
+    with monkeypatch.context() as m:
+        if not fused:
+            m.delattr(metal, "project_and_shade")
+        colors, alphas, meta = rasterization(
+            leaves["means"], leaves["quats"], viewmats=viewmats, Ks=Ks, width=W, height=H, sh_degree=degree,
+            backend="metal", absgrad=True, rasterize_mode="antialiased" if antialiased else "classic",
+            render_mode="RGB+ED", **kwargs,
+        )  # fmt: skip
+        g = torch.Generator().manual_seed(11)
+        loss = (colors * torch.randn(colors.shape, generator=g)).sum() + (
+            alphas * torch.rand(alphas.shape, generator=g)
+        ).sum()
+        loss.backward()
+    grads = {k: v.grad for k, v in leaves.items()}
+    grads["Ks"] = Ks.grad
+    grads["absgrad"] = meta["means2d"].absgrad
+    return colors.detach(), alphas.detach(), meta, grads
+
+
+@pytest.mark.parametrize(
+    "C,degree,raw,antialiased,poison",
+    [(1, 3, True, False, "none"), (2, 1, True, True, "gaussians"), (2, 3, False, False, "camera"),
+     (1, 0, True, True, "gaussians"), (3, 2, False, True, "none")],
+)  # fmt: skip
+def test_fused_preparation_matches_the_unfused_path(C, degree, raw, antialiased, poison, monkeypatch):
+    params, viewmats, Ks = _params(C, seed=C * 10 + degree, poison=poison)
+    fused = _render(params, viewmats, Ks, degree, raw, antialiased, True, monkeypatch)
+    plain = _render(params, viewmats, Ks, degree, raw, antialiased, False, monkeypatch)
+    (c1, a1, m1, g1), (c0, a0, m0, g0) = fused, plain
+    assert torch.equal(m1["radii"], m0["radii"])  # the same gaussians culled and kept
+    assert (m1["radii"] > 0).sum() > 10
+    if poison == "gaussians":
+        assert (m1["radii"][:, [3, 5, 7, 9]] == 0).all()
+    if poison == "camera":
+        assert (m1["radii"][1] == 0).all() and (m1["radii"][0] > 0).any()
+    for key in ("means2d", "depths", "conics", "opacities"):
+        torch.testing.assert_close(m1[key], m0[key], rtol=1e-6, atol=1e-6, msg=key)
+    torch.testing.assert_close(c1, c0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a1, a0, rtol=1e-5, atol=1e-5)
+    for key, g in g0.items():
+        assert g1[key] is not None and torch.isfinite(g1[key]).all(), key
+        # the unfused path's exp / sigmoid backward turns a culled gaussian's zero gradient into 0 * NaN = NaN
+        # where its raw parameter is NaN; the kernels leave it 0 (the NaN guard sees the parameter itself)
+        bad = ~torch.isfinite(g)
+        assert (g1[key][bad] == 0).all(), key
+        g = torch.where(bad, 0.0, g)
+        scale = g.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(g1[key] / scale, g / scale, rtol=1e-4, atol=1e-5, msg=key)
+    if degree < 3:  # bands beyond the degree in use: zero
+        assert g1["features_rest"][:, (degree + 1) ** 2 - 1 :].abs().max() == 0
+    if poison == "gaussians":
+        for key in ("means", "quats", "log_scales", "logit_opacities", "features_dc", "features_rest"):
+            assert (g1[key][[3, 5, 7, 9]] == 0).all(), key
+
+
+def test_fused_preparation_matches_the_reference_backend(monkeypatch):
+    params, viewmats, Ks = _params(2, seed=4, poison="gaussians")
+    c1, a1, m1, g1 = _render(params, viewmats, Ks, 3, True, False, True, monkeypatch)
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    Kr = Ks.clone().requires_grad_()
+    colors, alphas, meta = rasterization(
+        leaves["means"], leaves["quats"], torch.exp(leaves["log_scales"]), torch.sigmoid(leaves["logit_opacities"])[:, 0],
+        torch.cat((leaves["features_dc"][:, None], leaves["features_rest"]), dim=1), viewmats, Kr, W, H, sh_degree=3,
+        backend="reference", absgrad=True, render_mode="RGB+ED",
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(11)
+    (
+        (colors * torch.randn(colors.shape, generator=g)).sum() + (alphas * torch.rand(alphas.shape, generator=g)).sum()
+    ).backward()
+    assert torch.equal(m1["radii"], meta["radii"])
+    torch.testing.assert_close(c1, colors.detach(), rtol=1e-3, atol=1e-4)
+    for key, leaf in list(leaves.items()) + [("Ks", Kr)]:
+        ref = torch.where(torch.isfinite(leaf.grad), leaf.grad, 0.0)  # 0 * NaN of exp / sigmoid (see above)
+        scale = ref.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(g1[key] / scale, ref / scale, rtol=1e-3, atol=1e-4, msg=key)
+
+
+def test_fused_preparation_is_fewer_aten_ops(monkeypatch):
+    """The point of it: the glue's and activations' aten ops are gone (each an encode on MPS)."""
+    params, viewmats, Ks = _params(1, seed=1, poison="none")
+    counts = {}
+    for fused in (True, False):
+        with step_ledger.count(str(fused)) as led:
+            _render(params, viewmats, Ks, 3, True, False, fused, monkeypatch)
+        counts[fused] = led.aten_dispatches
+    assert counts[True] + 30 < counts[False], counts
+
+
+def test_a_viewmat_gradient_keeps_the_unfused_path():
+    """A camera pose with a gradient (splatfacto's camera optimizer) flows through inv(viewmat): unfused."""
+    params, viewmats, Ks = _params(1, seed=2, poison="none")
+    viewmats = viewmats.clone().requires_grad_()
+    colors, _, _ = rasterization(
+        params["means"], params["quats"], params["log_scales"], params["logit_opacities"], params["features_dc"],
+        viewmats, Ks, W, H, sh_degree=3, backend="metal", scales_are_log=True, opacities_are_logits=True,
+        colors_rest=params["features_rest"],
+    )  # fmt: skip
+    colors.sum().backward()
+    assert viewmats.grad is not None and viewmats.grad.abs().sum() > 0
