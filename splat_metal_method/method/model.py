@@ -352,17 +352,19 @@ class SplatMetalModel(SplatfactoModel):
 
         background = self._get_background_color().to(device)
         # clamp(color + (1 - alpha) * background, 0, 1): one kernel each way on the metal backend (ops/composite.py)
-        rgb = composite_background(render, alpha, background, backend)
-        if self.config.use_bilateral_grid and self.training:
+        bilateral = self.config.use_bilateral_grid and self.training  # it takes rgb [1, H, W, 3]
+        rgb = composite_background(render, alpha, background, backend, squeeze=not bilateral)  # [H, W, 3] unless
+        if bilateral:
             if camera.metadata is not None and "cam_idx" in camera.metadata:
                 rgb = self._apply_bilateral_grid(rgb, camera.metadata["cam_idx"], H, W)
+            rgb = rgb.squeeze(0)
         depth = None
         if render_mode == "RGB+ED":
             depth = render[..., 3:4]
             depth = torch.where(alpha > 0, depth, depth.detach().max()).squeeze(0)
         if background.shape[0] == 3 and not self.training:
             background = background.expand(H, W, 3)
-        return {"rgb": rgb.squeeze(0), "depth": depth, "accumulation": alpha.squeeze(0), "background": background}
+        return {"rgb": rgb, "depth": depth, "accumulation": alpha.squeeze(0), "background": background}
 
     def get_gt_img(self, image: torch.Tensor):
         """splatfacto's, converted once per batch image: splatfacto converts the same uint8 image in
@@ -403,8 +405,10 @@ class SplatMetalModel(SplatfactoModel):
             ratio = scale_exp.amax(dim=-1) / scale_exp.amin(dim=-1)
             max_ratio = self.config.max_gauss_ratio
             scale_reg = 0.1 * (torch.maximum(ratio, torch.tensor(max_ratio)) - max_ratio).mean()
-        else:
-            scale_reg = torch.zeros((), device=self.device)
+        else:  # one device zero, made once (not an aten op per step); the loss sum never writes into it
+            scale_reg = self.__dict__.get("_zero_scale_reg")
+            if scale_reg is None or scale_reg.device != torch.device(self.device):
+                scale_reg = self.__dict__["_zero_scale_reg"] = torch.zeros((), device=self.device)
         loss_dict = {"main_loss": main_loss, "scale_reg": scale_reg}
         if self.training:
             self.camera_optimizer.get_loss_dict(loss_dict)

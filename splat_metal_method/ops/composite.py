@@ -21,7 +21,10 @@ def composite_background_reference(color: Tensor, alpha: Tensor, background: Ten
     return torch.clamp(color + (1 - alpha) * background, 0.0, 1.0)
 
 
-def composite_background(color: Tensor, alpha: Tensor, background: Tensor, backend: str = "auto") -> Tensor:
+def composite_background(color: Tensor, alpha: Tensor, background: Tensor, backend: str = "auto",
+                         squeeze: bool = False) -> Tensor:  # fmt: skip
+    """``squeeze``: as ``.squeeze(0)`` of the result; for one camera's [1, H, W, D] the kernel writes [H, W, 3]
+    (no view op)."""
     from .rasterization import resolve_backend
 
     covered = (
@@ -34,5 +37,8 @@ def composite_background(color: Tensor, alpha: Tensor, background: Tensor, backe
     if covered and resolve_backend(backend, color.device) == "metal":
         from .metal.train import composite
 
-        return composite(color, alpha, background)
-    return composite_background_reference(color, alpha, background)
+        if not squeeze or color.shape[0] == 1:
+            return composite(color, alpha, background, squeeze)
+        return composite(color, alpha, background).squeeze(0)  # several cameras: as the reference (a no-op view)
+    rgb = composite_background_reference(color, alpha, background)
+    return rgb.squeeze(0) if squeeze else rgb

@@ -211,13 +211,17 @@ def rasterize_to_pixels_fwd(
             raise ValueError(f"[{op}] resuming needs trans_in, stopped_in and stopped_out of {[C, height, width]}")
         pixel_done = stopped_out
         resume_bufs = (trans_in.float().contiguous(), stopped_in.to(torch.int32).contiguous())
-    else:
-        pixel_done = torch.empty((C, height, width) if n_passes > 1 else (1,), dtype=torch.int32, device=device)
-        placeholder = torch.zeros((1,), dtype=torch.int32, device=device)
-        resume_bufs = (placeholder.float(), placeholder)
-    bg = backgrounds.contiguous() if backgrounds is not None else torch.zeros((1,), dtype=torch.float32, device=device)
     if M == 0:  # kernels bind every buffer; give flatten_ids one (never read) element
         flatten_ids = torch.zeros((1,), dtype=torch.int32, device=device)
+    # Buffers the kernel neither reads nor writes here are bound to tensors at hand of its dtype and of
+    # at most 2 dims (band.rows leaves them whole): no placeholder allocation (each one an aten op). With
+    # one pass and no resume, pixel_done is never touched; trans_in / stopped_in only when resuming; the
+    # background table only with backgrounds.
+    if not resume:
+        pixel_done = (torch.empty((C, height, width), dtype=torch.int32, device=device) if n_passes > 1
+                      else flatten_ids)  # fmt: skip
+        resume_bufs = (opacities, flatten_ids)
+    bg = backgrounds.contiguous() if backgrounds is not None else opacities
 
     lib, rows = tile_library(
         device, "rasterize.metal", "rasterize_fwd", tile_size, lambda _rows: (("SPLAT_CHANNELS", D),)

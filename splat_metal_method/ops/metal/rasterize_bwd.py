@@ -78,9 +78,12 @@ def rasterize_to_pixels_bwd(
         plan = plan_passes(isect_offsets, M, tile_size, chunk or RASTER_CHUNK, N)
     n_passes = plan.n_passes
     multi = n_passes > 1
-    pix_T = torch.empty((C, height, width) if multi else (1,), dtype=torch.float32, device=device)
-    pix_buf = torch.empty((C, height, width, D) if multi else (1,), dtype=torch.float32, device=device)
-    placeholder = torch.zeros((1,), dtype=torch.float32, device=device)
+    # Buffers the kernel neither reads nor writes here are bound to a float32 tensor at hand of 2 dims
+    # (band.rows leaves it whole): no placeholder allocation (each one an aten op). pix_T / pix_buf are
+    # touched only between passes, the background table only with backgrounds, absgrad only when asked.
+    placeholder = v_opacities  # [C, N]
+    pix_T = torch.empty((C, height, width), dtype=torch.float32, device=device) if multi else placeholder
+    pix_buf = torch.empty((C, height, width, D), dtype=torch.float32, device=device) if multi else placeholder
     bg = backgrounds.contiguous() if backgrounds is not None else placeholder
     abs_buf = absgrad_out if absgrad_out is not None else placeholder
 

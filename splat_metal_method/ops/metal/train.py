@@ -65,9 +65,10 @@ class CompositeFn(torch.autograd.Function):
     """rgb = clamp(color[..., :3] + (1 - alpha) * background, 0, 1): composite_fwd / composite_bwd."""
 
     @staticmethod
-    def forward(ctx, color, alpha, background):
+    def forward(ctx, color, alpha, background, squeeze=False):
         P, D = alpha.numel(), color.shape[-1]
-        rgb = torch.empty(color.shape[:-1] + (3,), dtype=torch.float32, device=color.device)
+        shape = color.shape[1 if squeeze else 0 : -1] + (3,)  # squeeze: [1, H, W, D] -> [H, W, 3]
+        rgb = torch.empty(shape, dtype=torch.float32, device=color.device)
         if P > 0:
             _lib(color.device).composite_fwd(color, alpha, background, rgb, P, D, **grid_1d(P))
         ctx.save_for_backward(color, alpha, background)
@@ -82,12 +83,15 @@ class CompositeFn(torch.autograd.Function):
         if P > 0:
             _lib(color.device).composite_bwd(color, alpha, background, v_rgb.contiguous(), v_color, v_alpha, P, D,
                                              **grid_1d(P))  # fmt: skip
-        return v_color, v_alpha, None
+        return v_color, v_alpha, None, None
 
 
 def composite(
     color: Tensor,  # [..., D] float32 contiguous, D >= 3 (channels past 3 are not composited)
     alpha: Tensor,  # [..., 1] float32 contiguous
     background: Tensor,  # [3] float32 contiguous, no gradient
+    squeeze: bool = False,  # color is [1, H, W, D]: the result is [H, W, 3]
 ) -> Tensor:  # [..., 3]
-    return CompositeFn.apply(color, alpha, background)
+    if squeeze and color.shape[0] != 1:
+        raise ValueError(f"[composite] squeeze needs one camera, got color {list(color.shape)}")
+    return CompositeFn.apply(color, alpha, background, squeeze)
