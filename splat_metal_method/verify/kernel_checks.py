@@ -220,6 +220,35 @@ def covariance_checks(device: torch.device, backend: str) -> List[Check]:
     return checks
 
 
+def prepare_checks(device: torch.device, sh_degree: int, rasterize_mode: str = "classic") -> List[Check]:
+    """The metal backend's fused preparation (ops/metal/prepare.py: projection, culling, activations and SH
+    colours from the stored parameters) vs the reference's stages with rasterization.py's glue between
+    them, forward (radii, means2d, depths, conics, opacities, colours) and backward (every parameter).
+    Counted as an SH check (it shares sh.metal's basis with the SH stage): where it fails, the SH stage runs on
+    the reference, and rasterization the unfused stages (stage_fallback.routed has no project_and_shade)."""
+    from ..ops import metal, reference
+    from ..ops.rasterization import _project_and_cull
+
+    scene, W, H = random_scene(device)
+    viewmats, Ks = scene["viewmats"], scene["Ks"]
+    aa = rasterize_mode == "antialiased"
+    inputs = {"means": scene["means"], "quats": scene["quats"], "log_scales": torch.log(scene["scales"]),
+              "logits": torch.logit(scene["opacities"])[:, None], "dc": scene["coeffs"][:, 0].contiguous(),
+              "rest": scene["coeffs"][:, 1:].contiguous()}  # fmt: skip
+
+    def run(which, means, quats, log_scales, logits, dc, rest):
+        if which == "metal":
+            inv = torch.linalg.inv_ex(viewmats)[0]
+            return metal.project_and_shade(means, quats, log_scales, logits, dc, rest, viewmats, Ks, inv, W, H, 0.3,
+                                           0.01, 1e10, 0.0, aa, sh_degree, True, True)  # fmt: skip
+        return _project_and_cull(reference, means, quats, torch.exp(log_scales), torch.sigmoid(logits)[:, 0],
+                                 torch.cat((dc[:, None], rest), dim=1), viewmats, Ks, W, H, 0.3, 0.01, 1e10, 0.0,
+                                 rasterize_mode, sh_degree)  # fmt: skip
+
+    return _compare_stage(f"sh (fused preparation with projection, degree {sh_degree}, {rasterize_mode})", run, inputs,
+                          "metal", "reference", device)  # fmt: skip
+
+
 def loss_checks(device: torch.device) -> List[Check]:
     """The fused training loss (ops/metal/loss.py, (1 - 0.2) * L1 + 0.2 * (1 - SSIM)) vs the reference, forward
     (loss, L1, SSIM) and backward (d loss / d pred), on a seeded non-square image pair."""

@@ -178,9 +178,9 @@ def _store(path: Path, key: str, entry: dict) -> None:
 def run_checks(device: torch.device, run: RunKernels):
     """kernel_checks.stage_checks restricted to what `run` uses, Metal vs reference on `device`; with depth
     chunks, also the whole op cut into about 3 chunks (resumed compositing) vs the unchunked reference;
-    for MCMC, also the covariance kernel; always the fused training loss."""
+    with SH colours, the fused preparation; for MCMC, also the covariance kernel; always the fused training loss."""
     from ..ops import metal, reference
-    from .kernel_checks import covariance_checks, full_op_checks, loss_checks, stage_checks
+    from .kernel_checks import covariance_checks, full_op_checks, loss_checks, prepare_checks, stage_checks
 
     with torch.inference_mode(False), torch.enable_grad():  # renders run under no_grad; the check needs grads
         checks = stage_checks(
@@ -194,6 +194,8 @@ def run_checks(device: torch.device, run: RunKernels):
                 checks += full_op_checks(device, "metal", SCENE["width"], SCENE["height"], depth_chunks=3,
                                          n=SCENE["n"], cameras=SCENE["cameras"], absgrad=run.absgrad,
                                          rasterize_mode=run.rasterize_mode)  # fmt: skip
+        if run.sh_degree > 0:  # the fused preparation renders SH colours (ops/metal/prepare.py)
+            checks += prepare_checks(device, run.sh_degree, run.rasterize_mode)
         if run.covariance:
             checks += covariance_checks(device, "metal")
         checks += loss_checks(device)  # the training loss (a render-only run never calls it; the check is small)

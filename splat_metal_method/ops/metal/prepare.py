@@ -70,7 +70,7 @@ class PrepareFn(torch.autograd.Function):
                 inv_r, inv_c, **grid_1d(C * N),
             )  # fmt: skip
         ctx.save_for_backward(
-            means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, inv_viewmats, radii, colors
+            means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, inv_viewmats, radii, colors, opacities_out
         )
         ctx.args = (width, height, eps2d, calc_comp, degree, flags, inv_r, inv_c)
         ctx.mark_non_differentiable(radii)
@@ -79,7 +79,8 @@ class PrepareFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _v_radii, v_means2d, v_depths, v_conics, v_opacities_out, v_colors):
-        means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, inv_viewmats, radii, colors = ctx.saved_tensors
+        (means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, inv_viewmats, radii, colors,
+         opacities_out) = ctx.saved_tensors  # fmt: skip
         width, height, eps2d, calc_comp, degree, flags, inv_r, inv_c = ctx.args
         need = ctx.needs_input_grad
         device = means.device
@@ -116,7 +117,7 @@ class PrepareFn(torch.autograd.Function):
                 v_means, v_quats, v_scales, part,
                 N, int(width), int(height), float(eps2d), int(bool(calc_comp)), int(camera_grad), n_groups,
                 opacities, v_opacities_out, v_dirs, v_opacities, flags | MEANS_SH | (NO_V_DEPTHS if v_depths is None else 0),
-                threads=(n_groups * group, C), group_size=(group, 1),
+                opacities_out, threads=(n_groups * group, C), group_size=(group, 1),
             )  # fmt: skip
         v_viewmats = v_Ks = None
         if camera_grad:

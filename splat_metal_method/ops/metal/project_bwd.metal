@@ -100,6 +100,7 @@ kernel void project_bwd(
                                                      // v_means itself (each thread reads its row before writing it)
     device float* v_opacities [[buffer(24)]],        // [C, N] d loss / d opacities (the input)
     constant long& flags [[buffer(25)]],
+    const device float* opacities_out [[buffer(26)]],  // [C, N] the forward's output (fused)
     uint2 gpos [[thread_position_in_grid]],
     uint2 tgp [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -116,6 +117,13 @@ kernel void project_bwd(
   float vR[9] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // d/d viewmat[0:3, 0:3]
   float vt[3] = {0.0f, 0.0f, 0.0f};                                        // d/d viewmat[0:3, 3]
   float vK[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                  // d/d (fx, fy, cx, cy)
+  float opacity = 0.0f;  // activated (fused)
+  if ((flags & PROJECT_FUSED) != 0 && g < N) {
+    opacity = opacities[g];
+    if ((flags & PROJECT_SIGMOID_OPACITIES) != 0) {
+      opacity = 1.0f / (1.0f + exp(-opacity));
+    }
+  }
   if (active) {
     // ---- forward recomputation (same operations as project.metal) ----
     const device float* V = viewmats + cam * 16;
@@ -138,13 +146,6 @@ kernel void project_bwd(
       s[0] = exp(s[0]);
       s[1] = exp(s[1]);
       s[2] = exp(s[2]);
-    }
-    float opacity = 0.0f;  // activated (fused)
-    if ((flags & PROJECT_FUSED) != 0) {
-      opacity = opacities[g];
-      if ((flags & PROJECT_SIGMOID_OPACITIES) != 0) {
-        opacity = 1.0f / (1.0f + exp(-opacity));
-      }
     }
     float M[9];
     for (int r = 0; r < 3; ++r) {
@@ -336,7 +337,16 @@ kernel void project_bwd(
       v_quats[4 * idx + k] = 0.0f;
     }
     if ((flags & PROJECT_FUSED) != 0) {
-      v_opacities[idx] = 0.0f;
+      // culled by projection only: without compensation its opacity was composited as is (the forward wrote
+      // it, bit for bit; culled by the glue's checks it wrote 0), so its gradient passes; else it is 0
+      float v_opacity = 0.0f;
+      if (calc_comp == 0 && opacities_out[idx] == opacity) {
+        v_opacity = v_opacities_out[idx];
+        if ((flags & PROJECT_SIGMOID_OPACITIES) != 0) {
+          v_opacity = v_opacity * (1.0f - opacity) * opacity;
+        }
+      }
+      v_opacities[idx] = v_opacity;
     }
   }
 

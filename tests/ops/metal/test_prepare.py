@@ -150,3 +150,13 @@ def test_a_viewmat_gradient_keeps_the_unfused_path():
     )  # fmt: skip
     colors.sum().backward()
     assert viewmats.grad is not None and viewmats.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("degree,mode", [(3, "classic"), (1, "antialiased"), (0, "classic")])
+def test_self_check_of_the_fused_preparation_passes(degree, mode):
+    """verify/kernel_checks.prepare_checks (the self-check's, stage outputs weighted directly: also the
+    gradient of the composited opacity of a gaussian projection culled, which the rasterizer never gives)."""
+    from splat_metal_method.verify.kernel_checks import prepare_checks
+
+    checks = prepare_checks(torch.device("cpu"), degree, mode)
+    assert len(checks) == 2 and all(c.ok for c in checks), [c.describe() for c in checks]
