@@ -87,3 +87,32 @@ inline void mat3_mul_bt(thread const float* a, thread const float* b, thread flo
     }
   }
 }
+
+// The fused preparation's culling (ops/metal/prepare.py): what rasterization.py's glue culls besides
+// projection (its "x * 0 == 0" tests). Gaussian g is kept only if its activated opacity and all sh_k of its
+// SH coefficients are finite (band 0 at sh_dc[3 g] and the others at sh_rest[3 (sh_k - 1) g] when `apart`,
+// else all sh_k rows at sh_dc[3 sh_k g] = sh_rest), and camera cam only if its 16 view matrix entries and,
+// with `has_campos`, its position inv(viewmat)[0:3, 3] (inv[c, r, k] at 16 c + r * row + k * col) are.
+// project_fwd culls with it; project_bwd tells with it a gaussian the glue culled from one projection culled.
+inline bool splat_fused_keep(float opacity, const device float* sh_dc, const device float* sh_rest, long g,
+                             long sh_k, bool apart, const device float* viewmats, const device float* inv_viewmats,
+                             long cam, bool has_campos, long inv_row_stride, long inv_col_stride) {
+  bool keep = isfinite(opacity);
+  const long dc_stride = apart ? 3 : 3 * sh_k, rest_stride = apart ? 3 * (sh_k - 1) : 3 * sh_k;
+  const long rest_offset = apart ? 0 : 3;
+  for (long k = 0; k < 3; ++k) {
+    keep = keep && isfinite(sh_dc[g * dc_stride + k]);
+  }
+  for (long k = 0; k < 3 * (sh_k - 1); ++k) {
+    keep = keep && isfinite(sh_rest[g * rest_stride + rest_offset + k]);
+  }
+  const device float* V = viewmats + cam * 16;
+  for (int k = 0; k < 16; ++k) {
+    keep = keep && isfinite(V[k]);
+  }
+  if (has_campos) {
+    const device float* Vi = inv_viewmats + cam * 16 + 3 * inv_col_stride;
+    keep = keep && isfinite(Vi[0]) && isfinite(Vi[inv_row_stride]) && isfinite(Vi[2 * inv_row_stride]);
+  }
+  return keep;
+}

@@ -22,7 +22,16 @@ from .kernels import grid_1d, group_library, library
 from .variants import PROJECT_BWD_GROUP
 
 # project.metal / project_bwd.metal flags
-FUSED, EXP_SCALES, SIGMOID_OPACITIES, CAMPOS, MEANS_SH, NO_V_DEPTHS, SH_APART = 1, 2, 4, 8, 16, 32, 64
+FUSED, EXP_SCALES, SIGMOID_OPACITIES, CAMPOS, MEANS_SH, NO_V_DEPTHS, SH_APART, INV_COLUMN_MAJOR = (
+    1,
+    2,
+    4,
+    8,
+    16,
+    32,
+    64,
+    128,
+)
 
 
 def _layout(sh_dc: Tensor, sh_rest: Optional[Tensor]) -> Tuple[Tensor, Tensor, int, int, int, int]:
@@ -70,7 +79,7 @@ class PrepareFn(torch.autograd.Function):
                 inv_r, inv_c, **grid_1d(C * N),
             )  # fmt: skip
         ctx.save_for_backward(
-            means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, inv_viewmats, radii, colors, opacities_out
+            means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, inv_viewmats, radii, colors
         )
         ctx.args = (width, height, eps2d, calc_comp, degree, flags, inv_r, inv_c)
         ctx.mark_non_differentiable(radii)
@@ -79,8 +88,7 @@ class PrepareFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _v_radii, v_means2d, v_depths, v_conics, v_opacities_out, v_colors):
-        (means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, inv_viewmats, radii, colors,
-         opacities_out) = ctx.saved_tensors  # fmt: skip
+        means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, inv_viewmats, radii, colors = ctx.saved_tensors
         width, height, eps2d, calc_comp, degree, flags, inv_r, inv_c = ctx.args
         need = ctx.needs_input_grad
         device = means.device
@@ -116,8 +124,9 @@ class PrepareFn(torch.autograd.Function):
                 v_depths.contiguous() if v_depths is not None else v_means2d, v_conics, v_means2d,
                 v_means, v_quats, v_scales, part,
                 N, int(width), int(height), float(eps2d), int(bool(calc_comp)), int(camera_grad), n_groups,
-                opacities, v_opacities_out, v_dirs, v_opacities, flags | MEANS_SH | (NO_V_DEPTHS if v_depths is None else 0),
-                opacities_out, threads=(n_groups * group, C), group_size=(group, 1),
+                opacities, v_opacities_out, v_dirs, v_opacities,
+                flags | MEANS_SH | (NO_V_DEPTHS if v_depths is None else 0) | (INV_COLUMN_MAJOR if inv_r == 1 else 0),
+                dc, rest, inv_viewmats, K, threads=(n_groups * group, C), group_size=(group, 1),
             )  # fmt: skip
         v_viewmats = v_Ks = None
         if camera_grad:

@@ -75,24 +75,8 @@ kernel void project_fwd(
     if ((flags & PROJECT_SIGMOID_OPACITIES) != 0) {
       opacity = 1.0f / (1.0f + exp(-opacity));
     }
-    keep = isfinite(opacity);
-    const bool apart = (flags & PROJECT_SH_APART) != 0;
-    const long dc_stride = apart ? 3 : 3 * sh_k, rest_stride = apart ? 3 * (sh_k - 1) : 3 * sh_k;
-    const long rest_offset = apart ? 0 : 3;
-    for (long k = 0; k < 3; ++k) {
-      keep = keep && isfinite(sh_dc[g * dc_stride + k]);
-    }
-    for (long k = 0; k < 3 * (sh_k - 1); ++k) {
-      keep = keep && isfinite(sh_rest[g * rest_stride + rest_offset + k]);
-    }
-    const device float* Vc = viewmats + cam * 16;
-    for (int k = 0; k < 16; ++k) {
-      keep = keep && isfinite(Vc[k]);
-    }
-    if ((flags & PROJECT_CAMPOS) != 0) {
-      const device float* Vi = inv_viewmats + cam * 16 + 3 * inv_col_stride;
-      keep = keep && isfinite(Vi[0]) && isfinite(Vi[inv_row_stride]) && isfinite(Vi[2 * inv_row_stride]);
-    }
+    keep = splat_fused_keep(opacity, sh_dc, sh_rest, g, sh_k, (flags & PROJECT_SH_APART) != 0, viewmats,
+                            inv_viewmats, cam, (flags & PROJECT_CAMPOS) != 0, inv_row_stride, inv_col_stride);
     opacities_out[idx] = (keep && calc_comp == 0) ? opacity : 0.0f;
   }
 

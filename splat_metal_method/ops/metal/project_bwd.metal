@@ -70,6 +70,8 @@ inline void mat3_mul_at(thread const float* a, thread const float* b, thread flo
 #define PROJECT_SIGMOID_OPACITIES 4
 #define PROJECT_MEANS_SH 16
 #define PROJECT_NO_V_DEPTHS 32  // the depths fed nothing: v_depths is a placeholder, read as 0
+#define PROJECT_SH_APART 64
+#define PROJECT_INV_COLUMN_MAJOR 128  // inv_viewmats[c, r, k] at 16 c + r + 4 k (else 16 c + 4 r + k)
 [[max_total_threads_per_threadgroup(SPLAT_PROJECT_BWD_GROUP)]]
 kernel void project_bwd(
     const device float* means [[buffer(0)]],       // [N, 3]
@@ -100,7 +102,10 @@ kernel void project_bwd(
                                                      // v_means itself (each thread reads its row before writing it)
     device float* v_opacities [[buffer(24)]],        // [C, N] d loss / d opacities (the input)
     constant long& flags [[buffer(25)]],
-    const device float* opacities_out [[buffer(26)]],  // [C, N] the forward's output (fused)
+    const device float* sh_dc [[buffer(26)]],         // the forward's SH coefficients and inverse view matrices,
+    const device float* sh_rest [[buffer(27)]],       // as project_fwd reads them (splat_fused_keep; column-major
+    const device float* inv_viewmats [[buffer(28)]],  // inverses with PROJECT_INV_COLUMN_MAJOR)
+    constant long& sh_k [[buffer(29)]],
     uint2 gpos [[thread_position_in_grid]],
     uint2 tgp [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -337,10 +342,13 @@ kernel void project_bwd(
       v_quats[4 * idx + k] = 0.0f;
     }
     if ((flags & PROJECT_FUSED) != 0) {
-      // culled by projection only: without compensation its opacity was composited as is (the forward wrote
-      // it, bit for bit; culled by the glue's checks it wrote 0), so its gradient passes; else it is 0
+      // culled by projection only: without compensation its opacity was composited as is, so its gradient
+      // passes; culled by the glue's checks (or with compensation 0), it is 0
       float v_opacity = 0.0f;
-      if (calc_comp == 0 && opacities_out[idx] == opacity) {
+      const bool column_major = (flags & PROJECT_INV_COLUMN_MAJOR) != 0;
+      if (calc_comp == 0 && g < N &&
+          splat_fused_keep(opacity, sh_dc, sh_rest, g, sh_k, (flags & PROJECT_SH_APART) != 0, viewmats,
+                           inv_viewmats, cam, true, column_major ? 1 : 4, column_major ? 4 : 1)) {
         v_opacity = v_opacities_out[idx];
         if ((flags & PROJECT_SIGMOID_OPACITIES) != 0) {
           v_opacity = v_opacity * (1.0f - opacity) * opacity;

@@ -160,3 +160,40 @@ def test_self_check_of_the_fused_preparation_passes(degree, mode):
 
     checks = prepare_checks(torch.device("cpu"), degree, mode)
     assert len(checks) == 2 and all(c.ok for c in checks), [c.describe() for c in checks]
+
+
+def test_stage_gradients_of_culled_gaussians_match_the_glue():
+    """project_and_shade's outputs weighted directly (as the self-check does), with gaussians the glue culls
+    (NaN / Inf values) and ones only projection culls (out of view): the gradient of the composited opacity
+    reaches the latter (its opacity was composited as is) and not the former, as in the unfused path."""
+    from splat_metal_method.ops import reference
+    from splat_metal_method.ops.rasterization import _project_and_cull
+
+    params, viewmats, Ks = _params(1, seed=6, poison="gaussians")
+    campos = torch.linalg.inv(viewmats[0])[:3, 3]
+    params["means"][11] = campos * 2  # behind the camera (it looks at the origin): projection culls it
+    results = {}
+    for which in ("metal", "glue"):
+        x = {k: v.clone().requires_grad_() for k, v in params.items()}
+        if which == "metal":
+            inv = torch.linalg.inv_ex(viewmats)[0]
+            out = metal.project_and_shade(x["means"], x["quats"], x["log_scales"], x["logit_opacities"],
+                                          x["features_dc"], x["features_rest"], viewmats, Ks, inv, W, H, 0.3, 0.01,
+                                          1e10, 0.0, False, 3, True, True)  # fmt: skip
+        else:
+            out = _project_and_cull(reference, x["means"], x["quats"], torch.exp(x["log_scales"]),
+                                    torch.sigmoid(x["logit_opacities"])[:, 0],
+                                    torch.cat((x["features_dc"][:, None], x["features_rest"]), dim=1), viewmats, Ks,
+                                    W, H, 0.3, 0.01, 1e10, 0.0, "classic", 3)  # fmt: skip
+        g = torch.Generator().manual_seed(3)
+        sum((o * torch.randn(o.shape, generator=g)).sum() for o in out if o.is_floating_point()).backward()
+        results[which] = (out, {k: v.grad for k, v in x.items()})
+    (out1, g1), (out0, g0) = results["metal"], results["glue"]
+    assert torch.equal(out1[0], out0[0]) and (out1[0][:, 11] == 0).all()
+    torch.testing.assert_close(out1[4], out0[4], rtol=1e-6, atol=1e-7)  # opacities: culled 0, out of view as is
+    # 7 (a NaN scale) is culled by projection, 3, 5, 9 (opacity, SH coefficients) by the glue
+    assert (g1["logit_opacities"][[7, 11]] != 0).all() and (g1["logit_opacities"][[3, 5, 9]] == 0).all()
+    for key, g in g0.items():
+        g = torch.where(torch.isfinite(g), g, 0.0)
+        scale = g.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(g1[key] / scale, g / scale, rtol=1e-4, atol=1e-5, msg=key)
