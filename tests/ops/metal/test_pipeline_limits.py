@@ -57,7 +57,9 @@ def test_every_kernel_declares_the_group_size_we_dispatch():
         for kernel in dir(lib):
             assert lib.limits(kernel)["max_threads_per_threadgroup"] == kernels.group_threads(kernel), (name, kernel)
             seen += 1
-    assert seen == 22  # with scan.metal's scan_block_sums and scan_blocks, and loss.metal's three
+    assert (
+        seen == 24
+    )  # with scan.metal's scan_block_sums, scan_blocks and scan_compact, isect.metal's isect_pad, and loss.metal's three
 
 
 @pytest.mark.parametrize("limit, rows", [(128, 8), (100, 4)])
