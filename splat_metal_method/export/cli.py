@@ -25,7 +25,8 @@ from typing import List, Literal, Optional, Tuple
 
 import tyro
 
-Format = Literal["ply", "splat", "spz"]
+Format = Literal["ply", "splat", "spz", "sog", "compressed-ply"]
+EXTENSIONS = {"compressed-ply": "compressed.ply"}  # file name = output_name + "." + this (else the format)
 PROG = "splat-metal-export"
 
 
@@ -46,9 +47,12 @@ class ExportSplats:
     """Folder for the files; created if missing."""
     format: Tuple[Format, ...] = ("ply", "splat", "spz")
     """One or more of: ply (3DGS .ply, as ns-export gaussian-splat), splat (antimatter15's 32 bytes per
-    gaussian, no view-dependent colour), spz (Niantic's compressed format, version 3, keeps SH)."""
+    gaussian, no view-dependent colour), spz (Niantic's compressed format, version 3, keeps SH), sog
+    (PlayCanvas/SuperSplat's WebP bundle, SH from a palette), compressed-ply (PlayCanvas's chunked
+    .compressed.ply, SH at 8 bits)."""
     output_name: str = "splat"
-    """File name without extension: splat.ply (ns-export's name), splat.splat, splat.spz."""
+    """File name without extension: splat.ply (ns-export's name), splat.splat, splat.spz, splat.sog,
+    splat.compressed.ply."""
     obb_center: Optional[Tuple[float, float, float]] = None
     """Center of an oriented box to crop to (as ns-export gaussian-splat)."""
     obb_rotation: Optional[Tuple[float, float, float]] = None
@@ -60,11 +64,11 @@ class ExportSplats:
         """Writes the files; returns their paths."""
         formats = list(dict.fromkeys(self.format))  # in order, once each
         if not formats:
-            raise ExportError("--format needs at least one of ply, splat, spz")
+            raise ExportError("--format needs at least one of ply, splat, spz, sog, compressed-ply")
         obb_parts = (self.obb_center, self.obb_rotation, self.obb_scale)
         if any(p is not None for p in obb_parts) and not all(p is not None for p in obb_parts):
             raise ExportError("a crop needs all three of --obb-center, --obb-rotation and --obb-scale")
-        targets = [self.output_dir / f"{self.output_name}.{fmt}" for fmt in formats]
+        targets = [self.output_dir / f"{self.output_name}.{EXTENSIONS.get(fmt, fmt)}" for fmt in formats]
         _check_config_file(self.load_config)
         _prepare_output_dir(self.output_dir, targets)
         _check_run(self.load_config)
@@ -90,7 +94,7 @@ class ExportSplats:
                 f"{': ' + dropped if dropped else ''}); nothing was written."
             )
 
-        sizes = _write_all(g, formats, targets)
+        sizes = _write_all(g, formats, targets, device=model.device)
 
         CONSOLE.print(
             f"[bold]{PROG}[/bold]: {g.count:,} gaussians (of {g.n_model:,}{'; ' + dropped if dropped else ''}), "
@@ -168,7 +172,7 @@ def _check_run(config_path: Path) -> None:
         )
 
 
-def _write_all(g, formats: List[str], targets: List[Path]) -> dict:
+def _write_all(g, formats: List[str], targets: List[Path], device=None) -> dict:
     """Writes every format to a temporary file, then renames them all into place.
     Returns {format: (bytes, note)}."""
     from ..reliability import atomic_path
@@ -178,7 +182,7 @@ def _write_all(g, formats: List[str], targets: List[Path]) -> dict:
         with contextlib.ExitStack() as stack:
             for fmt, target in zip(formats, targets):
                 tmp = stack.enter_context(atomic_path(target))
-                sizes[fmt] = _write_one(g, fmt, tmp)
+                sizes[fmt] = _write_one(g, fmt, tmp, device)
     except KeyboardInterrupt:
         raise ExportError("interrupted; nothing was written (files already there are untouched).") from None
     except ValueError as e:  # the model holds values a format cannot represent
@@ -190,7 +194,11 @@ def _write_all(g, formats: List[str], targets: List[Path]) -> dict:
     return sizes
 
 
-def _write_one(g, fmt: str, path: Path) -> Tuple[int, str]:
+def _write_one(g, fmt: str, path: Path, device=None) -> Tuple[int, str]:
+    if fmt in ("sog", "compressed-ply"):
+        from .playcanvas import write_playcanvas
+
+        return write_playcanvas(g, fmt, path, device)
     if fmt == "ply":
         from nerfstudio.scripts.exporter import ExportGaussianSplat
 
