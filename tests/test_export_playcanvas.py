@@ -1,0 +1,306 @@
+"""`splat-metal-export --format sog compressed-ply`, checked by PlayCanvas's own tools:
+
+- splat-transform (PlayCanvas's converter, tests/playcanvas_viewer.py) decodes our splat.sog and
+  splat.compressed.ply back to .ply; every value must match the model's within the format's
+  quantisation (bounds below, each derived from the format's step), on a demo run given random SH
+  (so a mis-ordered SH cannot hide behind near-zero trained values);
+- our readers (sog_file.read_sog, compressed_ply_file.read_compressed_ply) read what splat-transform
+  writes from our .ply, value for value as splat-transform itself reads it back;
+- the PlayCanvas engine (SuperSplat's renderer) loads each file with its own loaders in headless
+  Chromium and renders the held-out cameras; PSNR against the model's own render (reference op).
+- the same run exports the same bytes.
+
+Quantisation (per value; "range" is the chunk's min..max for compressed .ply):
+- compressed .ply: positions and log scales unorm 11/10/11 bits over the chunk's range (error <=
+  range / (2 (2^b - 1))); colour 8 bits over the chunk's range of 0.5 + SH_C0 dc; opacity 8 bits of
+  sigmoid; rotation 10 bits per smallest component (<= 0.5 sqrt(2) / 1023 each, <= 3e-3 for the
+  derived largest one); SH 8 bits over [-4, 4] (<= 1/32).
+- .sog: positions 16 bits over the log-transformed range (|dx| <= (|x| + 1) range_t / (2 * 65535));
+  log scales and DC each the nearest of 256 codebook entries; opacity 8 bits of sigmoid (rounded:
+  <= 0.5/255); rotation 8 bits per smallest component (<= 0.5 sqrt(2) / 255 each, <= 0.0125 for
+  the largest); SH through a k-means palette (checked as a whole, and decoded exactly like ours).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import pytest
+import torch
+
+import demo_runs
+from cli_helpers import run_cli
+from playcanvas_viewer import PlayCanvasPage, require_tools, splat_transform
+from splat_metal_method.export.cli import ExportSplats
+from splat_metal_method.export.compressed_ply_file import read_compressed_ply
+from splat_metal_method.export.quantize import morton_order
+from splat_metal_method.export.sog_file import read_sog
+from test_export_formats import _console_script, _model_arrays, _psnr, _reference_model, _render
+from test_export_roundtrip import _copy_run_with_checkpoint, model_from_ply, read_splat_ply
+
+pytestmark = pytest.mark.timeout(900)
+
+SH_C0 = 0.28209479177387814
+EPS = 1e-5  # float32 slack on top of the quantisation steps
+# Reference op renders of the decoded files vs the model's (held-out views of the 12-step SH-3 run):
+COMPRESSED_PLY_PSNR, SOG_PSNR = 40.0, 35.0
+# The PlayCanvas engine in Chromium vs the model's render of the same camera: a different
+# rasterizer (its own screen-space extent cut, 8-bit framebuffer, sort per gaussian centre), so
+# the bound is a sanity bound far below the decode's, still far above a wrong file or camera.
+BROWSER_PSNR = 20.0
+
+
+def _sigmoid(x):
+    return 1 / (1 + np.exp(-np.asarray(x, np.float64)))
+
+
+def _model_in_file_order(pipeline) -> Dict[str, np.ndarray]:
+    """The exported gaussians as the .ply has them (quats normalised, sign of the largest |component|
+    positive; SH rest channel-major [N, 3, K-1]), in the Morton order both formats are written in."""
+    m = _model_arrays(pipeline.model)
+    order = morton_order(m["means"])
+    assert sorted(order.tolist()) == list(range(len(m["means"])))
+    q = m["quats"].astype(np.float64)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    q *= np.sign(q[np.arange(len(q)), np.abs(q).argmax(1)])[:, None]
+    return {
+        "means": m["means"][order].astype(np.float64), "log_scales": m["scales"][order].astype(np.float64),
+        "sh_dc": m["shs_0"][order].astype(np.float64), "opacity_logits": m["opacities"][order, 0].astype(np.float64),
+        "quats": q[order], "sh_rest": m["features_rest"][order].transpose(0, 2, 1).astype(np.float64),
+    }  # fmt: skip
+
+
+def _ply_values(path: Path) -> Dict[str, np.ndarray]:
+    """A 3DGS .ply (what splat-transform decodes to) as the readers' dict, in the file's order."""
+    p = read_splat_ply(path)
+    q = p["quats"].astype(np.float64)
+    return {"means": p["means"], "log_scales": p["scales"], "sh_dc": p["features_dc"], "opacity_logits": p["opacities"][:, 0],
+            "quats": q, "sh_rest": p["features_rest"].transpose(0, 2, 1)}  # fmt: skip
+
+
+def _same_rotation(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """b with each row's sign flipped where that brings it closer to a (q and -q are one rotation)."""
+    return b * np.sign((a * b).sum(1, keepdims=True) + 1e-12)
+
+
+def _assert_same_values(decoded: Dict[str, np.ndarray], ours: Dict[str, np.ndarray], what: str, atol=1e-6):
+    for key in ("means", "log_scales", "sh_dc", "opacity_logits", "quats", "sh_rest"):
+        a, b = np.asarray(decoded[key], np.float64), np.asarray(ours[key], np.float64)
+        assert a.shape == b.shape, f"{what}: {key} {a.shape} vs {b.shape}"
+        if key == "opacity_logits":  # compare opacity, not logits (saturated logits are +-inf or clamped)
+            a, b = _sigmoid(a), _sigmoid(b)
+        err = np.abs(a - b).max() if a.size else 0.0
+        assert err <= atol, f"{what}: {key} differs by up to {err:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line on the SH-3 demo run with random SH and 10% of the gaussians below the opacity cut.
+
+
+@pytest.fixture(scope="module")
+def edited_run(tmp_path_factory) -> Path:
+    config = demo_runs.sh3_run(tmp_path_factory)
+    gen = torch.Generator().manual_seed(2)
+
+    def edit(params):
+        params["features_rest"] = 0.3 * torch.randn(params["features_rest"].shape, generator=gen)
+        n = params["opacities"].shape[0]
+        params["opacities"][torch.randperm(n, generator=gen)[: n // 10]] = -8.0
+
+    return _copy_run_with_checkpoint(config, tmp_path_factory.mktemp("playcanvas_run") / "outputs", edit)
+
+
+@pytest.fixture(scope="module")
+def exports(edited_run, tmp_path_factory):
+    require_tools()
+    out = tmp_path_factory.mktemp("playcanvas_exports")
+    result = run_cli([_console_script()], "--load-config", edited_run, "--output-dir", out,
+                     "--format", "ply", "sog", "compressed-ply", timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.tail()
+    pipeline, _, _ = demo_runs.load_pipeline(edited_run)
+    # PlayCanvas's converter: our files back to .ply, and its own files from our .ply
+    st = out / "splat-transform"
+    st.mkdir()
+    splat_transform(out / "splat.sog", st / "from_sog.ply")
+    splat_transform(out / "splat.compressed.ply", st / "from_compressed.ply")
+    splat_transform(out / "splat.ply", st / "theirs.sog")
+    splat_transform(out / "splat.ply", st / "theirs.compressed.ply")
+    splat_transform(st / "theirs.sog", st / "theirs_sog.ply")
+    splat_transform(st / "theirs.compressed.ply", st / "theirs_compressed.ply")
+    return out, result, pipeline
+
+
+def test_cli_writes_both_and_prints_sizes(exports):
+    out, result, pipeline = exports
+    names = sorted(p.name for p in out.iterdir() if p.is_file())
+    assert names == ["splat.compressed.ply", "splat.ply", "splat.sog"]  # no temporary file left
+    n = len(_model_arrays(pipeline.model)["means"])
+    assert n < pipeline.model.num_points  # the low-opacity tenth is dropped
+    text = " ".join(result.output.split())
+    for name in ("splat.sog", "splat.compressed.ply"):
+        size = (out / name).stat().st_size
+        assert f"{name} {size:,} bytes {size / n:.1f} bytes/gaussian" in text, f"no size line for {name}:\n{text}"
+    assert "SH from a " in text and "-entry palette" in text
+
+
+def test_splat_transform_decodes_compressed_ply(exports):
+    out, _, pipeline = exports
+    m = _model_in_file_order(pipeline)
+    d = _ply_values(out / "splat-transform" / "from_compressed.ply")
+    n = len(m["means"])
+    assert len(d["means"]) == n
+    chunk = np.arange(n) // 256
+
+    def chunk_step(values: np.ndarray, bits) -> np.ndarray:  # [N, 3] -> the half-step per value
+        lo = np.stack([np.minimum.reduceat(values[:, i], np.r_[0:n:256]) for i in range(3)], 1)[chunk]
+        hi = np.stack([np.maximum.reduceat(values[:, i], np.r_[0:n:256]) for i in range(3)], 1)[chunk]
+        return (hi - lo) / (2 * (2.0 ** np.asarray(bits) - 1))
+
+    bits = [11, 10, 11]
+    err = np.abs(d["means"] - m["means"])
+    assert (err <= chunk_step(m["means"], bits) + EPS).all(), f"positions off by up to {err.max():.3g}"
+    assert err.max() > 0  # really quantised
+    assert np.abs(m["log_scales"]).max() < 20  # inside the format's clamp
+    err = np.abs(d["log_scales"] - m["log_scales"])
+    assert (err <= chunk_step(m["log_scales"], bits) + EPS).all(), f"log scales off by up to {err.max():.3g}"
+    rgb = (m["sh_dc"] * SH_C0 + 0.5).astype(np.float32).astype(np.float64)
+    err = np.abs((d["sh_dc"] * SH_C0 + 0.5) - rgb)
+    assert (err <= chunk_step(rgb, [8, 8, 8]) + EPS).all(), f"colours off by up to {err.max():.3g}"
+    assert np.abs(_sigmoid(d["opacity_logits"]) - _sigmoid(m["opacity_logits"])).max() <= 0.5 / 255 + EPS
+    q = _same_rotation(m["quats"], d["quats"])
+    assert np.abs(q - m["quats"]).max() <= 3e-3
+    assert d["sh_rest"].shape == m["sh_rest"].shape == (n, 3, 15)
+    err = np.abs(d["sh_rest"] - np.clip(m["sh_rest"], -4, 4))
+    assert err.max() <= 1 / 32 + EPS and err.max() > 1 / 256, f"SH off by up to {err.max():.3g}"
+    # ours reads our file as splat-transform does
+    _assert_same_values(read_compressed_ply(out / "splat.compressed.ply"), d, "read_compressed_ply vs splat-transform")
+
+
+def test_splat_transform_decodes_sog(exports):
+    out, _, pipeline = exports
+    m = _model_in_file_order(pipeline)
+    d = _ply_values(out / "splat-transform" / "from_sog.ply")
+    n = len(m["means"])
+    assert len(d["means"]) == n
+    meta = read_sog(out / "splat.sog")["meta"]
+    assert meta["version"] == 2 and meta["count"] == n and meta["shN"]["bands"] == 3
+
+    t = np.sign(m["means"]) * np.log1p(np.abs(m["means"]))
+    half = (t.max(0) - t.min(0)) / (2 * 65535)
+    err = np.abs(d["means"] - m["means"])
+    assert (err <= (np.abs(m["means"]) + 1) * half * 1.001 + EPS).all(), f"positions off by up to {err.max():.3g}"
+    for key, book in (("log_scales", meta["scales"]["codebook"]), ("sh_dc", meta["sh0"]["codebook"])):
+        book = np.asarray(book, np.float64)
+        assert len(book) == 256 and (np.diff(book) >= 0).all()
+        nearest = np.abs(m[key][..., None] - book).min(-1)  # the format's quantisation: the nearest entry
+        err = np.abs(d[key] - m[key])
+        assert (err <= nearest + EPS).all(), f"{key}: not the nearest codebook entry (off by {(err - nearest).max():.3g})"
+        spread = m[key].max() - m[key].min()
+        assert err.max() < spread / 64, f"{key}: a 256-entry codebook is off by {err.max():.3g} of a {spread:.3g} range"
+    assert np.abs(_sigmoid(d["opacity_logits"]) - _sigmoid(m["opacity_logits"])).max() <= 0.5 / 255 + EPS
+    q = _same_rotation(m["quats"], d["quats"])
+    assert np.abs(q - m["quats"]).max() <= 0.0125
+    # SH: a palette of k-means centroids, each value one of 256 codebook entries
+    assert d["sh_rest"].shape == m["sh_rest"].shape == (n, 3, 15)
+    assert np.isin(d["sh_rest"].astype(np.float32), np.asarray(meta["shN"]["codebook"], np.float32)).all()
+    distinct = len(np.unique(d["sh_rest"].reshape(n, -1), axis=0))
+    assert distinct <= meta["shN"]["count"] <= n
+    rel = np.sqrt(((d["sh_rest"] - m["sh_rest"]) ** 2).sum() / (m["sh_rest"] ** 2).sum())
+    assert rel < 0.6, f"the SH palette keeps too little: relative error {rel:.2f}"
+    _assert_same_values(read_sog(out / "splat.sog"), d, "read_sog vs splat-transform")
+
+
+def test_our_readers_read_splat_transforms_files(exports):
+    """splat-transform's own .sog and .compressed.ply (written from our .ply) read with our readers
+    give what splat-transform itself reads back from them."""
+    out, _, pipeline = exports
+    st = out / "splat-transform"
+    _assert_same_values(read_compressed_ply(st / "theirs.compressed.ply"), _ply_values(st / "theirs_compressed.ply"),
+                        "read_compressed_ply(splat-transform's file)")  # fmt: skip
+    theirs = read_sog(st / "theirs.sog")
+    _assert_same_values(theirs, _ply_values(st / "theirs_sog.ply"), "read_sog(splat-transform's file)")
+    assert theirs["meta"]["count"] == len(_model_arrays(pipeline.model)["means"])
+
+
+def test_same_run_same_bytes(exports, edited_run, tmp_path):
+    out, _, _ = exports
+    ExportSplats(load_config=edited_run, output_dir=tmp_path, format=("sog", "compressed-ply")).main()
+    for name in ("splat.sog", "splat.compressed.ply"):
+        assert (tmp_path / name).read_bytes() == (out / name).read_bytes(), f"{name} differs between two exports"
+
+
+def test_decoded_files_render_close_to_the_model(exports):
+    """splat-transform's decoding of each file, rendered by the reference op, next to the model."""
+    out, _, pipeline = exports
+    model = _reference_model(pipeline)
+    cameras = _eval_cameras(pipeline)
+    reference = _render(model, cameras)
+    for name, bound in (("from_compressed.ply", COMPRESSED_PLY_PSNR), ("from_sog.ply", SOG_PSNR)):
+        params = read_splat_ply(out / "splat-transform" / name)
+        psnr = _psnr(reference, _render(model_from_ply(model, params), cameras))
+        assert psnr >= bound, f"{name} renders at {psnr:.1f} dB (< {bound})"
+
+
+def _eval_cameras(pipeline):
+    cams = pipeline.datamanager.eval_dataset.cameras
+    return [cams[i : i + 1] for i in range(cams.shape[0])]
+
+
+# ---------------------------------------------------------------------------------------------
+# In Chromium: the PlayCanvas engine renders our files.
+
+
+def _scaled(camera, factor: int):
+    from nerfstudio.cameras.cameras import Cameras
+
+    return Cameras(camera_to_worlds=camera.camera_to_worlds, fx=camera.fx * factor, fy=camera.fy * factor,
+                   cx=camera.cx * factor, cy=camera.cy * factor, width=int(camera.width) * factor,
+                   height=int(camera.height) * factor)  # fmt: skip
+
+
+def _browser_camera(camera) -> dict:
+    w, h = int(camera.width), int(camera.height)
+    fx, fy, cx, cy = (float(getattr(camera, k)) for k in ("fx", "fy", "cx", "cy"))
+    assert abs(fx - fy) < 1e-3 * fx and abs(cx - w / 2) < 1e-3 and abs(cy - h / 2) < 1e-3, "a centred pinhole"
+    c2w = np.eye(4)
+    c2w[:3] = camera.camera_to_worlds[0].numpy()
+    return {"c2w": c2w, "fov_y": math.degrees(2 * math.atan(h / 2 / fy)), "width": w, "height": h}
+
+
+@pytest.fixture
+def page(tmp_path):
+    import test_viewer
+
+    if not all(os.path.exists(p) for p in (test_viewer.CHROMIUM, test_viewer.CHROMEDRIVER)):
+        pytest.skip("chromium / chromedriver missing: scripts/setup.sh installs them")
+    browser = test_viewer.Browser(tmp_path / "chromium-profile")
+    p = PlayCanvasPage(tmp_path / "site", browser)
+    yield p
+    p.close()
+    browser.quit()
+
+
+def test_playcanvas_engine_renders_both_close_to_the_model(tmp_path_factory, page):
+    """The trained run as it is (SH barely trained: the view-dependent colour the engine and our op
+    might evaluate differently stays out of the comparison)."""
+    config = demo_runs.sh3_run(tmp_path_factory)
+    ExportSplats(load_config=config, output_dir=page.folder, format=("sog", "compressed-ply")).main()
+    pipeline, _, _ = demo_runs.load_pipeline(config)
+    model = _reference_model(pipeline)
+    cameras = [_scaled(c, 4) for c in _eval_cameras(pipeline)]
+    reference = [r.numpy() for r in _render(model, cameras)]
+    background = model._get_background_color().tolist()
+    results = {}
+    for name in ("splat.sog", "splat.compressed.ply"):
+        images = page.render(name, [_browser_camera(c) for c in cameras], background)
+        results[name] = _psnr([torch.from_numpy(i) for i in images], [torch.from_numpy(r) for r in reference])
+        page.folder.joinpath(f"{name}.browser.npy").write_bytes(np.stack(images).tobytes())
+    flipped = _psnr([torch.from_numpy(np.ascontiguousarray(i[::-1])) for i in images], [torch.from_numpy(r) for r in reference])
+    print({**results, "upside down": flipped})
+    for name, psnr in results.items():
+        assert psnr >= BROWSER_PSNR, f"the PlayCanvas engine renders {name} at {psnr:.1f} dB (< {BROWSER_PSNR})"
+    assert flipped < min(results.values()) - 3, f"an upside-down render scores {flipped:.1f} dB: the check has no teeth"
