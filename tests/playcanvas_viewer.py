@@ -56,7 +56,11 @@ PAGE = """<!doctype html>
 <body><canvas id="c"></canvas>
 <script type="module">
 import * as pc from './playcanvas.mjs';
-const frames = (app, n) => new Promise(res => { let k = 0; const f = () => { if (++k >= n) { app.off('frameend', f); res(); } }; app.on('frameend', f); });
+const frames = (app, n) => new Promise(res => {
+  let k = 0;
+  const f = () => { if (++k >= n) { app.off('frameend', f); res(); } };
+  app.on('frameend', f);
+});
 // url: the splat file; cams: [{c2w: 16 numbers, column-major, OpenGL axes}, fovY (degrees), width, height];
 // background: [r, g, b] in 0..1. Resolves to one PNG data URL per camera.
 window.renderSplat = async (url, cams, background) => {

@@ -207,10 +207,10 @@ def read_compressed_ply(path: Union[str, Path]) -> Dict[str, np.ndarray]:
         lo, hi = ch[lo][ci].astype(np.float64), ch[hi][ci].astype(np.float64)
         return lo * (1 - t) + hi * t
 
-    pp, ps, pc, pr = (v[k].astype(np.uint32) for k in ("packed_position", "packed_scale", "packed_color", "packed_rotation"))
-    means = np.stack([lerp(f"min_{a}", f"max_{a}", unorm(pp, sh, b)) for a, sh, b in (("x", 21, 11), ("y", 11, 10), ("z", 0, 11))], 1)
-    scales = np.stack([lerp(f"min_scale_{a}", f"max_scale_{a}", unorm(ps, sh, b))
-                       for a, sh, b in (("x", 21, 11), ("y", 11, 10), ("z", 0, 11))], 1)  # fmt: skip
+    pp, ps, pc, pr = (v[f"packed_{k}"].astype(np.uint32) for k in ("position", "scale", "color", "rotation"))
+    xyz = (("x", 21, 11), ("y", 11, 10), ("z", 0, 11))  # axis, shift, bits
+    means = np.stack([lerp(f"min_{a}", f"max_{a}", unorm(pp, sh, b)) for a, sh, b in xyz], 1)
+    scales = np.stack([lerp(f"min_scale_{a}", f"max_scale_{a}", unorm(ps, sh, b)) for a, sh, b in xyz], 1)
     rgb = np.stack([lerp(f"min_{a}", f"max_{a}", unorm(pc, sh, 8)) for a, sh in (("r", 24), ("g", 16), ("b", 8))], 1)
     alpha = unorm(pc, 0, 8)
     norm = 1 / (np.sqrt(2) * 0.5)
@@ -227,7 +227,8 @@ def read_compressed_ply(path: Union[str, Path]) -> Dict[str, np.ndarray]:
         logits = -np.log(1 / alpha - 1)
     out = {"means": means, "log_scales": scales, "sh_dc": (rgb - 0.5) / SH_C0, "opacity_logits": logits, "quats": quats}
     if "sh" in tables:
-        raw = np.stack([tables["sh"][f"f_rest_{i}"] for i in range(len(tables["sh"].dtype.names))], 1).astype(np.float64)
+        names = tables["sh"].dtype.names
+        raw = np.stack([tables["sh"][f"f_rest_{i}"] for i in range(len(names))], 1).astype(np.float64)
         unit = np.where(raw == 0, 0.0, np.where(raw == 255, 1.0, (raw + 0.5) / 256))
         out["sh_rest"] = ((unit - 0.5) * 8).reshape(n, 3, -1)
     else:

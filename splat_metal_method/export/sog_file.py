@@ -113,7 +113,8 @@ def encode_sog(g: ExportGaussians, device=None, generator: str = "splat-metal") 
     q = np.where(np.take_along_axis(q, largest[:, None], axis=1) < 0, -q, q) * np.sqrt(2)
     others = np.array([[1, 2, 3], [0, 2, 3], [0, 1, 3], [0, 1, 2]])[largest]  # [N, 3]
     small = np.take_along_axis(q, others, axis=1)
-    images["quats.webp"] = image(np.concatenate([_u8(255 * (small * 0.5 + 0.5)), (252 + largest)[:, None].astype(np.uint8)], 1))
+    tag = (252 + largest)[:, None].astype(np.uint8)
+    images["quats.webp"] = image(np.concatenate([_u8(255 * (small * 0.5 + 0.5)), tag], 1))
 
     # scales and colour: 256-entry codebooks
     scale_book, scale_idx = codebook_1d(a["log_scales"][order])
