@@ -6,10 +6,10 @@ held-out views rendered from each file as a viewer reads it, against the model's
 Each file is decoded by a reader written from its format's sources: .ply by plyfile, .splat and .spz
 by tests/export_readers.py, .sog and .compressed.ply by PlayCanvas's splat-transform (to .ply), and
 rendered by the reference op at the held-out cameras; the model renders the same cameras with the
-same op. --browser adds the PlayCanvas engine's own render of .sog and .compressed.ply in headless
-Chromium (tests/playcanvas_viewer.py) at the held-out poses as centred pinholes (--browser-scale
-times the photos' size), against the model's render of those cameras. Prints a Markdown table and
-writes benchmarks/results/export_formats_<label>.csv.
+same op. --browser adds SuperSplat's viewer (tests/playcanvas_viewer.py) opening .ply, .sog and
+.compressed.ply in headless Chromium at the held-out cameras' positions and view axes (256x192, 60
+degrees wide), against the model's render of those cameras and against the viewer's own render of
+the .ply. Prints a Markdown table and writes benchmarks/results/export_formats_<label>.csv.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ def main() -> None:
     parser.add_argument("--load-config", type=Path, required=True)
     parser.add_argument("--label", default="run")
     parser.add_argument("--browser", action="store_true")
-    parser.add_argument("--browser-scale", type=int, default=1)
     args = parser.parse_args()
 
     import demo_runs
@@ -37,7 +36,7 @@ def main() -> None:
     from playcanvas_viewer import splat_transform
     from splat_metal_method.export.cli import ExportSplats
     from test_export_formats import _psnr, _reference_model, _render, _splat_params, _spz_params
-    from test_export_playcanvas import _browser_camera, _centred, _eval_cameras
+    from test_export_playcanvas import _eval_cameras, viewer_camera, viewer_renders
     from test_export_roundtrip import model_from_ply, read_splat_ply
 
     out = Path(tempfile.mkdtemp(prefix="bench_export_formats_"))
@@ -71,34 +70,27 @@ def main() -> None:
         import torch
 
         import test_viewer
-        from playcanvas_viewer import PlayCanvasPage
+        from playcanvas_viewer import SuperSplatViewer
 
-        site = out / "site"
-        site.mkdir()
-        for name in ("splat.ply", "splat.sog", "splat.compressed.ply"):
-            (site / name).write_bytes((out / name).read_bytes())
-        views = [_centred(c, args.browser_scale) for c in cameras]
-        model_views = _render(model, views)
         browser = test_viewer.Browser(out / "chromium-profile")
-        page = PlayCanvasPage(site, browser)
+        viewer = SuperSplatViewer(out / "site", browser)
         try:
-            engine_ply = None
+            for name in ("splat.ply", "splat.sog", "splat.compressed.ply"):
+                (viewer.folder / name).write_bytes((out / name).read_bytes())
+            model_views = _render(model, [viewer_camera(c)[2] for c in cameras])
+            renders = viewer_renders(viewer, ("splat.ply", "splat.sog", "splat.compressed.ply"), model, cameras)
             for row in rows:
-                if row["format"] in ("ply", "sog", "compressed-ply"):
-                    images = page.render(row["file"], [_browser_camera(c) for c in views],
-                                         model._get_background_color().tolist())  # fmt: skip
-                    images = [torch.from_numpy(i) for i in images]
-                    row["browser_psnr_db"] = round(_psnr(images, model_views), 1)
-                    engine_ply = images if row["format"] == "ply" else engine_ply
-                    row["browser_vs_ply_db"] = round(_psnr(images, engine_ply), 1)
+                if row["file"] in renders:
+                    row["browser_psnr_db"] = round(_psnr(renders[row["file"]], model_views), 1)
+                    row["browser_vs_ply_db"] = round(_psnr(renders[row["file"]], renders["splat.ply"]), 1)
         finally:
-            page.close()
+            viewer.close()
             browser.quit()
 
     print(f"\n{args.load_config}: {n:,} gaussians, SH degree {model.config.sh_degree}, step {step}, "
           f"{len(cameras)} held-out views\n")  # fmt: skip
     print("| format | file | bytes | bytes/gaussian | PSNR vs model (reference op) "
-          "| PSNR vs model (PlayCanvas engine) | PSNR vs the engine's .ply render |\n"
+          "| PSNR vs model (SuperSplat viewer) | PSNR vs the viewer's .ply render |\n"
           "|---|---|---:|---:|---:|---:|---:|")  # fmt: skip
     for r in rows:
         browser_psnr, vs_ply = (f"{r[k]} dB" if r[k] != "" else "" for k in ("browser_psnr_db", "browser_vs_ply_db"))
