@@ -1,13 +1,16 @@
-"""``splat-metal-export``: a trained run as .ply, .splat and/or .spz, in one go.
+"""``splat-metal-export``: a trained run as .ply, .splat, .spz, .sog and/or .compressed.ply, in one go.
 
     splat-metal-export --load-config outputs/.../config.yml --output-dir exports/ --format ply splat spz
+    splat-metal-export --load-config outputs/.../config.yml --output-dir exports/ --format sog compressed-ply
 
 The run is loaded as ``ns-export`` loads it (nerfstudio's ``eval_setup``: the same device choice,
 cuda if available else cpu, and the same checkpoint, the latest; splat-metal's checkpoint allow-list
 applies because importing this package installs it). Any splatfacto run works, not only splat-metal.
 
 ``.ply`` is byte for byte what ``ns-export gaussian-splat`` writes (nerfstudio's own ``write_ply``
-over the same columns); ``.splat`` and ``.spz`` are described in splat_file.py and spz_file.py.
+over the same columns); ``.splat``, ``.spz``, ``.sog`` and ``.compressed.ply`` are described in
+splat_file.py, spz_file.py, sog_file.py and compressed_ply_file.py (the .sog's SH palette is k-means
+on the device the model was loaded on).
 Every requested file is first written to a hidden temporary file in the output folder; only when
 all are complete are they renamed into place (reliability.atomic_path), so a failure or Ctrl-C
 leaves no partial file and the files already there untouched. Bad input (no such config, not a
@@ -39,7 +42,8 @@ class ExportError(SystemExit):
 
 @dataclass
 class ExportSplats:
-    """Export a trained gaussian-splatting run (splat-metal or splatfacto) to .ply, .splat and .spz."""
+    """Export a trained gaussian-splatting run (splat-metal or splatfacto) to .ply, .splat, .spz, .sog
+    and .compressed.ply."""
 
     load_config: Path
     """config.yml of the run (as for ns-export)."""
