@@ -37,7 +37,7 @@ def write_playcanvas(g: ExportGaussians, fmt: str, path: Path, device=None) -> T
         enc = encode_sog(g, device=kmeans_device(device))
         data = enc.data
         if enc.palette:
-            notes.append(f"SH from a {enc.palette:,}-entry palette")
+            notes.append(f"SH palette of {enc.palette:,} entries")
     elif fmt == "compressed-ply":
         from .compressed_ply_file import encode_compressed_ply
 
