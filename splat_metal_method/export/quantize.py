@@ -95,17 +95,19 @@ def _optimal_1d(x: np.ndarray, w: np.ndarray, k: int) -> np.ndarray:
     stuck with the tails under-served)."""
     h = len(x)
     pw, pwx, pwxx = (np.r_[0.0, np.cumsum(v)] for v in (w, w * x, w * x * x))
-    a, j = np.arange(h)[:, None], np.arange(h)[None, :]  # group = bins a..j
+    j, a = np.arange(h)[:, None], np.arange(h)[None, :]  # [j, a]: the group of bins a..j (rows contiguous)
     sw = pw[j + 1] - pw[a]
     swx = pwx[j + 1] - pwx[a]
     cost = np.where(a <= j, (pwxx[j + 1] - pwxx[a]) - swx * swx / np.where(sw > 0, sw, 1), np.inf)
-    best = cost[0].copy()  # one group ending at j
+    best = cost[:, 0].copy()  # one group ending at j
     splits = np.zeros((k, h), np.int64)  # first bin of the last group
+    total = np.empty_like(cost)
+    rows = np.arange(h)
     for m in range(1, k):
         prev = np.r_[np.inf, best[:-1]]  # groups 0..m-1 end at a-1
-        total = prev[:, None] + cost  # [a, j]
-        splits[m] = np.argmin(total, axis=0)
-        best = total[splits[m], np.arange(h)]
+        np.add(cost, prev[None, :], out=total)
+        splits[m] = np.argmin(total, axis=1)
+        best = total[rows, splits[m]]
     out, end = [], h - 1
     for m in range(k - 1, -1, -1):
         start = splits[m][end] if m > 0 else 0
