@@ -395,3 +395,31 @@ def test_ctrl_c_during_the_sog_writes_nothing(tmp_path_factory, tmp_path, monkey
     assert "interrupted; nothing was written" in str(e.value.code)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["splat.sog"]
     assert (tmp_path / "splat.sog").read_bytes() == b"old sog"
+
+
+def test_sh_degree_4_keeps_bands_1_to_3(tmp_path):
+    """Both formats stop at SH band 3: a degree-4 model's first 15 coefficients per channel are kept
+    (splat-transform reads them back), band 4 is dropped and the command says so."""
+    from splat_metal_method.export.gaussians import ExportGaussians
+    from splat_metal_method.export.playcanvas import write_playcanvas
+
+    rng = np.random.default_rng(4)
+    n = 300
+    rest = (0.2 * rng.normal(size=(n, 24, 3))).astype(np.float32)
+    g = ExportGaussians(means=rng.normal(size=(n, 3)).astype(np.float32), log_scales=np.full((n, 3), -3, np.float32),
+                        quats=rng.normal(size=(n, 4)).astype(np.float32), opacity_logits=np.zeros(n, np.float32),
+                        sh_dc=rng.normal(size=(n, 3)).astype(np.float32), sh_rest=rest, sh_degree=4,
+                        antialiased=False, n_model=n, n_cropped=0, n_nonfinite=0, n_low_opacity=0)  # fmt: skip
+    order = morton_order(g.means)
+    for fmt, name, step in (("sog", "splat.sog", None), ("compressed-ply", "splat.compressed.ply", 1 / 32)):
+        size, note = write_playcanvas(g, fmt, tmp_path / name)
+        assert size == (tmp_path / name).stat().st_size and "SH band 4 dropped" in note
+        splat_transform(tmp_path / name, tmp_path / f"{name}.ply")
+        decoded = _ply_values(tmp_path / f"{name}.ply")["sh_rest"]  # [N, 3, 15]
+        kept = rest[order, :15].transpose(0, 2, 1)
+        assert decoded.shape == kept.shape == (n, 3, 15)
+        err = np.abs(decoded - kept)
+        if step is not None:
+            assert err.max() <= step + EPS
+        else:  # a palette of 256 centroids for 300 gaussians: close, not exact
+            assert np.sqrt((err**2).mean()) < 0.5 * np.sqrt((kept**2).mean())
