@@ -10,7 +10,7 @@ applies because importing this package installs it). Any splatfacto run works, n
 ``.ply`` is byte for byte what ``ns-export gaussian-splat`` writes (nerfstudio's own ``write_ply``
 over the same columns); ``.splat``, ``.spz``, ``.sog`` and ``.compressed.ply`` are described in
 splat_file.py, spz_file.py, sog_file.py and compressed_ply_file.py (the .sog's SH palette is k-means
-on the device the model was loaded on).
+on the device the run trains on: playcanvas.py).
 Every requested file is first written to a hidden temporary file in the output folder; only when
 all are complete are they renamed into place (reliability.atomic_path), so a failure or Ctrl-C
 leaves no partial file and the files already there untouched. Bad input (no such config, not a
