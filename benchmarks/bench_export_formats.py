@@ -34,10 +34,11 @@ def main() -> None:
     import demo_runs
     from export_readers import read_splat, read_spz
     from playcanvas_viewer import splat_transform
-    from splat_metal_method.export.cli import ExportSplats
     from test_export_formats import _psnr, _reference_model, _render, _splat_params, _spz_params
     from test_export_playcanvas import _eval_cameras, viewer_camera, viewer_renders
     from test_export_roundtrip import model_from_ply, read_splat_ply
+
+    from splat_metal_method.export.cli import ExportSplats
 
     out = Path(tempfile.mkdtemp(prefix="bench_export_formats_"))
     formats = ("ply", "splat", "spz", "sog", "compressed-ply")
@@ -67,9 +68,7 @@ def main() -> None:
                      "psnr_vs_model_db": round(psnr, 1), "browser_psnr_db": "", "browser_vs_ply_db": ""})  # fmt: skip
 
     if args.browser:
-        import torch
-
-        import test_viewer
+        import browser as test_viewer  # Chromium helpers (tests/browser.py)
         from playcanvas_viewer import SuperSplatViewer
 
         browser = test_viewer.Browser(out / "chromium-profile")

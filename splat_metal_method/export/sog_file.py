@@ -127,8 +127,11 @@ def encode_sog(g: ExportGaussians, device=None, generator: str = "splat-metal") 
         "version": VERSION,
         "asset": {"generator": generator},
         "count": n,
-        "means": {"mins": [float(v) for v in mins], "maxs": [float(v) for v in maxs],
-                  "files": ["means_l.webp", "means_u.webp"]},  # fmt: skip
+        "means": {
+            "mins": [float(v) for v in mins],
+            "maxs": [float(v) for v in maxs],
+            "files": ["means_l.webp", "means_u.webp"],
+        },  # fmt: skip
         "scales": {"codebook": [float(v) for v in scale_book], "files": ["scales.webp"]},
         "quats": {"files": ["quats.webp"]},
         "sh0": {"codebook": [float(v) for v in dc_book], "files": ["sh0.webp"]},

@@ -29,19 +29,19 @@ import os
 from pathlib import Path
 from typing import Dict, List
 
+import demo_runs
 import numpy as np
 import pytest
 import torch
-
-import demo_runs
 from cli_helpers import run_cli
 from playcanvas_viewer import SUPERSPLAT_WORLD, SuperSplatViewer, look_at, require_tools, splat_transform
+from test_export_formats import _console_script, _model_arrays, _psnr, _reference_model, _render
+from test_export_roundtrip import _copy_run_with_checkpoint, model_from_ply, read_splat_ply
+
 from splat_metal_method.export.cli import ExportSplats
 from splat_metal_method.export.compressed_ply_file import read_compressed_ply
 from splat_metal_method.export.quantize import morton_order
 from splat_metal_method.export.sog_file import read_sog
-from test_export_formats import _console_script, _model_arrays, _psnr, _reference_model, _render
-from test_export_roundtrip import _copy_run_with_checkpoint, model_from_ply, read_splat_ply
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -91,8 +91,14 @@ def _ply_values(path: Path) -> Dict[str, np.ndarray]:
     """A 3DGS .ply (what splat-transform decodes to) as the readers' dict, in the file's order."""
     p = read_splat_ply(path)
     q = p["quats"].astype(np.float64)
-    return {"means": p["means"], "log_scales": p["scales"], "sh_dc": p["features_dc"],
-            "opacity_logits": p["opacities"][:, 0], "quats": q, "sh_rest": p["features_rest"].transpose(0, 2, 1)}
+    return {
+        "means": p["means"],
+        "log_scales": p["scales"],
+        "sh_dc": p["features_dc"],
+        "opacity_logits": p["opacities"][:, 0],
+        "quats": q,
+        "sh_rest": p["features_rest"].transpose(0, 2, 1),
+    }
 
 
 def _same_rotation(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -257,8 +263,12 @@ def test_decoded_files_render_close_to_the_model(exports):
         params = read_splat_ply(out / "splat-transform" / name)
         psnr = _psnr(reference, _render(model_from_ply(model, params), cameras))
         # the check has teeth: the same values with the SH in the wrong (coefficient-major) order
-        wrong = _psnr(reference, _render(model_from_ply(model, read_splat_ply(out / "splat-transform" / name,
-                                                                              inria_rest_order=False)), cameras))
+        wrong = _psnr(
+            reference,
+            _render(
+                model_from_ply(model, read_splat_ply(out / "splat-transform" / name, inria_rest_order=False)), cameras
+            ),
+        )
         measured[name] = (round(psnr, 1), round(wrong, 1))
         assert psnr >= bound, f"{name} renders at {psnr:.1f} dB (< {bound})"
         assert wrong < WRONG_SH_PSNR, f"{name} with its SH mis-ordered still renders at {wrong:.1f} dB"
@@ -296,7 +306,7 @@ def viewer_camera(camera, width=VIEW_WIDTH, height=VIEW_HEIGHT, fov_x=VIEW_FOV_X
 
 @pytest.fixture
 def viewer(tmp_path):
-    import test_viewer
+    import browser as test_viewer  # Chromium helpers (tests/browser.py)
 
     require_tools()
     if not all(os.path.exists(p) for p in (test_viewer.CHROMIUM, test_viewer.CHROMEDRIVER)):
