@@ -25,11 +25,11 @@ What a design is here (each count cited from the peer's source in DESIGNS' comme
   per stage max(compute, memory).
 
 The scene statistics a step depends on (Scene): gaussians G, pixels P, tile intersections M and
-gaussian-pixel evaluations E. Only the fork published E (27.1M at 1024x664 = 40 per pixel) and its
-atomic groups (0.8M ~ E / 32: groups are full); M is inferred from its "replay diagonal 0.2M" (rounds of
-32 splats: M ~ 6.4M = 2,381 per 16x16 tile) and issue 23's garden estimate (15M at 3M gaussians,
-1297x840 = 3,511 per tile): per-tile list length grows as G^0.21 between the two. E is taken as 40 per
-pixel at every gaussian count (opacity saturation bounds the depth a pixel composites).
+gaussian-pixel evaluations E. Only the fork published E (27.1M "replay active" pairs at 1024x664 = 40
+per pixel) and its atomic groups (0.8M ~ E / 32: active groups are full). E is taken as 40 per pixel at
+every gaussian count (opacity saturation bounds the depth a pixel composites). M is not published by
+anyone: issue 23's garden estimate (15M at 3M gaussians, 1297x840: 5 tiles per gaussian) is scaled
+with the gaussians and the pixels.
 
 Runs (7K, 30K) average over a gaussian count that grows: the seed points (garden's 138,766 COLMAP
 points) until the warm-up ends (500), then linearly to the final count at the end of densification
@@ -506,7 +506,7 @@ CONSTANT_NOTES = {
     "dispatch_us": "fixed (assumption): no point resolves it; the Metal-shader encode figure",
     "step_cycles": "fitted, at its floor (~10 instructions of a per-pixel test): the points do not resolve it",
     "atomic_cycles": "fitted: core cycles per device float atomic",
-    "barrier_cycles": "fitted: only the fork's per-splat point resolves it (reproduced by construction)",
+    "barrier_cycles": "fitted: only the fork's per-splat point resolves it (small: per-splat is slower without it)",
     "bw_efficiency": "fitted: share of the DRAM spec (546 GB/s M4 Max) a step's streams reach",
 }
 
