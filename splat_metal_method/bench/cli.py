@@ -4,6 +4,8 @@ into an issue.
     splat-metal-bench                 # on a Mac: the metal backend on mps; elsewhere cpu + emulated metal
     splat-metal-bench --quick         # small sizes, few steps (what the tests run on Linux)
     splat-metal-bench --out results/  # where bench.csv, memory.csv, memory.png and summary.txt go
+    splat-metal-bench --vs msplat [--data my_scene]  # side by side with msplat where it is installed
+                                                     # (msplat_bench.py: matched settings, one line)
 
 For each standard scene (the demo scene; garden-points at 1/4 and full size of its 648x420 cameras
 when garden_points.npz is found, see bench_scenes.py) and backend, nerfstudio's Trainer runs a short
@@ -264,10 +266,26 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 200; --quick 8)")
     ap.add_argument("--mem-every", type=int, default=None, help="memory sample every N steps (default steps/20)")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default ./splat-metal-bench-<time>)")
+    ap.add_argument("--vs", choices=("msplat",), default=None,
+                    help="train msplat beside us with matched settings (needs `pip install msplat`: macOS 14+, "
+                         "Python 3.12+) and print one line")  # fmt: skip
+    ap.add_argument("--data", type=Path, default=None, help="--vs: a nerfstudio-format scene (default: the demo)")
+    ap.add_argument("--sh-degree", type=int, default=3, help="--vs: SH degree of both")
+    ap.add_argument("--downscale", type=int, default=1, help="--vs: image downscale factor of both")
+    ap.add_argument("--num-downscales", type=int, default=0, help="--vs: coarse-to-fine levels of both")
     args = ap.parse_args(argv)
     device = default_device() if args.device == "auto" else args.device
     if device == "mps" and not torch.backends.mps.is_available():
         ap.error("--device mps: MPS is not available on this machine")
+    if args.vs == "msplat":
+        from . import msplat_bench
+
+        out = args.out or Path(f"splat-metal-bench-{dt.datetime.now():%Y%m%d-%H%M%S}")
+        try:
+            return msplat_bench.main(args.data, args.steps or 2000, args.sh_degree, args.downscale,
+                                     args.num_downscales, device, out)  # fmt: skip
+        except SystemExit as e:  # msplat missing: the message is printed; a non-zero status
+            return int(e.code) if isinstance(e.code, int) else 2
     backends = args.backends or (["metal"] if device == "mps" else ["cpu", "metal"])
     steps = args.steps or (8 if args.quick else 200)
     if steps < 3:
