@@ -75,12 +75,14 @@ def report(after: dict | None, calib: peers.Calib, rms: float) -> str:
         label = "garden-points 20k 1/4" if "garden-points 20k 1/4" in ledgers else next(iter(ledgers))
         parts += ["", f"### Where cutting pays ({when}, ours from the {label} ledger): modeled ms", ""]
         scenes = peers.COMPARE_SCENES
-        levers = [peers.ours_levers(ledgers[label], s, calib) for s in scenes]
+        rates = peers.aten_rates(ledgers)
+        levers = [peers.ours_levers(ledgers[label], s, calib, rates) for s in scenes]
         parts.append("| change | " + " | ".join(s.name for s in scenes) + " |")
         parts.append("|---|" + "---|" * len(scenes))
         for k in levers[0]:
             parts.append(f"| {k} | " + " | ".join(f"{lv[k]:.1f}" for lv in levers) + " |")
-        b = [peers.OursFromLedger(peers.ledger_dict(ledgers[label])).step(s, "M4 Max", calib) for s in scenes]
+        ours = peers.OursFromLedger(peers.ledger_dict(ledgers[label]), rates=rates)
+        b = [ours.step(s, "M4 Max", calib) for s in scenes]
         parts += ["", "| our term | " + " | ".join(s.name for s in scenes) + " |", "|---|" + "---|" * len(scenes)]
         parts.append("| CPU encode | " + " | ".join(f"{x.cpu_ms:.2f}" for x in b) + " |")
         parts.append("| host syncs | " + " | ".join(f"{x.sync_ms:.2f}" for x in b) + " |")

@@ -325,6 +325,26 @@ def ledger_dict(led) -> dict:
     }  # fmt: skip
 
 
+def aten_rates(ledgers) -> Optional[Dict[str, Tuple[float, float]]]:
+    """Bytes per gaussian and per pixel of each part of the step's aten ops, solved (non-negative least
+    squares) from two or more ledgers of different scenes; None from fewer. (Before issue 30: the optimizer,
+    the strategy and the rasterization op's aten ops grow with gaussians only; the model/loss and autograd
+    parts ~900 B a gaussian plus 110-150 B a pixel.)"""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    leds = [ledger_dict(v) for v in (ledgers.values() if isinstance(ledgers, dict) else ledgers)]
+    if len({(d["n_gaussians"], d["pixels"]) for d in leds}) < 2:
+        return None
+    out = {}
+    for part in {p for d in leds for p in d["part_bytes"]}:
+        a = [[d["n_gaussians"], d["pixels"]] for d in leds]
+        y = [d["part_bytes"].get(part, 0) for d in leds]
+        x, _ = nnls(np.array(a, float), np.array(y, float))
+        out[part] = (float(x[0]), float(x[1]))
+    return out
+
+
 @dataclass
 class OursFromLedger:
     """Our steady step: the ledger's CPU counts as they are (they do not grow with the scene), its
@@ -334,6 +354,7 @@ class OursFromLedger:
 
     ledger: dict
     name: str = "ours"
+    rates: Optional[Dict[str, Tuple[float, float]]] = None  # aten_rates(...) of the same tree's ledgers
 
     @property
     def syncs(self) -> int:
@@ -381,7 +402,11 @@ class OursFromLedger:
             b.terms[stage] = b.terms.get(stage, 0.0) + max(compute, mem)
         aten = 0.0
         for part, nbytes in led["part_bytes"].items():
-            aten += nbytes * (ratio["P"] if part in PIXEL_PARTS else ratio["G"])
+            if self.rates and part in self.rates:
+                per_g, per_p = self.rates[part]
+                aten += per_g * s.gaussians + per_p * s.pixels
+            else:
+                aten += nbytes * (ratio["P"] if part in PIXEL_PARTS else ratio["G"])
         b.terms["aten ops' memory"] = g.bytes_ms(aten)
         return b
 
@@ -560,10 +585,11 @@ def compare(
 ) -> Dict[Tuple[str, str], Tuple[float, float]]:
     """(scene, ledger label) -> (ours ms, msplat ms), steady steps on an M4 Max."""
     out = {}
+    rates = aten_rates(ledgers)
     for s in scenes:
         ref = MSPLAT.step(s, "M4 Max", c).step_ms
         for label, led in ledgers.items():
-            out[(s.name, label)] = (OursFromLedger(ledger_dict(led)).step(s, "M4 Max", c).step_ms, ref)
+            out[(s.name, label)] = (OursFromLedger(ledger_dict(led), rates=rates).step(s, "M4 Max", c).step_ms, ref)
     return out
 
 
@@ -580,10 +606,10 @@ def compare_table(runs: Dict[str, Dict[str, dict]], c: Calib = CALIBRATED) -> st
     return "\n".join(lines)
 
 
-def ours_levers(led: dict, s: Scene, c: Calib = CALIBRATED) -> Dict[str, float]:
+def ours_levers(led: dict, s: Scene, c: Calib = CALIBRATED, rates=None) -> Dict[str, float]:
     """Our modeled step on ``s`` as it is and with one change at a time (ms): where cutting work pays."""
     led = ledger_dict(led)
-    base = OursFromLedger(led).step(s, "M4 Max", c)
+    base = OursFromLedger(led, rates=rates).step(s, "M4 Max", c)
     ref = MSPLAT.step(s, "M4 Max", c)
     out = {"as measured": base.step_ms}
 
@@ -601,7 +627,18 @@ def ours_levers(led: dict, s: Scene, c: Calib = CALIBRATED) -> Dict[str, float]:
     out["aten ops' memory halved (fewer temporaries, fused Adam)"] = variant(
         **{"aten ops' memory": base.terms["aten ops' memory"] / 2}
     )
-    out["atomics per group 11 -> 9 (msplat's)"] = base.step_ms - (1 - 9 / 11) * _Gpu("M4 Max", c).atomics_ms(
-        OURS_ATOMICS_PER_GROUP * s.groups
-    )
+    atomics_cut = (1 - 9 / 11) * _Gpu("M4 Max", c).atomics_ms(OURS_ATOMICS_PER_GROUP * s.groups)
+    out["atomics per group 11 -> 9 (msplat's)"] = base.step_ms - atomics_cut
+    per_g = _Gpu("M4 Max", c).bytes_ms(MSPLAT.bytes_per_gaussian * s.gaussians)
+    ours_g = base.terms["aten ops' memory"] + base.terms["project + SH"]
+    out["per-gaussian traffic as msplat's (2.1 KB: fused Adam and SH, no aten temporaries)"] = variant(
+        **{"aten ops' memory": per_g * base.terms["aten ops' memory"] / ours_g,
+           "project + SH": per_g * base.terms["project + SH"] / ours_g}
+    )  # fmt: skip
+    both = Breakdown(dict(base.terms), base.cpu_ms, 0.0, 0)
+    both.terms["sort (radix + scan)"], both.terms["intersect"] = ref.terms["binning + sort"], 0.0
+    both.terms["aten ops' memory"] = per_g * base.terms["aten ops' memory"] / ours_g
+    both.terms["project + SH"] = per_g * base.terms["project + SH"] / ours_g
+    out["no sync + msplat's sort + msplat's per-gaussian traffic"] = both.step_ms
+    out["msplat 1.1.3 (modeled)"] = ref.step_ms
     return out

@@ -143,3 +143,19 @@ def test_bench_model_prints_the_tables(tmp_path):
     for scene in peers.COMPARE_SCENES:
         assert out.count(f"| {scene.name} | before: ") == 2 and out.count(f"| {scene.name} | after: ") == 2
     assert "fork rast_bwd per-splat" in out and "not reproducible" in out
+
+
+def test_levers_say_where_cutting_pays():
+    led = ledger_snapshots.BEFORE_ISSUE30["garden-points 20k 1/4"]
+    rates = peers.aten_rates(ledger_snapshots.BEFORE_ISSUE30)
+    assert rates["optimizer"][1] == pytest.approx(0, abs=1) and rates["optimizer"][0] > 500  # grows with gaussians
+    for scene in peers.COMPARE_SCENES:
+        lv = peers.ours_levers(led, scene, rates=rates)
+        base = lv["as measured"]
+        assert all(v <= base + 1e-9 for k, v in lv.items() if k != "msplat 1.1.3 (modeled)")
+        # memory traffic pays most, the radix sort next at 1.5M+, atomics little
+        saved = {k: base - v for k, v in lv.items()}
+        traffic = saved["per-gaussian traffic as msplat's (2.1 KB: fused Adam and SH, no aten temporaries)"]
+        assert traffic > saved["atomics per group 11 -> 9 (msplat's)"] * 5
+        together = lv["no sync + msplat's sort + msplat's per-gaussian traffic"]
+        assert together == pytest.approx(lv["msplat 1.1.3 (modeled)"], rel=0.15)
