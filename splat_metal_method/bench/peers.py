@@ -465,7 +465,7 @@ def points() -> List[Point]:
         Point("fork rast_bwd per-splat, 500K, 1024 px", "Plinth-it/msplat docs/backward_atomic_reduction.md",
               4.894, "ms", lambda c: FORK_SPLAT.backward_kernel_ms(FORK_SCENE, M4, c),
               note="device not named: M4 Max assumed"),
-        Point("OpenSplat banana 100 steps, M3 Pro", "pierotofy/OpenSplat PR #76 (as issue 30 quotes it)", 5.9, "s",
+        Point("OpenSplat banana 100 steps, M3 Pro", "issue 30, citing pierotofy/OpenSplat PR #76", 5.9, "s",
               lambda c: 100 * OPENSPLAT.step(s(3.0e4, 480, 360), "M3 Pro", c).step_ms / 1e3, fit=False,
               note="not reproducible: the 5.9 s is a whole run's wall time (image loading, runtime compile of the "
                    "Metal source, first-use graph builds); banana's size is not published (30K points at "
@@ -478,10 +478,11 @@ def points() -> List[Point]:
                    "at 1024 px, so not the same scene scaled)"),
         Point("fork end to end 85.5 vs 83.4 it/s", "(issue 30)", 1000 / 85.5, "ms/step", None, fit=False,
               note="not found in the stored versions of the fork's doc; not modeled"),
-        Point("Brush garden 5000 steps 395.7 s MSL / 422.5 s WGSL", "ArthurBrussee/brush 362dc394 / PR #519", 395.7,
-              "s", None, fit=False,
-              note="not reproducible here: the commit/PR could not be read from this machine (device, count, "
-                   "resolution unknown), and Brush's wgpu design is not expressed"),
+        Point("Brush garden 5000 steps, 395.7 s MSL / 422.5 s WGSL", "ArthurBrussee/brush commit 362dc394 (PR #519)",
+              395.7, "s", None, fit=False,
+              note="not reproducible: 'same machine' is not named, the times include the dataset load and drifted "
+                   "between runs (the commit says so), count and resolution are not given, and Brush's CubeCL "
+                   "kernels are not expressed here"),
     ]  # fmt: skip
 
 
