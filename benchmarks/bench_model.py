@@ -69,6 +69,9 @@ def report(after: dict | None, calib: peers.Calib, rms: float) -> str:
         "",
         peers.compare_table(runs, calib),
     ]
+    for when, ledgers in runs.items():
+        parts += ["", f"### Sensitivity of ours / msplat ({when}): one assumption changed at a time", "",
+                  peers.sensitivity(ledgers, calib)]  # fmt: skip
     if not after:
         parts += ["", "after: not given (`--after FILE.json`, made by `--write-ledger FILE.json` on the new tree)"]
     for when, ledgers in runs.items():

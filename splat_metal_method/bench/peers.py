@@ -643,3 +643,27 @@ def ours_levers(led: dict, s: Scene, c: Calib = CALIBRATED, rates=None) -> Dict[
     out["no sync + msplat's sort + msplat's per-gaussian traffic"] = both.step_ms
     out["msplat 1.1.3 (modeled)"] = ref.step_ms
     return out
+
+
+def sensitivity(ledgers: Dict[str, dict], c: Calib = CALIBRATED, label: Optional[str] = None) -> str:
+    """Markdown: ours / msplat under each assumption changed alone (same calibration), per scene."""
+    label = label or ("garden-points 20k 1/4" if "garden-points 20k 1/4" in ledgers else next(iter(ledgers)))
+    ours = OursFromLedger(ledger_dict(ledgers[label]), rates=aten_rates(ledgers))
+    cases = {
+        "as calibrated": (c, lambda s: s),
+        "evaluations per pixel x2": (c, lambda s: replace(s, evaluations=2 * s.E)),
+        "intersections x2": (c, lambda s: replace(s, intersections=2 * s.M)),
+        "sync_us x3 (660 us)": (replace(c, sync_us=3 * c.sync_us), lambda s: s),
+        "aten_encode_us 20 (MPSGraph figure)": (replace(c, aten_encode_us=20.0), lambda s: s),
+        "dispatch_us 10": (replace(c, dispatch_us=10.0), lambda s: s),
+        "atomic_cycles x2": (replace(c, atomic_cycles=2 * c.atomic_cycles), lambda s: s),
+    }
+    lines = [f"| assumption (ours from {label}) | " + " | ".join(s.name for s in COMPARE_SCENES) + " |",
+             "|---|" + "---|" * len(COMPARE_SCENES)]  # fmt: skip
+    for name, (cc, f) in cases.items():
+        cells = []
+        for s in COMPARE_SCENES:
+            t = f(s)
+            cells.append(f"{ours.step(t, 'M4 Max', cc).step_ms / MSPLAT.step(t, 'M4 Max', cc).step_ms:.2f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
