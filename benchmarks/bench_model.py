@@ -46,10 +46,10 @@ def write_ledgers(path: Path) -> dict:
     return out
 
 
-def report(after: dict | None, calib: peers.Calib, rms: float) -> str:
+def report(after: dict | None, calib: peers.Calib, rms: float, after_label: str = "after") -> str:
     runs = {"before": ledger_snapshots.BEFORE_ISSUE30}
     if after:
-        runs["after"] = after
+        runs[after_label] = after
     parts = [
         "MODEL, not a measurement (splat_metal_method/bench/peers.py); `python benchmarks/bench_model.py`",
         "",
@@ -98,6 +98,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--after", type=Path, default=None, help="JSON of newer ledgers (label -> ledger dict)")
     ap.add_argument("--write-ledger", type=Path, default=None, help="measure this tree's ledgers into this JSON")
+    ap.add_argument("--after-label", default="after", help="what to call the newer ledgers' rows")
     ap.add_argument("--refit", action="store_true", help="fit the constants again instead of the stored fit")
     args = ap.parse_args(argv)
     after = None
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
     elif args.after:
         after = json.loads(args.after.read_text())
     calib, rms = peers.fit() if args.refit else (peers.CALIBRATED, peers.CALIBRATED_RMS)
-    print(report(after, calib, rms))
+    print(report(after, calib, rms, args.after_label))
     return 0
 
 

@@ -302,11 +302,17 @@ OPENSPLAT = NativeDesign("OpenSplat (PR #76)", dispatches=8, aten_ops=250, syncs
 # ------------------------------------------------------------------------------------------------
 # Our step, from a stored or measured ledger (step_ledger.Ledger or its dict form)
 # ------------------------------------------------------------------------------------------------
-# What each of our kernels' counts grow with; anything else grows with intersections
-KERNEL_GROWS = {
-    "project_fwd": "G", "project_bwd": "G", "sh_fwd": "G", "sh_bwd": "G", "covar_fwd": "G", "covar_bwd": "G",
-    "isect_count": "G", "l1_ssim_fwd": "P", "l1_ssim_reduce": "P", "l1_ssim_bwd": "P",
-}  # fmt: skip
+# What each of our kernels' counts grow with, by name prefix: the tile intersection, sort and rasterize
+# kernels with intersections, the loss with pixels, everything else (projection, SH, covariances,
+# per-gaussian training kernels such as densification statistics or the NaN flag) with gaussians
+KERNEL_GROWS = (("isect_count", "G"), ("isect_", "M"), ("radix_", "M"), ("scan_", "M"), ("rasterize_", "M"),
+                ("l1_ssim", "P"))  # fmt: skip
+
+
+def kernel_grows(name: str) -> str:
+    return next((g for prefix, g in KERNEL_GROWS if name.startswith(prefix)), "G")
+
+
 OURS_ATOMICS_PER_GROUP = 11  # rasterize_bwd.metal: 8 + D quantities (conic 3, opacity, means2d 2, absgrad 2, rgb 3)
 PIXEL_PARTS = ("model, loss, camera opt",)
 
@@ -378,11 +384,14 @@ class OursFromLedger:
         b.cpu_ms = (led["aten_kernels"] * c.aten_encode_us + launches * c.launch_us) * 1e-3
         b.sync_ms = led["host_syncs"] * c.sync_us * 1e-3
         b.terms["dispatch gaps"] = (led["aten_kernels"] + launches) * c.dispatch_us * 1e-3
-        groups = {"sort (radix + scan)": ("radix_", "scan_"), "intersect": ("isect_",), "loss": ("l1_ssim",),
-                  "project + SH": ("project", "sh_", "covar")}  # fmt: skip
+        groups = {
+            "sort (radix + scan)": ("radix_", "scan_"),
+            "intersect": ("isect_",),
+            "loss": ("l1_ssim",),
+            "project + SH": ("project", "sh_", "covar"),
+        }  # fmt: skip (other kernels: a term each)
         for name, w in led["kernels"].items():
-            grows = KERNEL_GROWS.get(name, "M")
-            r = ratio[grows]
+            r = ratio[kernel_grows(name)]
             stage = next((k for k, pre in groups.items() if name.startswith(pre)), name)
             threads_steps = w.get("threads", 0) / SIMDGROUP * r
             mem = g.bytes_ms(w.get("buffer_bytes", 0) * r)
@@ -631,15 +640,17 @@ def ours_levers(led: dict, s: Scene, c: Calib = CALIBRATED, rates=None) -> Dict[
     atomics_cut = (1 - 9 / 11) * _Gpu("M4 Max", c).atomics_ms(OURS_ATOMICS_PER_GROUP * s.groups)
     out["atomics per group 11 -> 9 (msplat's)"] = base.step_ms - atomics_cut
     per_g = _Gpu("M4 Max", c).bytes_ms(MSPLAT.bytes_per_gaussian * s.gaussians)
-    ours_g = base.terms["aten ops' memory"] + base.terms["project + SH"]
-    out["per-gaussian traffic as msplat's (2.1 KB: fused Adam and SH, no aten temporaries)"] = variant(
-        **{"aten ops' memory": per_g * base.terms["aten ops' memory"] / ours_g,
-           "project + SH": per_g * base.terms["project + SH"] / ours_g}
-    )  # fmt: skip
+    g_terms = {"aten ops' memory"} | {
+        "project + SH" if name.startswith(("project", "sh_", "covar")) else name
+        for name in led["kernels"]
+        if kernel_grows(name) == "G" and name != "isect_count"
+    }
+    ours_g = sum(base.terms.get(k, 0.0) for k in g_terms)
+    as_msplat = {k: per_g * base.terms.get(k, 0.0) / ours_g for k in g_terms}
+    out["per-gaussian traffic as msplat's (2.1 KB: fused Adam and SH, no aten temporaries)"] = variant(**as_msplat)
     both = Breakdown(dict(base.terms), base.cpu_ms, 0.0, 0)
+    both.terms.update(as_msplat)
     both.terms["sort (radix + scan)"], both.terms["intersect"] = ref.terms["binning + sort"], 0.0
-    both.terms["aten ops' memory"] = per_g * base.terms["aten ops' memory"] / ours_g
-    both.terms["project + SH"] = per_g * base.terms["project + SH"] / ours_g
     out["no sync + msplat's sort + msplat's per-gaussian traffic"] = both.step_ms
     out["msplat 1.1.3 (modeled)"] = ref.step_ms
     return out

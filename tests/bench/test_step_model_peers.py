@@ -159,3 +159,10 @@ def test_levers_say_where_cutting_pays():
         assert traffic > saved["atomics per group 11 -> 9 (msplat's)"] * 5
         together = lv["no sync + msplat's sort + msplat's per-gaussian traffic"]
         assert together == pytest.approx(lv["msplat 1.1.3 (modeled)"], rel=0.15)
+
+
+def test_kernels_grow_with_what_they_walk():
+    assert [peers.kernel_grows(k) for k in ("radix_scatter", "isect_emit", "rasterize_bwd", "scan_blocks")] == ["M"] * 4
+    assert [peers.kernel_grows(k) for k in ("l1_ssim_fwd", "l1_ssim_bwd")] == ["P", "P"]
+    # ours and new per-gaussian training kernels (densification statistics, the NaN flag) grow with gaussians
+    assert [peers.kernel_grows(k) for k in ("sh_bwd", "project_fwd", "isect_count", "nonfinite_flag")] == ["G"] * 4
