@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
-import functools
 import platform
 import sys
 import tempfile
@@ -36,7 +35,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-STAGES = ("forward", "backward", "optimizer")
+from .timing import STAGES, _StageClock, timed_step  # noqa: F401 (re-exported: splat-metal-bench's timing)
+
 EMULATED_QUICK_STEPS = 3  # --quick on a machine without MPS: steps of the emulated Metal backend
 
 
@@ -63,53 +63,6 @@ class Run:
 
 def default_device() -> str:
     return "mps" if torch.backends.mps.is_available() else "cpu"
-
-
-class _StageClock:
-    """Marks stage boundaries: MPS events on mps (GPU time, read after one sync at the end of the
-    step), perf_counter on cpu."""
-
-    def __init__(self, device: str):
-        self.mps = device == "mps"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.mps:
-            e = torch.mps.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def intervals_ms(self) -> List[float]:
-        if self.mps:
-            torch.mps.synchronize()
-            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
-        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
-
-
-def timed_step(trainer, step: int, device: str) -> List[float]:
-    """Trainer.train_iteration (with the callbacks around it), split into the three stages: ms each."""
-    from nerfstudio.engine.callbacks import TrainingCallbackLocation
-
-    clock = _StageClock(device)
-    with trainer.train_lock:
-        trainer.pipeline.train()
-        clock.mark()
-        for cb in trainer.callbacks:
-            cb.run_callback_at_location(step, TrainingCallbackLocation.BEFORE_TRAIN_ITERATION)
-        trainer.optimizers.zero_grad_all()
-        _, loss_dict, _ = trainer.pipeline.get_train_loss_dict(step=step)
-        loss = functools.reduce(torch.add, loss_dict.values())
-        clock.mark()
-        loss.backward()
-        clock.mark()
-        trainer.optimizers.optimizer_step_all()
-        trainer.optimizers.scheduler_step_all(step)
-        for cb in trainer.callbacks:
-            cb.run_callback_at_location(step, TrainingCallbackLocation.AFTER_TRAIN_ITERATION)
-        clock.mark()
-    return clock.intervals_ms()
 
 
 def memory_sample(device: str) -> Dict[str, float]:

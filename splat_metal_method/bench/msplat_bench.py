@@ -168,7 +168,7 @@ def run_ours(data: Path, m: Matched, device: str, backend: str, work: Path) -> R
     from nerfstudio.utils import writer
 
     from . import step_ledger
-    from .cli import timed_step
+    from .timing import timed_step
 
     writers = list(writer.EVENT_WRITERS)
     t0 = time.perf_counter()
