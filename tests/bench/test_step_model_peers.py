@@ -166,3 +166,13 @@ def test_kernels_grow_with_what_they_walk():
     assert [peers.kernel_grows(k) for k in ("l1_ssim_fwd", "l1_ssim_bwd")] == ["P", "P"]
     # ours and new per-gaussian training kernels (densification statistics, the NaN flag) grow with gaussians
     assert [peers.kernel_grows(k) for k in ("sh_bwd", "project_fwd", "isect_count", "nonfinite_flag")] == ["G"] * 4
+
+
+def test_doc_shows_the_calibration_it_reports():
+    doc = (REPO / "docs" / "step-model.md").read_text()
+    assert "python benchmarks/bench_model.py" in doc
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in doc.splitlines() if line.startswith("| ")}
+    for p in peers.points():
+        assert p.name in rows, p.name
+        if p.fit:
+            assert f"| {p.model(peers.CALIBRATED) / p.measured:.2f} |" in rows[p.name], p.name
