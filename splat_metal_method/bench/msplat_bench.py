@@ -150,9 +150,14 @@ def import_msplat():
 
 
 def run_msplat(data: Path, m: Matched) -> Result:
+    import contextlib
+
     msplat = import_msplat()
     t0 = time.perf_counter()
-    dataset = msplat.load_dataset(str(data), **msplat_dataset_kwargs(m))
+    # msplat's nerfstudio loader resolves a file_path starting with "." against the working directory
+    # (core/src/loaders/load_nerfstudio.cpp), nerfstudio against the scene's folder: load from there
+    with contextlib.chdir(data) if hasattr(contextlib, "chdir") and Path(data).is_dir() else contextlib.nullcontext():
+        dataset = msplat.load_dataset(str(Path(data).resolve()), **msplat_dataset_kwargs(m))
     trainer = msplat.GaussianTrainer(dataset, msplat.TrainingConfig(**msplat_config_kwargs(m)))
     # msplat's ms_per_step is the host's time for step() (python/bindings.cpp), which ends in
     # commitAndContinue without waiting: it equals the GPU's time per step only once the command queue is

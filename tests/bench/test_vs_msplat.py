@@ -117,11 +117,12 @@ def test_the_line_with_a_stand_in_msplat(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "msplat", fake)
     monkeypatch.setattr(msplat_bench, "run_ours", lambda data, m, device, backend, work: msplat_bench.Result(
         "ours", 4.0, 900, 22.0, 1.0, 4.5))  # fmt: skip
+    (tmp_path / "scene").mkdir()
     rc = msplat_bench.main(tmp_path / "scene", 40, 3, 1, 0, "mps", tmp_path / "out")
     assert rc == 0
     m = msplat_bench.matched_settings(40)
     assert calls["config"] == msplat_bench.msplat_config_kwargs(m)
-    assert calls["dataset"] == (str(tmp_path / "scene"), msplat_bench.msplat_dataset_kwargs(m))
+    assert calls["dataset"] == (str((tmp_path / "scene").resolve()), msplat_bench.msplat_dataset_kwargs(m))
     line = (tmp_path / "out" / "vs_msplat.txt").read_text().strip()
     assert "\n" not in line and line.startswith("splat-metal-bench --vs msplat | scene | mps | 40 steps")
     assert calls["synced"]  # the loop's wall time drains msplat's queue first
