@@ -89,7 +89,7 @@ def test_msplat_one_encoder_step_overlaps_and_its_fusions_pay():
     c = peers.CALIBRATED
     s = peers.Scene("", 1.5e6, 1297, 840)
     b = peers.MSPLAT.step(s, M4, c)
-    assert b.cpu_ms < 0.1 * b.gpu_ms and b.step_ms == pytest.approx(b.cpu_ms + b.sync_ms + b.gpu_ms)
+    assert b.cpu_ms < 0.1 * b.gpu_ms and b.step_ms == pytest.approx(b.sync_ms + b.gpu_ms, rel=0.01)  # overlapped
     assert peers.MSPLAT_V10.step(s, M4, c).step_ms > b.step_ms  # v1.1.3's fusions (measured 1.14-1.48x)
     # more gaussians, more pixels: slower
     assert peers.MSPLAT.step(s.with_gaussians(3e6), M4, c).step_ms > b.step_ms
