@@ -2,16 +2,17 @@
 peers' designs (from their source), with the few unknown per-operation costs fitted to the peers'
 published measurements. Not a measurement: the report says how well it reproduces each one.
 
-What a design is here (each count cited from the peer's source in DESIGNS' comments):
+What a design is here (each count cited from the peer's source in the comments above each design):
 - CPU: dispatches it encodes (aten ops at ``aten_encode_us``, native/compile_shader kernels at
   ``launch_us``; pytorch#148219) and host syncs at ``sync_us`` each (pytorch#152199: a small MPS op
   takes 22.75 us without and 245 us with torch.mps.synchronize(): ~220 us per round trip). With a host
   sync in the step the CPU waits for the GPU and the two add up; without one they overlap (max).
-- GPU, per dispatch: ``dispatch_us`` (FITTED): the gap between dependent dispatches of one command
-  buffer (pipeline change, drain, launch), paid by every dispatch, ours, aten's and the peers'.
+- GPU, per dispatch: ``dispatch_us`` (an ASSUMPTION: no point resolves it): the gap between dependent
+  dispatches of one command buffer (pipeline change, drain, launch), paid by every dispatch, ours,
+  aten's and the peers'.
 - GPU, the rasterizer's walk: simdgroup steps. Forward and per-pixel backward: each simdgroup walks
-  the tile's list up to its last contributor, ``walk_per_pixel`` gaussians per pixel, 32 pixels a step
-  (P * walk / 32 steps each); the per-pixel backward adds ``MATH_STEPS`` steps per active
+  the tile's list up to its last contributor, WALK_PER_EVAL x the gaussians a pixel composites, 32
+  pixels a step (E * WALK_PER_EVAL / 32 steps each); the per-pixel backward adds ``MATH_STEPS`` steps per active
   (gaussian, simdgroup) group. Per-splat backward (Plinth-it's ``rasterize_backward_persplat_kernel``):
   one simdgroup per tile holds 32 splats and replays the 256 tile pixels diagonally, 256 + 31 steps per
   round of 32 listed splats, a simdgroup barrier each step, the gradient math on every step that has
@@ -21,8 +22,8 @@ What a design is here (each count cited from the peer's source in DESIGNS' comme
   active group (msplat: lane 0 issues 9 in a row; the fork 10; ours 8 + D spread over lanes); the
   per-splat design one bundle per LISTED splat and tile (the fork flushes even all-zero bundles).
 - GPU, barriers: ``barrier_cycles`` (FITTED) per threadgroup (or simdgroup) barrier.
-- GPU, memory: bytes / the chip's DRAM bandwidth (Apple's specs: M4 Max 546 GB/s, M3 Pro 150 GB/s),
-  per stage max(compute, memory).
+- GPU, memory: bytes / (the chip's DRAM bandwidth x ``bw_efficiency`` (FITTED)); Apple's specs: M4 Max
+  546 GB/s, M3 Pro 150 GB/s. Per stage max(compute, memory); the stages add up.
 
 The scene statistics a step depends on (Scene): gaussians G, pixels P, tile intersections M and
 gaussian-pixel evaluations E. Only the fork published E (27.1M "replay active" pairs at 1024x664 = 40
@@ -74,7 +75,7 @@ class Scene:
     gaussians: float
     width: int
     height: int
-    intersections: Optional[float] = None  # default: the per-tile rule above
+    intersections: Optional[float] = None  # default: TILES_PER_GAUSSIAN_FULL, scaled with G and P
     evaluations: Optional[float] = None  # default: EVALS_PER_PIXEL per pixel
 
     @property
@@ -229,7 +230,6 @@ class NativeDesign:
     backward: str = "per-pixel"  # or "per-splat" or "per-thread"
     sums_per_group: float = 9.0  # simd_sum components per active group (per-pixel)
     atomics_per_group: float = 9.0  # per-pixel: per active group; per-splat: per listed splat; per-thread: per pair
-    sort: str = "per-tile bitonic"  # or "torch sort"
 
     def step(self, s: Scene, device: str, c: Calib) -> Breakdown:
         g = _Gpu(device, c)
@@ -239,6 +239,8 @@ class NativeDesign:
         b.terms["dispatch gaps"] = (self.dispatches + self.aten_ops) * c.dispatch_us * 1e-3
         b.terms["per-gaussian memory"] = g.bytes_ms(self.bytes_per_gaussian * s.gaussians)
         b.terms["per-pixel memory"] = g.bytes_ms(self.bytes_per_pixel * s.pixels)
+        # bytes_per_intersection splits as msplat's 136: binning + sort 56 (0.4), forward 40 and backward 40
+        # (0.3 each); the sort's compute: a bitonic network over each tile's list, log2(n)^2 / 2 stages
         sort_steps = s.M * math.log2(max(s.M / s.tiles, 2.0)) ** 2 / 2 / SIMDGROUP * SORT_STEP_WEIGHT
         b.terms["binning + sort"] = max(g.steps_ms(sort_steps), g.bytes_ms(self.bytes_per_intersection * 0.4 * s.M))
         fwd = g.steps_ms(walk_steps(s) + s.groups)
@@ -298,7 +300,7 @@ FORK_SPLAT = replace(MSPLAT, name="Plinth-it per-splat", backward="per-splat", a
 # with atomics from every thread for every composited pair (8 per pair).
 OPENSPLAT = NativeDesign("OpenSplat (PR #76)", dispatches=8, aten_ops=250, syncs=10, bytes_per_gaussian=4000,
                          bytes_per_intersection=136, bytes_per_pixel=400, backward="per-thread",
-                         atomics_per_group=8, sort="torch sort")  # fmt: skip
+                         atomics_per_group=8)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
