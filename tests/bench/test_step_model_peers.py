@@ -183,3 +183,15 @@ def test_doc_shows_the_calibration_it_reports():
         assert p.name in rows, p.name
         if p.fit:
             assert f"| {p.model(peers.CALIBRATED) / p.measured:.2f} |" in rows[p.name], p.name
+
+
+def test_a_run_sums_its_steps_over_the_growing_count():
+    c = peers.CALIBRATED
+    flat = peers.run_ms(peers.MSPLAT, 7000, peers.SEED_POINTS, 1297, 840, M4, c)
+    step = peers.MSPLAT.step(peers.Scene("", peers.SEED_POINTS, 1297, 840), M4, c).step_ms
+    assert flat == pytest.approx(7000 * step)  # no growth: every step the same
+    grown = peers.run_ms(peers.MSPLAT, 7000, 1.5e6, 1297, 840, M4, c)
+    final = peers.MSPLAT.step(peers.Scene("", 1.5e6, 1297, 840), M4, c).step_ms
+    assert 7000 * step < grown < 7000 * final  # between the seed's and the final count's steps
+    # half the run at the final count (splitting stops at iterations / 2)
+    assert grown > 3500 * final
