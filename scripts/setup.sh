@@ -31,7 +31,11 @@ fi
 
 if [ "$(uname -s)" = Linux ] && command -v apt-get >/dev/null 2>&1; then
   missing=()
-  for pkg in g++ libusb-1.0-0 chromium chromium-driver ffmpeg "$@"; do
+  wanted=(g++ libusb-1.0-0 chromium chromium-driver ffmpeg)
+  # Node and npm for PlayCanvas's tools below, only when there is no npm (a NodeSource nodejs carries
+  # its own npm and conflicts with Debian's npm package).
+  command -v npm >/dev/null 2>&1 || wanted+=(nodejs npm)
+  for pkg in "${wanted[@]}" "$@"; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
   done
   if [ ${#missing[@]} -gt 0 ]; then
@@ -67,4 +71,17 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # shellcheck disable=SC2086
   python -m pip install -q -e ".[test]" $pins
   echo "$want" > "$stamp"
+fi
+
+# PlayCanvas's own tools for the export tests (tests/test_export_playcanvas.py): splat-transform decodes
+# our .sog / .compressed.ply and writes them from our .ply; SuperSplat's viewer renders them in
+# Chromium. Pinned: splat-transform 3.x needs Node >= 22. Into .npm-tools (gitignored), once.
+NPM_TOOLS="@playcanvas/splat-transform@2.7.1 @playcanvas/supersplat-viewer@1.36.2"
+if command -v npm >/dev/null 2>&1 && [ "$(cat .npm-tools/.installed 2>/dev/null)" != "$NPM_TOOLS" ]; then
+  echo "[setup] npm install $NPM_TOOLS (into .npm-tools)"
+  mkdir -p .npm-tools
+  [ -f .npm-tools/package.json ] || echo '{"private": true}' > .npm-tools/package.json
+  # shellcheck disable=SC2086
+  (cd .npm-tools && npm install --no-audit --no-fund --loglevel=error $NPM_TOOLS >/dev/null) \
+    && echo "$NPM_TOOLS" > .npm-tools/.installed
 fi

@@ -16,22 +16,14 @@ def test_sdist_carries_license_and_what_the_tests_need(tmp_path):
     # Built from a copy without *.egg-info: setuptools would otherwise also take the files an earlier
     # build listed in its SOURCES.txt.
     src = tmp_path / "src"
-    shutil.copytree(
-        ROOT,
-        src,
-        ignore=shutil.ignore_patterns(
-            ".git",
-            ".venv",
-            "*.egg-info",
-            "__pycache__",
-            "outputs",
-            "exports",
-            "data",
-            "build",
-            "results",
-            ".pytest_cache",
-        ),
+    skip = shutil.ignore_patterns(
+        ".git", ".venv", "*.egg-info", "__pycache__", "outputs", "exports", "build", "results", ".pytest_cache"
     )
+
+    def ignore(folder, names):  # the repo's data/ (generated scenes) only: tests/data/ is part of the suite
+        return set(skip(folder, names)) | ({"data"} if Path(folder) == ROOT else set())
+
+    shutil.copytree(ROOT, src, ignore=ignore)
     build = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
     proc = subprocess.run(
         [sys.executable, "-c", build, str(tmp_path)], cwd=src, capture_output=True, text=True, timeout=300

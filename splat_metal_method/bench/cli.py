@@ -4,6 +4,8 @@ into an issue.
     splat-metal-bench                 # on a Mac: the metal backend on mps; elsewhere cpu + emulated metal
     splat-metal-bench --quick         # small sizes, few steps (what the tests run on Linux)
     splat-metal-bench --out results/  # where bench.csv, memory.csv, memory.png and summary.txt go
+    splat-metal-bench --vs msplat [--data my_scene]  # side by side with msplat where it is installed
+                                                     # (msplat_bench.py: matched settings, one line)
 
 For each standard scene (the demo scene; garden-points at 1/4 and full size of its 648x420 cameras
 when garden_points.npz is found, see bench_scenes.py) and backend, nerfstudio's Trainer runs a short
@@ -23,7 +25,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
-import functools
 import platform
 import sys
 import tempfile
@@ -34,7 +35,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-STAGES = ("forward", "backward", "optimizer")
+from .timing import STAGES, _StageClock, timed_step  # noqa: F401 (re-exported: splat-metal-bench's timing)
+
 EMULATED_QUICK_STEPS = 3  # --quick on a machine without MPS: steps of the emulated Metal backend
 
 
@@ -61,53 +63,6 @@ class Run:
 
 def default_device() -> str:
     return "mps" if torch.backends.mps.is_available() else "cpu"
-
-
-class _StageClock:
-    """Marks stage boundaries: MPS events on mps (GPU time, read after one sync at the end of the
-    step), perf_counter on cpu."""
-
-    def __init__(self, device: str):
-        self.mps = device == "mps"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.mps:
-            e = torch.mps.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def intervals_ms(self) -> List[float]:
-        if self.mps:
-            torch.mps.synchronize()
-            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
-        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
-
-
-def timed_step(trainer, step: int, device: str) -> List[float]:
-    """Trainer.train_iteration (with the callbacks around it), split into the three stages: ms each."""
-    from nerfstudio.engine.callbacks import TrainingCallbackLocation
-
-    clock = _StageClock(device)
-    with trainer.train_lock:
-        trainer.pipeline.train()
-        clock.mark()
-        for cb in trainer.callbacks:
-            cb.run_callback_at_location(step, TrainingCallbackLocation.BEFORE_TRAIN_ITERATION)
-        trainer.optimizers.zero_grad_all()
-        _, loss_dict, _ = trainer.pipeline.get_train_loss_dict(step=step)
-        loss = functools.reduce(torch.add, loss_dict.values())
-        clock.mark()
-        loss.backward()
-        clock.mark()
-        trainer.optimizers.optimizer_step_all()
-        trainer.optimizers.scheduler_step_all(step)
-        for cb in trainer.callbacks:
-            cb.run_callback_at_location(step, TrainingCallbackLocation.AFTER_TRAIN_ITERATION)
-        clock.mark()
-    return clock.intervals_ms()
 
 
 def memory_sample(device: str) -> Dict[str, float]:
@@ -264,10 +219,26 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 200; --quick 8)")
     ap.add_argument("--mem-every", type=int, default=None, help="memory sample every N steps (default steps/20)")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default ./splat-metal-bench-<time>)")
+    ap.add_argument("--vs", choices=("msplat",), default=None,
+                    help="train msplat beside us with matched settings (needs `pip install msplat`: macOS 14+, "
+                         "Python 3.12+) and print one line")  # fmt: skip
+    ap.add_argument("--data", type=Path, default=None, help="--vs: a nerfstudio-format scene (default: the demo)")
+    ap.add_argument("--sh-degree", type=int, default=3, help="--vs: SH degree of both")
+    ap.add_argument("--downscale", type=int, default=1, help="--vs: image downscale factor of both")
+    ap.add_argument("--num-downscales", type=int, default=0, help="--vs: coarse-to-fine levels of both")
     args = ap.parse_args(argv)
     device = default_device() if args.device == "auto" else args.device
     if device == "mps" and not torch.backends.mps.is_available():
         ap.error("--device mps: MPS is not available on this machine")
+    if args.vs == "msplat":
+        from . import msplat_bench
+
+        out = args.out or Path(f"splat-metal-bench-{dt.datetime.now():%Y%m%d-%H%M%S}")
+        try:
+            return msplat_bench.main(args.data, args.steps or 2000, args.sh_degree, args.downscale,
+                                     args.num_downscales, device, out)  # fmt: skip
+        except SystemExit as e:  # msplat missing: the message is printed; a non-zero status
+            return int(e.code) if isinstance(e.code, int) else 2
     backends = args.backends or (["metal"] if device == "mps" else ["cpu", "metal"])
     steps = args.steps or (8 if args.quick else 200)
     if steps < 3:

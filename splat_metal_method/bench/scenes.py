@@ -26,7 +26,7 @@ N_VIEWS = 10
 def garden_points_path() -> Optional[Path]:
     """garden_points.npz: $SPLAT_METAL_GARDEN_POINTS, else ../shared/data/ beside a clone; None if absent."""
     candidates = [os.environ.get(GARDEN_ENV)] if os.environ.get(GARDEN_ENV) else []
-    candidates.append(Path(__file__).resolve().parents[2] / "shared" / "data" / "garden_points.npz")
+    candidates.append(Path(__file__).resolve().parents[3] / "shared" / "data" / "garden_points.npz")  # beside the clone
     for c in candidates:
         if Path(c).is_file():
             return Path(c)

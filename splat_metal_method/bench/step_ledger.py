@@ -396,9 +396,13 @@ def train_step(trainer, step: int) -> None:
 def host_resident(trainer) -> list:
     """Tensors that live on the host on a Mac: torch Adam's step counters unless the optimizer is
     fused or capturable (torch then keeps them on the parameters' device), and the NaN guard's flags
-    already copied to the host (non_blocking; read once their event completed)."""
+    already copied to the host (non_blocking; read once their event completed), and likewise the
+    intersection counts of the Metal backend's padded lists (ops/metal/isect.py)."""
+    from ..ops.metal import isect
+
     guard = getattr(trainer.pipeline.model, "nonfinite_guard", None)
     out = [host for _, host, _ in guard.pending] if guard is not None else []
+    out += isect.pending_host_counts()  # intersection counts of padded lists, on their way to the host
     for opt in trainer.optimizers.optimizers.values():
         on_device = any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
         for state in opt.state.values():

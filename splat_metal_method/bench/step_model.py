@@ -18,6 +18,11 @@ What it adds up (each term cited or marked as an assumption in COSTS / DEVICES):
 - Host syncs: with at least one per step the CPU waits for the GPU, so CPU and GPU time add up; with
   none they overlap and the step takes the larger of the two. No fixed latency per sync is added.
 
+Calibrated against the peers (issue 30): bench/peers.py expresses msplat's, the Plinth-it fork's and
+OpenSplat's steps from their source, fits the unknown costs to their published Apple-GPU measurements
+and models our step from a ledger on the same scenes; ``table`` appends its ours / msplat rows, and
+benchmarks/bench_model.py prints the whole calibration (docs/step-model.md).
+
 Extrapolation: a kernel's counts scale with gaussians (projection, SH), intersections (tile
 intersection and rasterization) or both (the radix sort runs over depths and intersections);
 aten bytes of the model/loss scale with pixels, the rest with gaussians; aten op counts and launch
@@ -53,6 +58,7 @@ KERNEL_SCALE = {
     "covar_fwd": "gaussians", "covar_bwd": "gaussians", "isect_count": "gaussians",
     "isect_emit": "intersections", "isect_finalize": "intersections", "isect_offsets": "intersections",
     "rasterize_fwd": "intersections", "rasterize_bwd": "intersections",
+    "l1_ssim_fwd": "pixels", "l1_ssim_reduce": "pixels", "l1_ssim_bwd": "pixels",
 }  # fmt: skip
 PIXEL_PARTS = {"model, loss, camera opt"}
 
@@ -93,6 +99,8 @@ def _ratio(kind: str, measured: Scene, target: Scene) -> float:
         return g
     if kind == "intersections":
         return m
+    if kind == "pixels":
+        return target.pixels / max(measured.pixels, 1)
     both = measured.gaussians + measured.intersections
     return (target.gaussians + target.intersections) / max(both, 1)
 
@@ -139,4 +147,16 @@ def table(ledger: Ledger, label: str) -> str:
                 f"| {scene.name} | {device} | {m.cpu_ms:.1f} | {m.gpu_ms:.1f} ({m.gpu_kernels_ms:.1f} + "
                 f"{m.gpu_aten_ms:.1f}) | {m.step_ms:.1f} | {ref} |"
             )
+    lines += ["", calibrated_table(ledger)]
+    return "\n".join(lines)
+
+
+def calibrated_table(ledger: Ledger) -> str:
+    """Markdown: the calibrated model's (bench/peers.py) ours / msplat for ``ledger`` on issue 30's scenes."""
+    from . import peers
+
+    lines = ["Calibrated on the peers' measurements (bench/peers.py; M4 Max; `python benchmarks/bench_model.py`):", "",
+             "| scene | ours modeled ms | msplat modeled ms | ours / msplat |", "|---|---|---|---|"]  # fmt: skip
+    for (scene, _), (ours, ref) in peers.compare({"ledger": peers.ledger_dict(ledger)}).items():
+        lines.append(f"| {scene} | {ours:.1f} | {ref:.1f} | {ours / ref:.2f} |")
     return "\n".join(lines)

@@ -34,6 +34,8 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple, Union
 import torch
 from gsplat.strategy import DefaultStrategy
 
+from ..ops import BackendUnavailable, resolve_backend
+
 MiB = 1024**2
 GiB = 1024**3
 
@@ -247,6 +249,9 @@ class BudgetedStrategy(DefaultStrategy):
     growth_skipped: int = field(default=0, repr=False, compare=False)  # growth candidates not grown (total)
     cap_hit_step: Optional[int] = field(default=None, repr=False, compare=False)  # first refine limited by the cap
     on_cap: Optional[Callable[[str], None]] = field(default=None, repr=False, compare=False)  # message sink
+    # Metal backend: a refine finds the rows to duplicate, split and prune on the device (KnownRows), with
+    # one host read per grow and one per prune (gsplat reads every count and mask: 7 host syncs).
+    rows_on_device: bool = field(default=False, repr=False, compare=False)
 
     @classmethod
     def from_strategy(cls, strategy: DefaultStrategy, max_gaussians: Optional[int]) -> "BudgetedStrategy":
@@ -308,6 +313,10 @@ class BudgetedStrategy(DefaultStrategy):
     @torch.no_grad()
     def _grow_gs(self, params, optimizers, state, step) -> Tuple[int, int]:
         self.events.append((step, "refine"))
+        if self.rows_on_device:
+            grown = self._grow_with_known_rows(params, optimizers, state, step)
+            if grown is not None:
+                return grown
         if self.max_gaussians <= 0:
             return super()._grow_gs(params, optimizers, state, step)
         n = len(params["means"])
@@ -345,6 +354,50 @@ class BudgetedStrategy(DefaultStrategy):
             self._say(f"step {step}: growth went past the cap ({len(params['means']):,} > {self.max_gaussians:,})")
         return result
 
+    def _grow_with_known_rows(self, params, optimizers, state, step) -> Optional[Tuple[int, int]]:
+        """gsplat 1.4's _grow_gs with one host read (both counts at once) and the rows found on the
+        device; None (nothing done) when the cap limits this growth (then the capped path runs)."""
+        from gsplat.strategy.ops import duplicate, split
+
+        is_dupli, is_split = self._grow_masks(params, state, step)
+        n_dupli, n_split = (int(v) for v in torch.stack([is_dupli.sum(), is_split.sum()]).tolist())
+        if self.max_gaussians > 0 and n_dupli + n_split > self.max_gaussians - len(params["means"]):
+            return None
+        if n_dupli > 0:
+            duplicate(params=params, optimizers=optimizers, state=state, mask=KnownRows.of(is_dupli, n_dupli))
+        if n_split > 0:  # new gaussians added by duplication are not split (gsplat)
+            is_split = torch.cat([is_split, torch.zeros(n_dupli, dtype=torch.bool, device=is_split.device)])
+            split(params=params, optimizers=optimizers, state=state, mask=KnownRows.of(is_split, n_split),
+                  revised_opacity=self.revised_opacity)  # fmt: skip
+        return n_dupli, n_split
+
+    @torch.no_grad()
+    def _prune_gs(self, params, optimizers, state, step) -> int:
+        if not self.rows_on_device:
+            return super()._prune_gs(params, optimizers, state, step)
+        from gsplat.strategy.ops import remove
+
+        is_prune = torch.sigmoid(params["opacities"].flatten()) < self.prune_opa  # gsplat 1.4's _prune_gs
+        if step > self.reset_every:
+            is_too_big = torch.exp(params["scales"]).max(dim=-1).values > self.prune_scale3d * state["scene_scale"]
+            if step < self.refine_scale2d_stop_iter:
+                is_too_big |= state["radii"] > self.prune_scale2d
+            is_prune = is_prune | is_too_big
+        n_prune = int(is_prune.sum())  # the prune's one host read
+        if n_prune > 0:
+            remove(params=params, optimizers=optimizers, state=state, mask=KnownRows.of(is_prune, n_prune))
+        return n_prune
+
+    def _grow_masks(self, params, state, step) -> Tuple[torch.Tensor, torch.Tensor]:
+        """gsplat 1.4's _grow_gs masks: (duplicate, split) per gaussian."""
+        grads = state["grad2d"] / state["count"].clamp_min(1)
+        high = grads > self.grow_grad2d
+        small = torch.exp(params["scales"]).max(dim=-1).values <= self.grow_scale3d * state["scene_scale"]
+        split = high & ~small
+        if step < self.refine_scale2d_stop_iter:
+            split |= state["radii"] > self.grow_scale2d
+        return high & small, split
+
     def _growth_per_gaussian(self, params, state, step) -> Tuple[torch.Tensor, torch.Tensor, bool]:
         """Gaussians each one would add in gsplat 1.4's ``_grow_gs`` (0, 1, or 2 when it is both
         duplicated and then split), its average image-plane gradient, and whether the screen-size
@@ -361,6 +414,37 @@ class BudgetedStrategy(DefaultStrategy):
     def _say(self, message: str) -> None:
         if self.on_cap is not None:
             self.on_cap(message)
+
+
+class KnownRows(torch.Tensor):
+    """A bool mask [N] that carries its own ``torch.where``: the rows it selects and those it does not,
+    found on the device (ops.metal.scan.select_rows) from a count the host already read.
+
+    gsplat 1.4's strategy ops (duplicate, split, remove) take a mask and call ``torch.where(mask)[0]``
+    and ``torch.where(~mask)[0]``: nonzero, each a host sync on MPS (it needs the count to size its
+    output). Given a KnownRows they get the same index tensors without one, and nothing else in them
+    changes: every other use of the mask (its device, its values) is the plain tensor's."""
+
+    @staticmethod
+    def of(mask: torch.Tensor, n_selected: int) -> "KnownRows":
+        from ..ops.metal.scan import select_rows
+
+        selected, rest = select_rows(mask, n_selected, with_rest=True)
+        known = mask.as_subclass(KnownRows)
+        known._rows, known._complement_rows = selected, rest
+        return known
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.where and len(args) == 1 and not kwargs:
+            return (args[0]._rows,)
+        if func in (torch.Tensor.__invert__, torch.logical_not, torch.Tensor.logical_not) and len(args) == 1:
+            flipped = torch.logical_not(args[0].as_subclass(torch.Tensor)).as_subclass(KnownRows)
+            flipped._rows, flipped._complement_rows = args[0]._complement_rows, args[0]._rows
+            return flipped
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -543,7 +627,13 @@ class MemoryManager:
         if self.num_gaussians is not None:
             scalars["Memory/gaussians"] = float(self.num_gaussians())
         meta = self.render_meta() if self.render_meta is not None else None
-        if meta and meta.get("tiles_per_gauss") is not None:
+        if meta and meta.get("n_intersections") is not None:  # padded lists: the count the host has heard of
+            from ..ops.metal.isect import last_count
+
+            if last_count() is not None:
+                scalars["Memory/intersections"] = float(last_count())
+            scalars["Memory/depth chunks"] = float(meta.get("depth_chunks", 1))
+        elif meta and meta.get("tiles_per_gauss") is not None:
             scalars["Memory/intersections"] = float(meta["tiles_per_gauss"].sum())
             scalars["Memory/depth chunks"] = float(meta.get("depth_chunks", 1))
         if isinstance(self.strategy, BudgetedStrategy):
@@ -564,6 +654,10 @@ def setup_model_memory(model, max_gaussians: Optional[Tuple[int, str]] = None) -
     if max_gaussians is None:
         max_gaussians, g_source = resolve_budget(config.max_gaussians, default_max_gaussians, device)
         model.strategy = BudgetedStrategy.from_strategy(model.strategy, max_gaussians)
+        try:
+            model.strategy.rows_on_device = resolve_backend(config.backend, device) == "metal"
+        except BackendUnavailable:  # reported where the model renders; the strategy keeps gsplat's ops
+            model.strategy.rows_on_device = False
     else:
         max_gaussians, g_source = max_gaussians
     return MemoryManager(

@@ -4,5 +4,9 @@
   taken once from the loaded model and shared by every format.
 - ``splat_file``: antimatter15's ``.splat`` (32 bytes per gaussian, no view-dependent colour).
 - ``spz_file``: Niantic's ``.spz`` version 3 (gzip, quantised, keeps SH).
+- ``sog_file``: PlayCanvas's ``.sog`` (SuperSplat's format: WebP images, codebooks, SH palette).
+- ``compressed_ply_file``: PlayCanvas's ``.compressed.ply`` (chunks of 256, packed fields, 8-bit SH).
+- ``quantize``: Morton order, 256-entry 1-D codebooks and the k-means SH palette they share.
+- ``playcanvas``: writes either PlayCanvas format for the command.
 - ``cli``: the tyro command; ``.ply`` bytes come from nerfstudio's own writer.
 """

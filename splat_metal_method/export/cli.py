@@ -1,13 +1,16 @@
-"""``splat-metal-export``: a trained run as .ply, .splat and/or .spz, in one go.
+"""``splat-metal-export``: a trained run as .ply, .splat, .spz, .sog and/or .compressed.ply, in one go.
 
     splat-metal-export --load-config outputs/.../config.yml --output-dir exports/ --format ply splat spz
+    splat-metal-export --load-config outputs/.../config.yml --output-dir exports/ --format sog compressed-ply
 
 The run is loaded as ``ns-export`` loads it (nerfstudio's ``eval_setup``: the same device choice,
 cuda if available else cpu, and the same checkpoint, the latest; splat-metal's checkpoint allow-list
 applies because importing this package installs it). Any splatfacto run works, not only splat-metal.
 
 ``.ply`` is byte for byte what ``ns-export gaussian-splat`` writes (nerfstudio's own ``write_ply``
-over the same columns); ``.splat`` and ``.spz`` are described in splat_file.py and spz_file.py.
+over the same columns); ``.splat``, ``.spz``, ``.sog`` and ``.compressed.ply`` are described in
+splat_file.py, spz_file.py, sog_file.py and compressed_ply_file.py (the .sog's SH palette is k-means
+on the device the run trains on: playcanvas.py).
 Every requested file is first written to a hidden temporary file in the output folder; only when
 all are complete are they renamed into place (reliability.atomic_path), so a failure or Ctrl-C
 leaves no partial file and the files already there untouched. Bad input (no such config, not a
@@ -25,7 +28,8 @@ from typing import List, Literal, Optional, Tuple
 
 import tyro
 
-Format = Literal["ply", "splat", "spz"]
+Format = Literal["ply", "splat", "spz", "sog", "compressed-ply"]
+EXTENSIONS = {"compressed-ply": "compressed.ply"}  # file name = output_name + "." + this (else the format)
 PROG = "splat-metal-export"
 
 
@@ -38,7 +42,8 @@ class ExportError(SystemExit):
 
 @dataclass
 class ExportSplats:
-    """Export a trained gaussian-splatting run (splat-metal or splatfacto) to .ply, .splat and .spz."""
+    """Export a trained gaussian-splatting run (splat-metal or splatfacto) to .ply, .splat, .spz, .sog
+    and .compressed.ply."""
 
     load_config: Path
     """config.yml of the run (as for ns-export)."""
@@ -46,9 +51,12 @@ class ExportSplats:
     """Folder for the files; created if missing."""
     format: Tuple[Format, ...] = ("ply", "splat", "spz")
     """One or more of: ply (3DGS .ply, as ns-export gaussian-splat), splat (antimatter15's 32 bytes per
-    gaussian, no view-dependent colour), spz (Niantic's compressed format, version 3, keeps SH)."""
+    gaussian, no view-dependent colour), spz (Niantic's compressed format, version 3, keeps SH), sog
+    (PlayCanvas/SuperSplat's WebP bundle, SH from a palette), compressed-ply (PlayCanvas's chunked
+    .compressed.ply, SH at 8 bits)."""
     output_name: str = "splat"
-    """File name without extension: splat.ply (ns-export's name), splat.splat, splat.spz."""
+    """File name without extension: splat.ply (ns-export's name), splat.splat, splat.spz, splat.sog,
+    splat.compressed.ply."""
     obb_center: Optional[Tuple[float, float, float]] = None
     """Center of an oriented box to crop to (as ns-export gaussian-splat)."""
     obb_rotation: Optional[Tuple[float, float, float]] = None
@@ -60,11 +68,11 @@ class ExportSplats:
         """Writes the files; returns their paths."""
         formats = list(dict.fromkeys(self.format))  # in order, once each
         if not formats:
-            raise ExportError("--format needs at least one of ply, splat, spz")
+            raise ExportError("--format needs at least one of ply, splat, spz, sog, compressed-ply")
         obb_parts = (self.obb_center, self.obb_rotation, self.obb_scale)
         if any(p is not None for p in obb_parts) and not all(p is not None for p in obb_parts):
             raise ExportError("a crop needs all three of --obb-center, --obb-rotation and --obb-scale")
-        targets = [self.output_dir / f"{self.output_name}.{fmt}" for fmt in formats]
+        targets = [self.output_dir / f"{self.output_name}.{EXTENSIONS.get(fmt, fmt)}" for fmt in formats]
         _check_config_file(self.load_config)
         _prepare_output_dir(self.output_dir, targets)
         _check_run(self.load_config)
@@ -90,7 +98,7 @@ class ExportSplats:
                 f"{': ' + dropped if dropped else ''}); nothing was written."
             )
 
-        sizes = _write_all(g, formats, targets)
+        sizes = _write_all(g, formats, targets, device=model.device)
 
         CONSOLE.print(
             f"[bold]{PROG}[/bold]: {g.count:,} gaussians (of {g.n_model:,}{'; ' + dropped if dropped else ''}), "
@@ -168,7 +176,7 @@ def _check_run(config_path: Path) -> None:
         )
 
 
-def _write_all(g, formats: List[str], targets: List[Path]) -> dict:
+def _write_all(g, formats: List[str], targets: List[Path], device=None) -> dict:
     """Writes every format to a temporary file, then renames them all into place.
     Returns {format: (bytes, note)}."""
     from ..engine.reliability import atomic_path
@@ -178,7 +186,7 @@ def _write_all(g, formats: List[str], targets: List[Path]) -> dict:
         with contextlib.ExitStack() as stack:
             for fmt, target in zip(formats, targets):
                 tmp = stack.enter_context(atomic_path(target))
-                sizes[fmt] = _write_one(g, fmt, tmp)
+                sizes[fmt] = _write_one(g, fmt, tmp, device)
     except KeyboardInterrupt:
         raise ExportError("interrupted; nothing was written (files already there are untouched).") from None
     except ValueError as e:  # the model holds values a format cannot represent
@@ -190,7 +198,11 @@ def _write_all(g, formats: List[str], targets: List[Path]) -> dict:
     return sizes
 
 
-def _write_one(g, fmt: str, path: Path) -> Tuple[int, str]:
+def _write_one(g, fmt: str, path: Path, device=None) -> Tuple[int, str]:
+    if fmt in ("sog", "compressed-ply"):
+        from .playcanvas import write_playcanvas
+
+        return write_playcanvas(g, fmt, path, device)
     if fmt == "ply":
         from nerfstudio.scripts.exporter import ExportGaussianSplat
 

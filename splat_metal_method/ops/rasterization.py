@@ -383,15 +383,25 @@ def rasterization(
         from . import chunked
 
         chunks = chunked.plan(means2d, radii, depths, tile_size, tile_width, tile_height, int(max_intersections))
+    n_intersections = None
     if chunks is None:
-        tiles_per_gauss, isect_ids, flatten_ids = ops.isect_tiles(
-            means2d, radii, depths, tile_size, tile_width, tile_height
-        )
-        isect_offsets = ops.isect_offset_encode(isect_ids, C, tile_width, tile_height)
+        # Training steps on Metal: padded lists, no host read of the intersection count (metal/isect.py).
+        padded = getattr(ops, "isect_tiles_padded", None) if torch.is_grad_enabled() else None
+        padded = padded(means2d, radii, depths, tile_size, tile_width, tile_height) if padded else None
+        if padded is not None:
+            tiles_per_gauss, isect_ids, flatten_ids, isect_offsets = padded  # offsets: [C*th*tw + 1]
+        else:
+            tiles_per_gauss, isect_ids, flatten_ids = ops.isect_tiles(
+                means2d, radii, depths, tile_size, tile_width, tile_height
+            )
+            isect_offsets = ops.isect_offset_encode(isect_ids, C, tile_width, tile_height)
         render_colors, render_alphas = ops.rasterize_to_pixels(
             means2d, conics, colors.contiguous(), opacities.contiguous(), width, height, tile_size,
             isect_offsets, flatten_ids, backgrounds, absgrad,
         )  # fmt: skip
+        if padded is not None:  # meta: the [C, th, tw] offsets; the count stays on the device
+            n_intersections = isect_offsets[-1:]
+            isect_offsets = isect_offsets[:-1].view(C, tile_height, tile_width)
     else:
         tiles_per_gauss, isect_ids, flatten_ids, isect_offsets = chunks.tiles_per_gauss, None, None, None
         render_colors, render_alphas = chunked.rasterize_in_depth_chunks(
@@ -416,6 +426,9 @@ def rasterization(
         "isect_ids": isect_ids,
         "flatten_ids": flatten_ids,
         "isect_offsets": isect_offsets,
+        # padded lists (Metal training steps): isect_ids/flatten_ids hold n_intersections ([1] int32, on
+        # the device) real entries, then padding; None where the lists are exact (their length).
+        "n_intersections": n_intersections,
         "width": width,
         "height": height,
         "tile_size": tile_size,

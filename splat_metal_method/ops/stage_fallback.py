@@ -91,4 +91,6 @@ def routed(metal: ModuleType):
     for stage, names in STAGES.items():
         for name in names:
             functions[name] = getattr(reference if stage in bad else metal, name)
+    if not bad & {"isect+sort", "rasterize"}:  # padded lists: Metal's intersections for Metal's rasterizer
+        functions["isect_tiles_padded"] = metal.isect_tiles_padded
     return SimpleNamespace(**functions)

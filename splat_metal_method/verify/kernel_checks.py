@@ -125,6 +125,34 @@ def _compare(name: str, run: Callable, inputs: Dict[str, torch.Tensor], fast, re
     return checks
 
 
+def _padded_isect_check(fast, means2d, radii, depths, ts, tw, th, tiles_r, ids_r, flat_r, offsets) -> Check:
+    """The training steps' padded lists (Metal): the second call of a tile grid reads nothing on the host
+    and must hold the reference's entries first, its offsets, and the real count in the end slot; then a
+    refine's row selection (select_rows) against torch.where."""
+    name = f"isect + sort, padded (tile {ts})"
+    try:
+        from ..ops.metal import isect
+        from ..ops.metal.scan import select_rows
+
+        isect.reset_capacities()
+        fast.isect_tiles_padded(means2d, radii, depths, ts, tw, th)  # sizes the capacity (one read)
+        got, ms = _timed(lambda: fast.isect_tiles_padded(means2d, radii, depths, ts, tw, th), means2d.device)
+        isect.reset_capacities()
+        tiles_p, ids_p, flat_p, offsets_p = (t.cpu() for t in got)
+        M = ids_r.numel()
+        same = (
+            torch.equal(tiles_p, tiles_r.cpu()) and torch.equal(ids_p[:M], ids_r.cpu())
+            and torch.equal(flat_p[:M], flat_r.cpu()) and torch.equal(offsets_p[:-1], offsets.cpu().flatten())
+            and int(offsets_p[-1]) == M
+        )  # fmt: skip
+        mask = tiles_r.flatten() > 0
+        sel, rest = select_rows(mask.to(means2d.device), int(mask.sum()), with_rest=True)
+        same = same and torch.equal(sel.cpu(), torch.where(mask)[0]) and torch.equal(rest.cpu(), torch.where(~mask)[0])
+        return Check(name, "forward", 0.0 if same else float("inf"), 0.0, ms, same)
+    except Exception as e:
+        return Check(name, "forward", float("inf"), 0.0, 0.0, False, f"{type(e).__name__}: {e}")
+
+
 def stage_checks(
     device: torch.device,
     fast,
@@ -184,6 +212,8 @@ def stage_checks(
         )
         tiles_r, ids_r, flat_r = ref.isect_tiles(means2d, radii, depths, ts, tw, th)
         offsets = ref.isect_offset_encode(ids_r, C, tw, th)
+    if hasattr(fast, "isect_tiles_padded"):
+        checks.append(_padded_isect_check(fast, means2d, radii, depths, ts, tw, th, tiles_r, ids_r, flat_r, offsets))
 
     g = torch.Generator().manual_seed(2)
     opac = scene["opacities"].expand(C, -1).contiguous()

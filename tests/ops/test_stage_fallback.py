@@ -157,3 +157,12 @@ def test_the_whole_op_check_blames_only_the_wrong_stage(fresh_process, monkeypat
     assert "rasterization (metal, 3 depth chunks)" not in verdict["message"]
     (line,) = [line for line in capsys.readouterr().out.splitlines() if "Metal self-check" in line]
     assert "sh failed (sh (degree 0) forward" in line and "that stage runs" in line
+
+
+@pytest.mark.parametrize("failed, padded", [(["projection"], True), (["isect+sort"], False), (["rasterize"], False)])
+def test_padded_lists_only_where_metal_intersects_and_rasterizes(fresh_process, failed, padded):
+    """Training steps use padded intersection lists (no host read) only while both Metal's isect+sort and
+    rasterizer run: the reference's stages take exact lists."""
+    stage_fallback.mark_failed(failed)
+    ops = backend_module("metal")
+    assert (getattr(ops, "isect_tiles_padded", None) is metal.isect_tiles_padded) is padded

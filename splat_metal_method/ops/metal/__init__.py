@@ -22,7 +22,7 @@ from torch import Tensor
 from ..autograd_stages import ProjectFn, SphericalHarmonicsFn, resumed_transmittance_grad
 from ..constants import TRANSMITTANCE_MIN
 from . import rasterize as _rasterize  # _rasterize.RASTER_CHUNK read at each call (tests lower it)
-from .isect import isect_offset_encode_fwd, isect_tiles_fwd
+from .isect import isect_offset_encode_fwd, isect_tiles_fwd, isect_tiles_padded_fwd, padded_supported
 from .prepare import project_and_shade
 from .project import project_fwd
 from .project_bwd import project_bwd
@@ -53,7 +53,10 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
     def forward(ctx, means2d, conics, colors, opacities, backgrounds, width, height, tile_size,
                 isect_offsets, flatten_ids, absgrad_buf):  # fmt: skip
         # One pass plan for forward and backward: at most one host sync (rasterize.plan_passes).
-        plan = plan_passes(isect_offsets, flatten_ids.numel(), tile_size, _rasterize.RASTER_CHUNK, colors.shape[1])
+        grid = (colors.shape[0], -(-height // tile_size), -(-width // tile_size))  # (C, tile_height, tile_width)
+        plan = plan_passes(
+            isect_offsets, flatten_ids.numel(), tile_size, _rasterize.RASTER_CHUNK, colors.shape[1], grid
+        )
         render_colors, render_alphas, transmittance, last_ids = rasterize_to_pixels_fwd(
             means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, backgrounds,
             chunk=_rasterize.RASTER_CHUNK, plan=plan,
@@ -192,6 +195,24 @@ def isect_tiles(
     """tiles_per_gauss [C,N] int32, isect_ids [M] int64, flatten_ids [M] int32 (not differentiable)."""
     # no .detach(): isect_tiles_fwd runs under no_grad and its kernels read the memory (2 aten ops fewer)
     return isect_tiles_fwd(means2d, radii, depths, int(tile_size), int(tile_width), int(tile_height))
+
+
+def isect_tiles_padded(
+    means2d: Tensor,  # [C, N, 2]
+    radii: Tensor,  # [C, N] int32
+    depths: Tensor,  # [C, N]
+    tile_size: int,
+    tile_width: int,
+    tile_height: int,
+) -> Optional[Tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """Metal only (training steps): isect_tiles + isect_offset_encode into buffers of a capacity kept
+    from earlier steps, without reading the intersection count on the host (isect.py, "Padded lists").
+    tiles_per_gauss [C,N] int32, isect_ids [cap] int64, flatten_ids [cap] int32, isect_offsets
+    [C*th*tw + 1] int32 (the end slot: the real entries' count), which rasterize_to_pixels takes as is.
+    None where the keys would not fit (then the exact stages run)."""
+    if not padded_supported(radii.shape[0], int(tile_width), int(tile_height)):
+        return None
+    return isect_tiles_padded_fwd(means2d, radii, depths, int(tile_size), int(tile_width), int(tile_height))
 
 
 def isect_offset_encode(isect_ids: Tensor, C: int, tile_width: int, tile_height: int) -> Tensor:

@@ -4,9 +4,13 @@
 //   1. stable sort of all C*N gaussians by the 32 bits of their depth (unsigned), giving `order`.
 //   2. isect_count        tiles_per_gauss[c*N+n] = number of tiles the 3-sigma square covers, also
 //                         written in depth order (counts[p] = tiles_per_gauss[order[p]]).
-//   3. inclusive prefix sum of counts (scan.metal), total M read once (the only sync).
-//   4. isect_emit         in depth order, every gaussian writes (camera, tile) keys and its flat id.
-//   5. stable sort of the M entries by the (camera, tile) key.
+//   3. inclusive prefix sum of counts (scan.metal). The total M is read by the host (exact lists), or
+//      stays on the device (padded lists: buffers of a capacity the host keeps from earlier steps).
+//   4. isect_emit         in depth order, every gaussian writes (camera, tile) keys and its flat id,
+//                         those that fit the capacity (overflow drops the deepest intersections).
+//   4b. isect_pad         padded lists only: entries [min(M, capacity), capacity) get a sentinel key
+//                         that sorts after every real one.
+//   5. stable sort of the entries by the (camera, tile) key.
 //   6. isect_finalize     isect_id = (camera, tile) key << 32 | depth bits.
 // Sorting by depth first and then stably by (camera, tile) is a stable sort by the whole 64-bit
 // isect_id over the emission order (camera-major, gaussian-major, tile y-major, x-minor), because
@@ -74,6 +78,8 @@ kernel void isect_count(
 // neighbour's (fast math or a later edit could make the two disagree). Should the recomputed
 // rectangle hold fewer tiles, the rest of the range gets tile 0 of the gaussian's camera: a wrong but
 // in-bounds entry, instead of unwritten memory that later kernels would index with.
+// Nothing is written at or past `capacity` (= M for exact lists): when the lists overflow, the
+// entries of the deepest gaussians (the end of the depth order) are the ones dropped.
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void isect_emit(
     const device float* means2d [[buffer(0)]],        // [C*N, 2]
@@ -89,6 +95,7 @@ kernel void isect_emit(
     constant long& tile_width [[buffer(10)]],
     constant long& tile_height [[buffer(11)]],
     constant long& tile_bits [[buffer(12)]],
+    constant long& capacity [[buffer(13)]],           // entries the buffers hold
     uint p [[thread_position_in_grid]]) {
   if ((long)p >= total) {
     return;
@@ -101,8 +108,8 @@ kernel void isect_emit(
   int x0, y0, x1, y1;
   tile_rect(means2d[2 * g], means2d[2 * g + 1], radii[g], tile_size, tile_width, tile_height, x0, y0, x1, y1);
   const uint cam_key = (uint)((long)g / N) << (uint)tile_bits;
-  const long end = cum[p];
-  long out = end - count;
+  const long end = cum[p] < capacity ? cum[p] : capacity;
+  long out = cum[p] - count;
   for (int y = y0; y < y1 && out < end; ++y) {
     for (int x = x0; x < x1 && out < end; ++x) {
       tile_keys[out] = cam_key | (uint)(y * tile_width + x);
@@ -136,8 +143,34 @@ kernel void isect_finalize(
   flatten_ids[i] = (int)g;
 }
 
+// isect_pad: one thread per entry i < capacity of padded lists. Entries past the real ones
+// (i >= min(M, capacity), M = cum[total - 1] on the device) get `sentinel`, a key above every real
+// (camera, tile) key, so the sort puts them last and isect_offsets sees them past the last tile.
+// Independent threads.
+[[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
+kernel void isect_pad(
+    const device long* cum [[buffer(0)]],     // [total] inclusive cumsum of counts
+    device uint* tile_keys [[buffer(1)]],     // [capacity]
+    device uint* flat_ids [[buffer(2)]],      // [capacity]
+    constant long& total [[buffer(3)]],       // C*N >= 1
+    constant long& capacity [[buffer(4)]],
+    constant long& sentinel [[buffer(5)]],    // (1 << key bits) - 1
+    uint i [[thread_position_in_grid]]) {
+  if ((long)i >= capacity) {
+    return;
+  }
+  const long n = cum[total - 1] < capacity ? cum[total - 1] : capacity;
+  if ((long)i >= n) {
+    tile_keys[i] = (uint)sentinel;
+    flat_ids[i] = 0u;
+  }
+}
+
 // isect_offsets: one thread per intersection i < M of the sorted list (M >= 1; the host fills the
-// M == 0 case). Writes offsets[t] = i for every dense tile index t in (dense(i-1), dense(i)], where
+// M == 0 case). With end_slot (padded lists), offsets has one more entry, offsets[total_tiles], the end
+// of the last tile: the real entries' count, which only the device knows. Sentinel entries map past
+// every tile (their dense index is >= total_tiles), so the first of them writes the remaining tiles
+// and the end slot; without sentinels (the lists are full) the last thread writes them. Writes offsets[t] = i for every dense tile index t in (dense(i-1), dense(i)], where
 // dense = camera * n_tiles + tile; the last thread also writes M for every t > dense(M-1). Each t is
 // written by exactly one thread because dense() is non-decreasing: no races, no barriers. A thread's
 // loop length is the number of empty tiles before its tile (bounded by C * n_tiles in total).
@@ -149,6 +182,7 @@ kernel void isect_offsets(
     constant long& n_tiles [[buffer(3)]],
     constant long& total_tiles [[buffer(4)]],    // C * n_tiles
     constant long& tile_bits [[buffer(5)]],
+    constant long& end_slot [[buffer(6)]],       // 1: offsets has total_tiles + 1 entries
     uint i [[thread_position_in_grid]]) {
   if ((long)i >= M) {
     return;
@@ -161,11 +195,12 @@ kernel void isect_offsets(
     const long pkey = isect_ids[i - 1] >> 32;
     prev = (pkey >> tile_bits) * n_tiles + (pkey & mask);
   }
-  for (long t = prev + 1; t <= cur; ++t) {
+  const long last = total_tiles - 1 + end_slot;  // the last entry of offsets
+  for (long t = prev + 1; t <= cur && t <= last; ++t) {
     offsets[t] = (int)i;
   }
   if ((long)i == M - 1) {
-    for (long t = cur + 1; t < total_tiles; ++t) {
+    for (long t = cur + 1; t <= last; ++t) {
       offsets[t] = (int)M;
     }
   }

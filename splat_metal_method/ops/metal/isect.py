@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Tuple
+import math
+import warnings
+from typing import Dict, Tuple
 
 import torch
 from torch import Tensor
@@ -74,7 +76,7 @@ def isect_tiles_fwd(
     tile_keys = ws.get("isect.tile_keys", M, torch.int32, device)
     flat_ids = ws.get("isect.flat_ids", M, torch.int32, device)
     lib.isect_emit(means2d, radii, tiles_per_gauss, order, cum, tile_keys, flat_ids,
-                   total, N, int(tile_size), int(tile_width), int(tile_height), tile_bits,
+                   total, N, int(tile_size), int(tile_width), int(tile_height), tile_bits, M,
                    **grid_1d(total))  # fmt: skip
     tile_keys, flat_ids = radix_sort_pairs(tile_keys, flat_ids, bits=tile_bits + cam_bits, scratch="isect.tile_sort")
 
@@ -98,7 +100,187 @@ def isect_offset_encode_fwd(isect_ids: Tensor, C: int, tile_width: int, tile_hei
         return torch.zeros((C, tile_height, tile_width), dtype=torch.int32, device=device)
     offsets = torch.empty((C, tile_height, tile_width), dtype=torch.int32, device=device)
     library(device, "isect.metal").isect_offsets(
-        isect_ids.contiguous(), offsets, M, n_tiles, C * n_tiles, _tile_bits(tile_width, tile_height),
+        isect_ids.contiguous(), offsets, M, n_tiles, C * n_tiles, _tile_bits(tile_width, tile_height), 0,
         **grid_1d(M),
     )  # fmt: skip
     return offsets
+
+
+# ------------------------------------------------------------------------------------------------
+# Padded lists: training steps without a host read.
+#
+# isect_tiles_fwd reads M (the intersection count) to size its buffers: a host sync, which on a Mac
+# drains the GPU's queue every step. Training steps instead use buffers of a capacity kept on the
+# host from earlier steps: the kernels run over the capacity, the true count stays on the device
+# (the end slot of the offsets, which the rasterizer reads as the end of the last tile), and a copy of
+# it comes back to the host without waiting, read a step later (as the NaN guard's flag is).
+# - Sizing: the most intersections per (camera, gaussian) seen for this tile grid, times this call's
+#   C*N (the host knows N: densification cannot outrun the capacity unseen), with HEADROOM; grown by at
+#   least GROWTH when it has to grow, never shrunk. The first call for a tile grid reads M once.
+# - Overflow (more intersections than the capacity): isect_emit writes none past it, so the deepest
+#   gaussians' intersections (the end of the depth order) are left out of that step's render, and
+#   their gradients from it are zero; every other gradient is that of the image that was rendered. It
+#   is found a step later, said once in the log and counted (overflows()), and the capacity grows.
+HEADROOM = 1.25
+GROWTH = 1.5
+GRANULE = 1024  # capacities are multiples of this (fewer reallocations of the workspace)
+MAX_PADDED_KEY_BITS = 31  # isect_offsets reads keys as signed 32-bit values: the sentinel must stay positive
+
+
+class _Capacity:
+    """Capacity of one tile grid's padded lists and what the device has said about its need."""
+
+    def __init__(self, entries: int, per_item: float):
+        self.entries = entries  # length of the buffers
+        self.per_item = per_item  # most intersections per (camera, gaussian) seen
+        self.pending: list = []  # (C*N, capacity, host count or int, event or None), oldest first
+
+    def observe(self, total: int, capacity: int, count: int) -> None:
+        self.per_item = max(self.per_item, count / max(total, 1))
+        _overflows["last_count"] = count
+        if count > capacity:
+            _note_overflow(count, capacity)
+
+    def resolve(self) -> None:
+        """Reads the counts the device has finished, without waiting for the others."""
+        while self.pending:
+            total, capacity, host, event = self.pending[0]
+            if event is not None and not event.query():
+                break
+            self.pending.pop(0)
+            self.observe(total, capacity, host if isinstance(host, int) else int(host))
+
+    def size_for(self, total: int) -> int:
+        need = math.ceil(self.per_item * total * HEADROOM)
+        if need > self.entries:
+            self.entries = _round_up(max(need, math.ceil(self.entries * GROWTH)))
+        return self.entries
+
+
+def _round_up(n: int) -> int:
+    return max(GRANULE, -(-int(n) // GRANULE) * GRANULE)
+
+
+_capacities: Dict[tuple, _Capacity] = {}
+_overflows = {"count": 0, "said": False, "last_count": None}
+
+
+def _note_overflow(count: int, capacity: int) -> None:
+    _overflows["count"] += 1
+    if not _overflows["said"]:
+        _overflows["said"] = True
+        warnings.warn(
+            f"splat-metal: a training step had {count:,} tile intersections, more than the {capacity:,} its "
+            "buffers held; the deepest were left out of that step's render and gradients. The capacity grows "
+            "from now on (said once; splat_metal_method.ops.metal.isect.overflows() counts them).",
+            stacklevel=2,
+        )
+
+
+def overflows() -> int:
+    """Training steps whose intersections overflowed their capacity so far (found a step late)."""
+    return _overflows["count"]
+
+
+def last_count():
+    """The intersection count of the latest padded render the host has heard of (a step or two old; None
+    before the first): what the memory stats log without reading the device."""
+    return _overflows["last_count"]
+
+
+def pending_host_counts() -> list:
+    """The counts on their way to the host (the step ledger: these are host tensors on a Mac)."""
+    return [host for state in _capacities.values() for _, _, host, _ in state.pending if isinstance(host, Tensor)]
+
+
+def reset_capacities() -> None:
+    """Forgets every capacity and pending count (tests; a new run in the same process)."""
+    _capacities.clear()
+    _overflows.update(count=0, said=False, last_count=None)
+
+
+def set_capacity(tile_width: int, tile_height: int, C: int, entries: int, device="cpu", tile_size: int = 16) -> None:
+    """Forces the capacity of one tile grid (tests: a small capacity makes the lists overflow)."""
+    key = _grid_key(torch.device(device), C, tile_size, tile_width, tile_height)
+    state = _capacities.setdefault(key, _Capacity(int(entries), 0.0))
+    state.entries, state.per_item = int(entries), 0.0
+    state.pending.clear()
+
+
+def _grid_key(device: torch.device, C: int, tile_size: int, tile_width: int, tile_height: int) -> tuple:
+    return (device.type, device.index, int(C), int(tile_size), int(tile_width), int(tile_height))
+
+
+def padded_supported(C: int, tile_width: int, tile_height: int) -> bool:
+    return _tile_bits(tile_width, tile_height) + max(C - 1, 0).bit_length() <= MAX_PADDED_KEY_BITS
+
+
+@torch.no_grad()
+def isect_tiles_padded_fwd(
+    means2d: Tensor,  # [C, N, 2]
+    radii: Tensor,  # [C, N] int32
+    depths: Tensor,  # [C, N]
+    tile_size: int,
+    tile_width: int,
+    tile_height: int,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """isect_tiles + isect_offset_encode without a host read (see above). Returns tiles_per_gauss
+    [C,N] int32, isect_ids [cap] int64 and flatten_ids [cap] int32 (the real entries first, in the
+    order isect_tiles_fwd gives them; then padding), and isect_offsets [C*th*tw + 1] int32 whose last
+    entry is the real entries' count (the end of the last tile). No host sync, but on the first call
+    for a tile grid (one read of M sizes the capacity)."""
+    C, N = radii.shape
+    device = means2d.device
+    tile_bits = _tile_bits(tile_width, tile_height)
+    bits = tile_bits + max(C - 1, 0).bit_length()
+    if bits > MAX_PADDED_KEY_BITS:
+        raise ValueError(f"[isect_tiles_padded] {C} cameras x {tile_width * tile_height} tiles need {bits}-bit keys")
+    total = C * N
+    n_tiles = int(tile_width) * int(tile_height)
+    key = _grid_key(device, C, tile_size, tile_width, tile_height)
+    tiles_per_gauss = torch.empty((C, N), dtype=torch.int32, device=device)
+    means2d, radii, depths = means2d.contiguous(), radii.contiguous(), depths.contiguous()
+    lib = library(device, "isect.metal")
+    ws = workspace()
+    if total == 0:
+        offsets = torch.zeros((C * n_tiles + 1,), dtype=torch.int32, device=device)
+        return tiles_per_gauss, *_no_intersections(device), offsets
+
+    _, order = radix_sort_pairs(depths.view(torch.int32), None, bits=32, scratch="isect.depth_sort")
+    counts = ws.get("isect.counts", total, torch.int32, device)
+    lib.isect_count(means2d, radii, order, tiles_per_gauss, counts, total, int(tile_size), int(tile_width),
+                    int(tile_height), **grid_1d(total))  # fmt: skip
+    cum = prefix_sum(counts, inclusive=True, out=ws.get("isect.cum", total, torch.int64, device))  # [C*N]
+    state = _capacities.get(key)
+    if state is None:  # a tile grid not seen yet: one read of M sizes its capacity
+        M = int(runtime.host_read(cum[-1]))
+        state = _capacities[key] = _Capacity(0, M / total)
+    else:
+        state.resolve()
+    cap = state.size_for(total)
+    # The count, on its way to the host without waiting: read at a later call, once its event is done.
+    count = cum[-1:].to("cpu", non_blocking=True)
+    event = None
+    if device.type == "mps":
+        event = torch.mps.Event()
+        event.record()
+    elif device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+    else:  # a CPU tensor: the "copy" is the workspace itself, which the next call overwrites
+        count = int(count)
+    state.pending.append((total, cap, count, event))
+
+    tile_keys = ws.get("isect.tile_keys", cap, torch.int32, device)
+    flat_ids = ws.get("isect.flat_ids", cap, torch.int32, device)
+    lib.isect_emit(means2d, radii, tiles_per_gauss, order, cum, tile_keys, flat_ids,
+                   total, N, int(tile_size), int(tile_width), int(tile_height), tile_bits, cap,
+                   **grid_1d(total))  # fmt: skip
+    lib.isect_pad(cum, tile_keys, flat_ids, total, cap, (1 << bits) - 1, **grid_1d(cap))
+    tile_keys, flat_ids = radix_sort_pairs(tile_keys, flat_ids, bits=bits, scratch="isect.tile_sort")
+    isect_ids = torch.empty((cap,), dtype=torch.int64, device=device)
+    flatten_ids = torch.empty((cap,), dtype=torch.int32, device=device)
+    lib.isect_finalize(tile_keys, flat_ids, depths, isect_ids, flatten_ids, cap, **grid_1d(cap))
+    offsets = torch.empty((C * n_tiles + 1,), dtype=torch.int32, device=device)
+    lib.isect_offsets(isect_ids, offsets, cap, n_tiles, C * n_tiles, tile_bits, 1, **grid_1d(cap))
+    return tiles_per_gauss, isect_ids, flatten_ids, offsets

@@ -73,21 +73,64 @@ def plan_from_lengths(tile_lengths: Tensor, tile_pixels: int, chunk: int, budget
     return PassPlan(chunk, tuple(dispatches))
 
 
+def plan_from_bound(n_isects: int, longest: int, C: int, tile_height: int, tile_width: int, tile_pixels: int,
+                    chunk: int, budget: int) -> PassPlan:  # fmt: skip
+    """The dispatches for lists whose lengths only the device knows: at most `n_isects` entries in all
+    and at most `longest` in one tile. ceil(longest / chunk) passes over every tile (a tile whose list
+    ended in an earlier pass returns at once). Pass p composites at most min(n_isects, tiles x chunk)
+    entries; where that bound's backward does not fit `budget`, each camera's tile rows go in bands of
+    r rows, each bounded by min(n_isects, r x tile_width x chunk) entries (a single row goes alone)."""
+    dispatches = []
+    for p in range(max(1, math.ceil(longest / chunk))):
+        entries = min(n_isects, C * tile_height * tile_width * chunk)
+        if tile_pixels * entries * runtime.BWD_WORK_FACTOR <= budget:
+            dispatches.append(Dispatch(p, None, (0, tile_height), tile_pixels * entries))
+            continue
+        row_entries = tile_width * chunk
+        rows = max(1, budget // (runtime.BWD_WORK_FACTOR * tile_pixels * row_entries))
+        for c in range(C):
+            for r0 in range(0, tile_height, rows):
+                r1 = min(tile_height, r0 + rows)
+                dispatches.append(Dispatch(p, c, (r0, r1), tile_pixels * min(n_isects, (r1 - r0) * row_entries)))
+    return PassPlan(chunk, tuple(dispatches))
+
+
 def plan_passes(isect_offsets: Tensor, n_isects: int, tile_size: int, chunk: Optional[int] = None,
-                n_gaussians: Optional[int] = None) -> PassPlan:  # fmt: skip
+                n_gaussians: Optional[int] = None, grid: Optional[Tuple[int, int, int]] = None) -> PassPlan:  # fmt: skip
     """The dispatches of a render. A tile lists a gaussian at most once, so its list is at most
     min(M, N) long: one dispatch of at most tile_pixels x M evaluations, and no host sync, when that
     bound is <= chunk and the dispatch's backward fits runtime.COMMAND_BUFFER_BUDGET; otherwise one
-    host read of the tile list lengths ([C, tile_height, tile_width] int32) and plan_from_lengths."""
+    host read of the tile list lengths ([C, tile_height, tile_width] int32) and plan_from_lengths.
+    Padded lists (isect_offsets [C * tile_height * tile_width + 1] with the end slot, `n_isects` their
+    capacity, `grid` = (C, tile_height, tile_width)) are never read: plan_from_bound."""
     chunk = int(chunk or RASTER_CHUNK)
     tile_pixels = int(tile_size) ** 2
     longest_bound = min(n_isects, n_isects if n_gaussians is None else n_gaussians)
+    if isect_offsets.dim() == 1:
+        if grid is None:
+            raise ValueError("[plan_passes] padded lists (1-D isect_offsets with the end slot) need grid=(C, th, tw)")
+        C, tile_height, tile_width = grid
+        return plan_from_bound(n_isects, longest_bound, C, tile_height, tile_width, tile_pixels, chunk,
+                               runtime.COMMAND_BUFFER_BUDGET)  # fmt: skip
     if longest_bound <= chunk and tile_pixels * n_isects * runtime.BWD_WORK_FACTOR <= runtime.COMMAND_BUFFER_BUDGET:
         return PassPlan(chunk, (Dispatch(0, None, (0, isect_offsets.shape[1]), tile_pixels * n_isects),))
     starts = isect_offsets.reshape(-1).long()
     ends = torch.cat([starts[1:], starts.new_full((1,), n_isects)])
     lengths = runtime.host_read(ends - starts).view(isect_offsets.shape)
     return plan_from_lengths(lengths, tile_pixels, chunk, runtime.COMMAND_BUFFER_BUDGET)
+
+
+def check_offsets(op: str, isect_offsets: Tensor, C: int, tile_height: int, tile_width: int) -> bool:
+    """isect_offsets is [C, tile_height, tile_width] int32 (exact lists: the last tile ends at M, the
+    length of flatten_ids) or [C * tile_height * tile_width + 1] int32 (padded lists, isect.py: the end
+    slot holds where the last tile ends, known only to the device). Returns True for padded lists."""
+    n = C * tile_height * tile_width
+    if isect_offsets.dtype == torch.int32 and tuple(isect_offsets.shape) in ((C, tile_height, tile_width), (n + 1,)):
+        return isect_offsets.dim() == 1
+    raise ValueError(
+        f"[{op}] isect_offsets must be [C, tile_height, tile_width] = {[C, tile_height, tile_width]} int32 "
+        f"(or [{n + 1}] with the end slot), got {list(isect_offsets.shape)} {isect_offsets.dtype}"
+    )
 
 
 class Band(NamedTuple):
@@ -147,7 +190,7 @@ def rasterize_to_pixels_fwd(
     width: int,
     height: int,
     tile_size: int,
-    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32
+    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32, or [C * th * tw + 1] (padded lists)
     flatten_ids: Tensor,  # [M] int32
     backgrounds: Optional[Tensor] = None,  # [C, D]
     chunk: Optional[int] = None,
@@ -182,11 +225,7 @@ def rasterize_to_pixels_fwd(
     if not 1 <= tile_size <= 32:
         raise ValueError(f"[{op}] tile_size must be 1..32 (one thread per pixel of a tile), got {tile_size}")
     tile_height, tile_width = math.ceil(height / tile_size), math.ceil(width / tile_size)
-    if tuple(isect_offsets.shape) != (C, tile_height, tile_width) or isect_offsets.dtype != torch.int32:
-        raise ValueError(
-            f"[{op}] isect_offsets must be [C, tile_height, tile_width] = "
-            f"{[C, tile_height, tile_width]} int32, got {list(isect_offsets.shape)} {isect_offsets.dtype}"
-        )
+    padded = check_offsets(op, isect_offsets, C, tile_height, tile_width)
     if flatten_ids.dim() != 1 or flatten_ids.dtype != torch.int32:
         raise ValueError(f"[{op}] flatten_ids must be [M] int32, got {list(flatten_ids.shape)} {flatten_ids.dtype}")
     if backgrounds is not None:
@@ -203,7 +242,7 @@ def rasterize_to_pixels_fwd(
         return render_colors, render_alphas, transmittance, last_ids
 
     if plan is None:
-        plan = plan_passes(isect_offsets, M, tile_size, chunk, N)
+        plan = plan_passes(isect_offsets, M, tile_size, chunk, N, (C, tile_height, tile_width))
     n_passes = plan.n_passes
     resume = trans_in is not None
     if resume:
@@ -229,7 +268,7 @@ def rasterize_to_pixels_fwd(
     means2d, others = means2d.contiguous(), (conics.contiguous(), colors.contiguous(), opacities.contiguous())
     offsets, flatten_ids = isect_offsets.contiguous().view(-1), flatten_ids.contiguous()
     per_pixel = (render_colors, render_alphas, transmittance, last_ids, pixel_done)
-    total_tiles = C * tile_width * tile_height
+    total_tiles = C * tile_width * tile_height + int(padded)  # padded: the last tile ends at the end slot
     for d in plan.dispatches:
         b = band(d, C, height, tile_size, tile_width, tile_height, rows)
         runtime.reserve_work(device, d.work)

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from . import runtime
 from .kernels import tile_library
-from .rasterize import MAX_CHANNELS, RASTER_CHUNK, PassPlan, band, plan_passes
+from .rasterize import MAX_CHANNELS, RASTER_CHUNK, PassPlan, band, check_offsets, plan_passes
 from .variants import bwd_batch
 
 
@@ -23,7 +23,7 @@ def rasterize_to_pixels_bwd(
     width: int,
     height: int,
     tile_size: int,
-    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32
+    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32, or [C * th * tw + 1] (padded lists)
     flatten_ids: Tensor,  # [M] int32
     transmittance: Tensor,  # [C, H, W] final T (from rasterize_to_pixels_fwd)
     last_ids: Tensor,  # [C, H, W] int32 (from rasterize_to_pixels_fwd)
@@ -62,6 +62,7 @@ def rasterize_to_pixels_bwd(
                                     or absgrad_out.dtype != torch.float32):  # fmt: skip
         raise ValueError(f"[{op}] absgrad_out must be a contiguous [C,N,2] float32 buffer")
     tile_height, tile_width = math.ceil(height / tile_size), math.ceil(width / tile_size)
+    padded = check_offsets(op, isect_offsets, C, tile_height, tile_width)
     M = flatten_ids.numel()
 
     v_means2d = torch.zeros((C, N, 2), dtype=torch.float32, device=device)
@@ -75,7 +76,7 @@ def rasterize_to_pixels_bwd(
         return v_means2d, v_conics, v_colors, v_opacities, v_backgrounds
 
     if plan is None:
-        plan = plan_passes(isect_offsets, M, tile_size, chunk or RASTER_CHUNK, N)
+        plan = plan_passes(isect_offsets, M, tile_size, chunk or RASTER_CHUNK, N, (C, tile_height, tile_width))
     n_passes = plan.n_passes
     multi = n_passes > 1
     # Buffers the kernel neither reads nor writes here are bound to a float32 tensor at hand of 2 dims
@@ -98,7 +99,7 @@ def rasterize_to_pixels_bwd(
     offsets, flatten_ids = isect_offsets.contiguous().view(-1), flatten_ids.contiguous()
     per_pixel = (transmittance.contiguous(), last_ids.contiguous(), v_render_colors.contiguous(),
                  v_render_alphas.contiguous(), pix_T, pix_buf)  # fmt: skip
-    total_tiles = C * tile_width * tile_height
+    total_tiles = C * tile_width * tile_height + int(padded)  # padded: the last tile ends at the end slot
     for d in plan.dispatches:  # a band's shifted means2d has the same gradients (d/dy of y - y0 is 1)
         b = band(d, C, height, tile_size, tile_width, tile_height, rows)
         runtime.reserve_work(device, d.work * runtime.BWD_WORK_FACTOR)

@@ -118,3 +118,28 @@ kernel void scan_blocks(
     }
   }
 }
+
+// scan_compact: one thread per row i < n of a mask given as int32 0/1 values with `cum` their
+// inclusive prefix sum (scan_blocks). Row i is the (cum[i] - 1)-th selected row when mask[i] != 0,
+// else the (i - cum[i])-th unselected one: sel[cum[i] - 1] = i, rest[i - cum[i]] = i (rest only when
+// has_rest). The same rows in the same order as torch.where(mask) and torch.where(~mask), from the
+// device's own count (the host knows how many rows are selected, not which). Independent threads.
+[[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
+kernel void scan_compact(
+    const device int* mask [[buffer(0)]],     // [n] 0/1
+    const device long* cum [[buffer(1)]],     // [n] inclusive prefix sum of mask
+    device long* sel [[buffer(2)]],           // [cum[n - 1]]
+    device long* rest [[buffer(3)]],          // [n - cum[n - 1]] (has_rest), else unread placeholder
+    constant long& n [[buffer(4)]],
+    constant long& has_rest [[buffer(5)]],
+    uint i [[thread_position_in_grid]]) {
+  if ((long)i >= n) {
+    return;
+  }
+  const long c = cum[i];
+  if (mask[i] != 0) {
+    sel[c - 1] = (long)i;
+  } else if (has_rest != 0) {
+    rest[(long)i - c] = (long)i;
+  }
+}

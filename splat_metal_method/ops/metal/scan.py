@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .kernels import SCAN_BLOCK, SCAN_THREADS, library
+from .kernels import SCAN_BLOCK, SCAN_THREADS, grid_1d, library
 
 # Up to this many blocks (n <= 4096 * 4096 values), each group of scan_blocks sums the totals of the
 # earlier blocks itself: at most 16 loads per thread, as many as its own values. Beyond, the block
@@ -66,3 +66,26 @@ def prefix_sum(values: Tensor, inclusive: bool = False, out: Optional[Tensor] = 
         carries = prefix_sum(block_sums, inclusive=False)
         lib.scan_blocks(*inputs, out, carries, n, int(wide), int(inclusive), 2, **grid)
     return out
+
+
+def select_rows(mask: Tensor, n_selected: int, with_rest: bool = False):  # [n] bool -> [n_selected] int64 (, rest)
+    """torch.where(mask)[0] (and torch.where(~mask)[0] with ``with_rest``) without a host read: the
+    caller knows how many rows are selected (one read it already made), the device finds which
+    (prefix_sum + scan_compact). On MPS torch.where(mask) is nonzero, which drains the GPU's queue."""
+    if mask.dim() != 1 or mask.dtype != torch.bool:
+        raise ValueError(f"[select_rows] mask must be [n] bool, got {list(mask.shape)} {mask.dtype}")
+    n, device = mask.numel(), mask.device
+    if not 0 <= n_selected <= n:
+        raise ValueError(f"[select_rows] {n_selected} selected rows of {n}")
+    sel = torch.empty((n_selected,), dtype=torch.int64, device=device)
+    rest = torch.empty((n - n_selected,), dtype=torch.int64, device=device) if with_rest else None
+    if n == 0:
+        return (sel, rest) if with_rest else sel
+    flags = mask.to(torch.int32)
+    cum = prefix_sum(flags, inclusive=True)
+    placeholder = rest if rest is not None and rest.numel() else _unused_input(device, torch.int64)
+    library(device, "scan.metal").scan_compact(
+        flags, cum, sel if n_selected else _unused_input(device, torch.int64), placeholder, n, int(with_rest),
+        **grid_1d(n),
+    )  # fmt: skip
+    return (sel, rest) if with_rest else sel

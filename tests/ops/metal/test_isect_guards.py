@@ -54,7 +54,7 @@ def emit(lib, means2d, radii, depths, spare: int = 64):
     tile_keys = torch.full((M + spare,), SENTINEL, dtype=torch.int32)
     flat_ids = torch.full((M + spare,), SENTINEL, dtype=torch.int32)
     lib.isect_emit(means2d, radii, tiles_per_gauss, order, cum, tile_keys, flat_ids, n, n, TS, TILE_W, TILE_H,
-                   TILE_BITS, **kernels.grid_1d(n))  # fmt: skip
+                   TILE_BITS, M, **kernels.grid_1d(n))  # fmt: skip
     return tiles_per_gauss, order, cum, tile_keys, flat_ids, M
 
 

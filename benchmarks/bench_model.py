@@ -1,0 +1,115 @@
+"""The calibrated step model (a MODEL, not a measurement: splat_metal_method/bench/peers.py): its
+constants, how well it reproduces each published Apple-GPU measurement of msplat, the Plinth-it fork and
+OpenSplat, the peers' design choices, and our step against msplat's on the same scenes, from step ledgers.
+
+    python benchmarks/bench_model.py                            # stored ledgers (before issue 30); ~1 s
+    python benchmarks/bench_model.py --after after.json         # adds the rows of newer ledgers
+    python benchmarks/bench_model.py --write-ledger after.json  # measure this tree's ledgers first (minutes)
+    python benchmarks/bench_model.py --refit                    # refit the constants (else the stored fit)
+
+--write-ledger runs benchmarks/bench_ledger.py's two scenes (the demo 96x64 and, where garden_points.npz
+is found, garden-points 20k at 1/4) under the MSL emulator and writes their steady-step ledgers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from splat_metal_method.bench import ledger_snapshots, peers  # noqa: E402
+
+
+def write_ledgers(path: Path) -> dict:
+    from splat_metal_method.bench import scenes as bench_scenes
+    from splat_metal_method.bench import step_ledger
+
+    work = Path(tempfile.mkdtemp(prefix="bench_model_"))
+    data = {"demo 96x64": lambda: bench_scenes.demo(work / "demo", 96, 64),
+            "garden-points 20k 1/4": lambda: bench_scenes.garden_points(work / "garden", 20_000, 4)}  # fmt: skip
+    out = {}
+    for label, make in data.items():
+        try:
+            scene = make()
+        except FileNotFoundError as e:
+            print(f"skipping {label}: {e}", flush=True)
+            continue
+        led = step_ledger.measure(scene, "splat-metal", "metal", work / "outputs", phases=("steady",))["steady"]
+        out[label] = peers.ledger_dict(led)
+        print(f"measured {label}: {led.summary()}", flush=True)
+    path.write_text(json.dumps(out, indent=1))
+    return out
+
+
+def report(after: dict | None, calib: peers.Calib, rms: float, after_label: str = "after") -> str:
+    runs = {"before": ledger_snapshots.BEFORE_ISSUE30}
+    if after:
+        runs[after_label] = after
+    parts = [
+        "MODEL, not a measurement (splat_metal_method/bench/peers.py); `python benchmarks/bench_model.py`",
+        "",
+        "### Constants",
+        "",
+        peers.constants_table(calib),
+        "",
+        f"### Calibration: modeled / measured per point (fit: least squares of log ratios, RMS {rms:.3f})",
+        "",
+        peers.calibration_table(calib),
+        "",
+        "### Peers' design choices in the model",
+        "",
+        peers.design_table(calib),
+        "",
+        "### Ours / msplat, steady step on an M4 Max (goal: at most 1.0 at every point)",
+        "",
+        peers.compare_table(runs, calib),
+    ]
+    for when, ledgers in runs.items():
+        parts += ["", f"### Sensitivity of ours / msplat ({when}): one assumption changed at a time", "",
+                  peers.sensitivity(ledgers, calib)]  # fmt: skip
+    if not after:
+        parts += ["", "after: not given (`--after FILE.json`, made by `--write-ledger FILE.json` on the new tree)"]
+    for when, ledgers in runs.items():
+        label = "garden-points 20k 1/4" if "garden-points 20k 1/4" in ledgers else next(iter(ledgers))
+        parts += ["", f"### Where cutting pays ({when}, ours from the {label} ledger): modeled ms", ""]
+        scenes = peers.COMPARE_SCENES
+        rates = peers.aten_rates(ledgers)
+        levers = [peers.ours_levers(ledgers[label], s, calib, rates) for s in scenes]
+        parts.append("| change | " + " | ".join(s.name for s in scenes) + " |")
+        parts.append("|---|" + "---|" * len(scenes))
+        for k in levers[0]:
+            parts.append(f"| {k} | " + " | ".join(f"{lv[k]:.1f}" for lv in levers) + " |")
+        ours = peers.OursFromLedger(peers.ledger_dict(ledgers[label]), rates=rates)
+        b = [ours.step(s, "M4 Max", calib) for s in scenes]
+        parts += ["", "| our term | " + " | ".join(s.name for s in scenes) + " |", "|---|" + "---|" * len(scenes)]
+        parts.append("| CPU encode | " + " | ".join(f"{x.cpu_ms:.2f}" for x in b) + " |")
+        parts.append("| host syncs | " + " | ".join(f"{x.sync_ms:.2f}" for x in b) + " |")
+        for k in b[0].terms:
+            parts.append(f"| GPU: {k} | " + " | ".join(f"{x.terms[k]:.2f}" for x in b) + " |")
+    return "\n".join(parts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--after", type=Path, default=None, help="JSON of newer ledgers (label -> ledger dict)")
+    ap.add_argument("--write-ledger", type=Path, default=None, help="measure this tree's ledgers into this JSON")
+    ap.add_argument("--after-label", default="after", help="what to call the newer ledgers' rows")
+    ap.add_argument("--refit", action="store_true", help="fit the constants again instead of the stored fit")
+    args = ap.parse_args(argv)
+    after = None
+    if args.write_ledger:
+        after = write_ledgers(args.write_ledger)
+    elif args.after:
+        after = json.loads(args.after.read_text())
+    calib, rms = peers.fit() if args.refit else (peers.CALIBRATED, peers.CALIBRATED_RMS)
+    print(report(after, calib, rms, args.after_label))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

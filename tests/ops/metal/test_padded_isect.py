@@ -1,0 +1,208 @@
+"""Padded intersection lists (ops/metal/isect.py, "Padded lists"): training steps on Metal without a host
+read of the intersection count.
+
+- Without overflow, a render with padded lists is the render with exact lists: the same pixels bit for
+  bit, the same gradients (up to the order of float atomics), the same real entries and tile offsets,
+  at every grid size, with one and two cameras, at several tile sizes.
+- Only the first padded call for a tile grid reads the count; later ones read nothing on the host.
+- Overflow (forced with a small capacity): the deepest gaussians' intersections are left out of that
+  step, exactly: its render and gradients are those of the scene without them; it is said once in the
+  log a step later, counted, and the capacity grows so that the next step is exact again.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import splat_metal_method.ops.metal as metal
+from splat_metal_method.ops import rasterization
+from splat_metal_method.ops.metal import isect, runtime
+
+SIZES = [(64, 48), (48, 64), (70, 45), (33, 17), (96, 96)]
+
+
+@pytest.fixture(autouse=True)
+def fresh_capacities():
+    isect.reset_capacities()
+    yield
+    isect.reset_capacities()
+
+
+def scene(n=240, C=1, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    means = torch.randn(n, 3, generator=gen) * 0.7
+    means[:, 2] += 4.0
+    quats = torch.randn(n, 4, generator=gen)
+    scales = (torch.rand(n, 3, generator=gen) * 0.8 - 3.0).exp()
+    opacities = torch.rand(n, generator=gen) * 0.9 + 0.05
+    colors = torch.rand(n, 3, generator=gen)
+    viewmats = torch.eye(4).repeat(C, 1, 1)
+    viewmats[:, 0, 3] = torch.linspace(-0.2, 0.2, C)
+    return means, quats, scales, opacities, colors, viewmats
+
+
+def intrinsics(C, width, height):
+    f = 0.9 * max(width, height)
+    return torch.tensor([[f, 0, width / 2], [0, f, height / 2], [0, 0, 1]]).repeat(C, 1, 1)
+
+
+def render(params, viewmats, width, height, padded: bool, tile_size=16, monkeypatch=None):
+    """(colors, alphas, meta, gradients of means..colors, absgrad) of a training render."""
+    leaves = [p.clone().requires_grad_(True) for p in params]
+    if not padded:
+        monkeypatch.setattr(metal, "isect_tiles_padded", lambda *a: None)
+    Ks = intrinsics(viewmats.shape[0], width, height)
+    colors, alphas, meta = rasterization(*leaves, viewmats, Ks, width, height, tile_size=tile_size, backend="metal",
+                                         absgrad=True)  # fmt: skip
+    weights = torch.linspace(0.5, 1.5, colors.numel()).view(colors.shape)
+    ((colors * weights).sum() + alphas.sum()).backward()
+    if not padded:
+        monkeypatch.undo()
+    return colors.detach(), alphas.detach(), meta, [p.grad for p in leaves], meta["means2d"].absgrad
+
+
+def assert_gradients_close(got, want):
+    for g, w in zip(got, want):
+        scale = w.abs().max().item() or 1.0
+        assert (g - w).abs().max().item() <= 1e-5 * scale, (g - w).abs().max().item() / scale
+
+
+@pytest.mark.parametrize("C", [1, 2])
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_padded_lists_render_as_the_exact_ones(size, C, monkeypatch):
+    width, height = size
+    *params, viewmats = scene(C=C, seed=width)
+    exact = render(params, viewmats, width, height, padded=False, monkeypatch=monkeypatch)
+    for call in range(2):  # the first sizes the capacity (one host read), the second reads nothing
+        got = render(params, viewmats, width, height, padded=True)
+        assert torch.equal(got[0], exact[0]) and torch.equal(got[1], exact[1]), f"call {call}: pixels differ"
+        assert_gradients_close(got[3], exact[3])
+        assert_gradients_close([got[4]], [exact[4]])
+        meta, want = got[2], exact[2]
+        M = want["flatten_ids"].numel()
+        assert meta["n_intersections"].tolist() == [M] and meta["flatten_ids"].numel() >= M * isect.HEADROOM
+        assert torch.equal(meta["isect_ids"][:M], want["isect_ids"])
+        assert torch.equal(meta["flatten_ids"][:M], want["flatten_ids"])
+        assert torch.equal(meta["isect_offsets"], want["isect_offsets"])
+        assert torch.equal(meta["tiles_per_gauss"], want["tiles_per_gauss"])
+
+
+@pytest.mark.parametrize("tile_size", [8, 16, 32])
+def test_padded_lists_at_other_tile_sizes(tile_size, monkeypatch):
+    *params, viewmats = scene(C=2, seed=tile_size)
+    exact = render(params, viewmats, 70, 45, padded=False, tile_size=tile_size, monkeypatch=monkeypatch)
+    got = render(params, viewmats, 70, 45, padded=True, tile_size=tile_size)
+    assert torch.equal(got[0], exact[0]) and torch.equal(got[1], exact[1])
+    assert_gradients_close(got[3], exact[3])
+
+
+def test_multi_pass_plan_without_lengths(monkeypatch):
+    """Tiles longer than a pass's chunk: passes planned from the capacity bound (no read of the lengths)
+    give the exact render."""
+    from splat_metal_method.ops.metal import rasterize
+
+    monkeypatch.setattr(rasterize, "RASTER_CHUNK", 16)
+    *params, viewmats = scene(n=400, seed=3)
+    exact = render(params, viewmats, 64, 48, padded=False, monkeypatch=monkeypatch)
+    monkeypatch.setattr(rasterize, "RASTER_CHUNK", 16)
+    render(params, viewmats, 64, 48, padded=True)  # sizes the capacity
+    reads = []
+    monkeypatch.setattr(runtime, "host_read", lambda t: reads.append(t) or t.cpu())
+    got = render(params, viewmats, 64, 48, padded=True)
+    assert reads == [], "a padded render read the device"
+    assert torch.equal(got[0], exact[0]) and torch.equal(got[1], exact[1])
+    assert_gradients_close(got[3], exact[3])
+
+
+def test_only_the_first_call_of_a_grid_reads_the_count(monkeypatch):
+    *params, viewmats = scene()
+    reads = []
+    real = runtime.host_read
+    monkeypatch.setattr(runtime, "host_read", lambda t: reads.append(t.numel()) or real(t))
+    for _ in range(3):
+        render(params, viewmats, 64, 48, padded=True)
+    assert reads == [1], reads
+    render(params, viewmats, 48, 64, padded=True)  # another tile grid: its own capacity
+    assert reads == [1, 1], reads
+
+
+def test_capacity_follows_the_gaussian_count():
+    """Densification grows N between steps: the capacity is sized from intersections per gaussian times
+    this call's N, so a doubled scene does not overflow unseen."""
+    *params, viewmats = scene(n=200)
+    render(params, viewmats, 64, 48, padded=True)
+    render(params, viewmats, 64, 48, padded=True)  # the first step's count is now read
+    doubled = [torch.cat([p, p]) for p in params]
+    colors, _, meta, _, _ = render(doubled, viewmats, 64, 48, padded=True)
+    assert isect.overflows() == 0
+    M = int(meta["n_intersections"])
+    assert meta["flatten_ids"].numel() >= M
+
+
+def _depth_positions(params, viewmats, width, height):
+    """Each gaussian's tile count in the depth order the kernels emit in (C = 1), exact path."""
+    from splat_metal_method.ops import reference
+
+    means, quats, scales, *_ = params
+    radii, means2d, depths, _, _ = reference.project(means, quats, scales, viewmats, intrinsics(1, width, height),
+                                                     width, height)  # fmt: skip
+    tw, th = math.ceil(width / 16), math.ceil(height / 16)
+    tiles, _, _ = reference.isect_tiles(means2d, radii, depths, 16, tw, th)
+    order = torch.argsort(depths[0].view(torch.int32), stable=True)  # bits of positive floats sort as the floats
+    return order, tiles[0][order].long().cumsum(0)
+
+
+def test_overflow_leaves_out_the_deepest_said_once_then_grows(monkeypatch):
+    width, height = 64, 48
+    *params, viewmats = scene(n=240, seed=5)
+    order, cum = _depth_positions(params, viewmats, width, height)
+    k = int((cum <= cum[-1] // 2).sum())  # the first k gaussians in depth order fit
+    capacity = int(cum[k - 1])
+    isect.set_capacity(math.ceil(width / 16), math.ceil(height / 16), 1, capacity)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        over = render(params, viewmats, width, height, padded=True)
+    assert not [w for w in said if "tile intersections" in str(w.message)], "said before it was known"
+    assert isect.overflows() == 0 and over[2]["n_intersections"].tolist() == [capacity]
+
+    # The overflowed step is the render of the scene without the deepest gaussians, exactly.
+    kept = order[:k]
+    subset = [p[kept] for p in params]
+    want = render(subset, viewmats, width, height, padded=False, monkeypatch=monkeypatch)
+    assert torch.equal(over[0], want[0]) and torch.equal(over[1], want[1])
+    dropped = order[k:]
+    for g, w in zip(over[3], want[3]):
+        assert (g[dropped] == 0).all(), "a gaussian left out of the render got a gradient"
+        assert_gradients_close([g[kept]], [w])
+
+    # A step later: said once, counted, and the capacity grown past the need: exact again.
+    exact = render(params, viewmats, width, height, padded=False, monkeypatch=monkeypatch)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        again = render(params, viewmats, width, height, padded=True)
+        render(params, viewmats, width, height, padded=True)
+    messages = [str(w.message) for w in said if "tile intersections" in str(w.message)]
+    assert len(messages) == 1 and "left out" in messages[0] and f"{int(cum[-1]):,}" in messages[0], messages
+    assert isect.overflows() == 1
+    assert torch.equal(again[0], exact[0]) and torch.equal(again[1], exact[1])
+    assert again[2]["flatten_ids"].numel() >= int(cum[-1]) * isect.HEADROOM
+
+    # A second overflow is counted but not said again.
+    isect.set_capacity(math.ceil(width / 16), math.ceil(height / 16), 1, capacity)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        render(params, viewmats, width, height, padded=True)
+        render(params, viewmats, width, height, padded=True)
+    assert not [w for w in said if "tile intersections" in str(w.message)]
+    assert isect.overflows() == 2
+
+
+def test_eval_renders_use_exact_lists():
+    *params, viewmats = scene()
+    with torch.no_grad():
+        _, _, meta = rasterization(*params, viewmats, intrinsics(1, 64, 48), 64, 48, backend="metal")
+    assert meta["n_intersections"] is None and meta["isect_offsets"].shape == (1, 3, 4)
