@@ -398,11 +398,12 @@ def host_resident(trainer) -> list:
     fused or capturable (torch then keeps them on the parameters' device), and the NaN guard's flags
     already copied to the host (non_blocking; read once their event completed), and likewise the
     intersection counts of the Metal backend's padded lists (ops/metal/isect.py)."""
-    from ..ops.metal import isect
-
-    guard = getattr(trainer.pipeline.model, "nonfinite_guard", None)
+    model = trainer.pipeline.model
+    guard = getattr(model, "nonfinite_guard", None)
     out = [host for _, host, _ in guard.pending] if guard is not None else []
-    out += isect.pending_host_counts()  # intersection counts of padded lists, on their way to the host
+    capacities = getattr(model, "isect_capacities", None)
+    if capacities is not None:  # intersection counts of padded lists, on their way to the host
+        out += capacities.pending_host_counts()
     for opt in trainer.optimizers.optimizers.values():
         on_device = any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
         for state in opt.state.values():

@@ -628,10 +628,8 @@ class MemoryManager:
             scalars["Memory/gaussians"] = float(self.num_gaussians())
         meta = self.render_meta() if self.render_meta is not None else None
         if meta and meta.get("n_intersections") is not None:  # padded lists: the count the host has heard of
-            from ..ops.metal.isect import last_count
-
-            if last_count() is not None:
-                scalars["Memory/intersections"] = float(last_count())
+            if meta.get("n_intersections_seen") is not None:
+                scalars["Memory/intersections"] = float(meta["n_intersections_seen"])
             scalars["Memory/depth chunks"] = float(meta.get("depth_chunks", 1))
         elif meta and meta.get("tiles_per_gauss") is not None:
             scalars["Memory/intersections"] = float(meta["tiles_per_gauss"].sum())

@@ -25,7 +25,7 @@ from nerfstudio.models.splatfacto import RGB2SH, SplatfactoModel, SplatfactoMode
 from nerfstudio.utils.rich_utils import CONSOLE
 
 from ..engine import distributed, memory, reliability
-from ..ops import rasterization
+from ..ops import IntersectionCapacities, rasterization
 from ..ops.composite import composite_background
 from ..ops.loss import l1_ssim_loss
 from ..ops.ssim import FusedSSIM
@@ -171,6 +171,7 @@ class SplatMetalModel(SplatfactoModel):
         self.ssim = FusedSSIM(data_range=1.0, channel=3)  # splatfacto's SSIM in fewer device ops (ssim.py)
         self._train_sizes = {}
         self._camera_matrices = {}
+        self.isect_capacities = IntersectionCapacities()  # of the training steps' padded lists (ops/metal/isect.py)
         self.memory = memory.setup_model_memory(self)  # caps self.strategy; hooks via get_training_callbacks
         reliability.install_atomic_ply_export()  # in ns-export only: the .ply is written, then renamed
 
@@ -315,7 +316,7 @@ class SplatMetalModel(SplatfactoModel):
             colors, sh_degree, raw["colors_rest"] = torch.sigmoid(colors).squeeze(1), None, None  # [N, 3]
 
         # A distributed training step renders this rank's camera from every rank's shard (ops/distributed.py).
-        rasterize = rasterization
+        rasterize, padded = rasterization, {}
         if self.training and distributed.active():
             from ..ops.distributed import distributed_rasterization as rasterize
 
@@ -323,6 +324,8 @@ class SplatMetalModel(SplatfactoModel):
                 colors = torch.cat((colors[:, None, :], colors_rest), dim=1)  # [N, K, 3]
             scales, opacities = torch.exp(scales), torch.sigmoid(opacities).squeeze(-1)
             raw = {}
+        elif self.training:  # Metal: intersection lists padded to this model's capacities, no host read
+            padded = {"isect_capacity": self.isect_capacities}
         render, alpha, self.info = rasterize(
             means=params["means"],
             quats=params["quats"],
@@ -343,6 +346,7 @@ class SplatMetalModel(SplatfactoModel):
             backend=backend,
             max_intersections=self.memory.render_budget(self.training),
             **raw,
+            **padded,
         )
         self.memory.note_render(self.training, self.info)
         if self.training:

@@ -2,11 +2,13 @@
 
 from .distributed import distributed_rasterization
 from .mcmc import compute_relocation, quat_scale_to_covar_preci
+from .metal.isect import IntersectionCapacities
 from .rasterization import BACKENDS, BackendUnavailable, backend_module, best_device, rasterization, resolve_backend
 
 __all__ = [
     "BACKENDS",
     "BackendUnavailable",
+    "IntersectionCapacities",
     "backend_module",
     "best_device",
     "compute_relocation",

@@ -289,6 +289,7 @@ def rasterization(
     rasterize_mode: str = "classic",
     backend: str = "auto",
     max_intersections: Optional[int] = None,
+    isect_capacity=None,
     scales_are_log: bool = False,
     opacities_are_logits: bool = False,
     colors_rest: Optional[Tensor] = None,  # [N, K-1, 3]
@@ -300,6 +301,11 @@ def rasterization(
     ``max_intersections`` (not a gsplat argument): when the render's tile intersections exceed it,
     it is rasterized in depth chunks with the same result (ops/chunked.py); meta then has
     ``depth_chunks`` > 1 and no isect_ids/flatten_ids/isect_offsets. Ignored by backend "gsplat".
+
+    ``isect_capacity`` (not a gsplat argument; an ``ops.IntersectionCapacities`` the caller keeps, e.g. a
+    model for its training steps): on the Metal backend the intersection lists are padded to capacities
+    kept there, so the render reads nothing on the host (ops/metal/isect.py, "Padded lists"); meta then
+    has ``n_intersections`` (the real count, on the device). Other backends ignore it.
 
     Parameters as splatfacto stores them (not gsplat arguments): ``scales_are_log`` (scales are
     log-scales: exp is applied), ``opacities_are_logits`` (opacities [N] or [N, 1] are logits: sigmoid),
@@ -385,9 +391,9 @@ def rasterization(
         chunks = chunked.plan(means2d, radii, depths, tile_size, tile_width, tile_height, int(max_intersections))
     n_intersections = None
     if chunks is None:
-        # Training steps on Metal: padded lists, no host read of the intersection count (metal/isect.py).
-        padded = getattr(ops, "isect_tiles_padded", None) if torch.is_grad_enabled() else None
-        padded = padded(means2d, radii, depths, tile_size, tile_width, tile_height) if padded else None
+        # With the caller's capacities, on Metal: padded lists, no host read of the intersection count.
+        padded = getattr(ops, "isect_tiles_padded", None) if isect_capacity is not None else None
+        padded = padded(means2d, radii, depths, tile_size, tile_width, tile_height, isect_capacity) if padded else None
         if padded is not None:
             tiles_per_gauss, isect_ids, flatten_ids, isect_offsets = padded  # offsets: [C*th*tw + 1]
         else:
@@ -429,6 +435,8 @@ def rasterization(
         # padded lists (Metal training steps): isect_ids/flatten_ids hold n_intersections ([1] int32, on
         # the device) real entries, then padding; None where the lists are exact (their length).
         "n_intersections": n_intersections,
+        # the latest count the host has heard of (a step or two old), for logs that must not read the device
+        "n_intersections_seen": isect_capacity.last_count if n_intersections is not None else None,
         "width": width,
         "height": height,
         "tile_size": tile_size,

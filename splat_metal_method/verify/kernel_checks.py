@@ -134,10 +134,10 @@ def _padded_isect_check(fast, means2d, radii, depths, ts, tw, th, tiles_r, ids_r
         from ..ops.metal import isect
         from ..ops.metal.scan import select_rows
 
-        isect.reset_capacities()
-        fast.isect_tiles_padded(means2d, radii, depths, ts, tw, th)  # sizes the capacity (one read)
-        got, ms = _timed(lambda: fast.isect_tiles_padded(means2d, radii, depths, ts, tw, th), means2d.device)
-        isect.reset_capacities()
+        capacities = isect.IntersectionCapacities()
+        fast.isect_tiles_padded(means2d, radii, depths, ts, tw, th, capacities)  # sizes the capacity (one read)
+        got, ms = _timed(lambda: fast.isect_tiles_padded(means2d, radii, depths, ts, tw, th, capacities),
+                         means2d.device)  # fmt: skip
         tiles_p, ids_p, flat_p, offsets_p = (t.cpu() for t in got)
         M = ids_r.numel()
         same = (

@@ -22,7 +22,13 @@ from torch import Tensor
 from ..autograd_stages import ProjectFn, SphericalHarmonicsFn, resumed_transmittance_grad
 from ..constants import TRANSMITTANCE_MIN
 from . import rasterize as _rasterize  # _rasterize.RASTER_CHUNK read at each call (tests lower it)
-from .isect import isect_offset_encode_fwd, isect_tiles_fwd, isect_tiles_padded_fwd, padded_supported
+from .isect import (
+    IntersectionCapacities,
+    isect_offset_encode_fwd,
+    isect_tiles_fwd,
+    isect_tiles_padded_fwd,
+    padded_supported,
+)
 from .prepare import project_and_shade
 from .project import project_fwd
 from .project_bwd import project_bwd
@@ -204,15 +210,17 @@ def isect_tiles_padded(
     tile_size: int,
     tile_width: int,
     tile_height: int,
+    capacities: IntersectionCapacities,
 ) -> Optional[Tuple[Tensor, Tensor, Tensor, Tensor]]:
     """Metal only (training steps): isect_tiles + isect_offset_encode into buffers of a capacity kept
-    from earlier steps, without reading the intersection count on the host (isect.py, "Padded lists").
+    from earlier steps (`capacities`, the caller's), without reading the intersection count on the host
+    (isect.py, "Padded lists").
     tiles_per_gauss [C,N] int32, isect_ids [cap] int64, flatten_ids [cap] int32, isect_offsets
     [C*th*tw + 1] int32 (the end slot: the real entries' count), which rasterize_to_pixels takes as is.
     None where the keys would not fit (then the exact stages run)."""
     if not padded_supported(radii.shape[0], int(tile_width), int(tile_height)):
         return None
-    return isect_tiles_padded_fwd(means2d, radii, depths, int(tile_size), int(tile_width), int(tile_height))
+    return isect_tiles_padded_fwd(means2d, radii, depths, int(tile_size), int(tile_width), int(tile_height), capacities)
 
 
 def isect_offset_encode(isect_ids: Tensor, C: int, tile_width: int, tile_height: int) -> Tensor:

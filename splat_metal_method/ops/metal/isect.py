@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -120,9 +120,11 @@ def isect_offset_encode_fwd(isect_ids: Tensor, C: int, tile_width: int, tile_hei
 # - Overflow (more intersections than the capacity): isect_emit writes none past it, so the deepest
 #   gaussians' intersections (the end of the depth order) are left out of that step's render, and
 #   their gradients from it are zero; every other gradient is that of the image that was rendered. It
-#   is found a step later, said once in the log and counted (overflows()), and the capacity grows.
-HEADROOM = 1.25
-GROWTH = 1.5
+#   is found a step later, said once in the log and counted (IntersectionCapacities.overflows), and the
+#   capacity grows.
+# The capacities belong to the caller (IntersectionCapacities: a model keeps its own).
+HEADROOM = 1.15
+GROWTH = 1.25
 GRANULE = 1024  # capacities are multiples of this (fewer reallocations of the workspace)
 MAX_PADDED_KEY_BITS = 31  # isect_offsets reads keys as signed 32-bit values: the sentinel must stay positive
 
@@ -130,16 +132,17 @@ MAX_PADDED_KEY_BITS = 31  # isect_offsets reads keys as signed 32-bit values: th
 class _Capacity:
     """Capacity of one tile grid's padded lists and what the device has said about its need."""
 
-    def __init__(self, entries: int, per_item: float):
+    def __init__(self, owner: "IntersectionCapacities", entries: int, per_item: float):
+        self.owner = owner
         self.entries = entries  # length of the buffers
         self.per_item = per_item  # most intersections per (camera, gaussian) seen
         self.pending: list = []  # (C*N, capacity, host count or int, event or None), oldest first
 
     def observe(self, total: int, capacity: int, count: int) -> None:
         self.per_item = max(self.per_item, count / max(total, 1))
-        _overflows["last_count"] = count
+        self.owner.last_count = count
         if count > capacity:
-            _note_overflow(count, capacity)
+            self.owner._note_overflow(count, capacity)
 
     def resolve(self) -> None:
         """Reads the counts the device has finished, without waiting for the others."""
@@ -161,50 +164,45 @@ def _round_up(n: int) -> int:
     return max(GRANULE, -(-int(n) // GRANULE) * GRANULE)
 
 
-_capacities: Dict[tuple, _Capacity] = {}
-_overflows = {"count": 0, "said": False, "last_count": None}
+class IntersectionCapacities:
+    """The capacities of one renderer's padded lists (one per tile grid), owned by its caller: a model
+    passes its own to ``rasterization(..., isect_capacity=...)`` in training steps, so that what one
+    scene needs never sizes another's lists.
 
+    ``overflows`` counts the steps found to have overflowed (a step late), ``last_count`` is the latest
+    intersection count the host has heard of (a step or two old; None before the first), and
+    ``pending_host_counts()`` the counts still on their way to the host (host tensors on a Mac)."""
 
-def _note_overflow(count: int, capacity: int) -> None:
-    _overflows["count"] += 1
-    if not _overflows["said"]:
-        _overflows["said"] = True
-        warnings.warn(
-            f"splat-metal: a training step had {count:,} tile intersections, more than the {capacity:,} its "
-            "buffers held; the deepest were left out of that step's render and gradients. The capacity grows "
-            "from now on (said once; splat_metal_method.ops.metal.isect.overflows() counts them).",
-            stacklevel=2,
-        )
+    def __init__(self):
+        self._grids: Dict[tuple, _Capacity] = {}
+        self.overflows = 0
+        self.last_count: Optional[int] = None
+        self._said = False
 
+    def _note_overflow(self, count: int, capacity: int) -> None:
+        self.overflows += 1
+        if not self._said:
+            self._said = True
+            warnings.warn(
+                f"splat-metal: a training step had {count:,} tile intersections, more than the {capacity:,} its "
+                "buffers held; the deepest were left out of that step's render and gradients. The capacity "
+                "grows from now on (said once; IntersectionCapacities.overflows counts them).",
+                stacklevel=3,
+            )
 
-def overflows() -> int:
-    """Training steps whose intersections overflowed their capacity so far (found a step late)."""
-    return _overflows["count"]
+    def pending_host_counts(self) -> list:
+        return [host for state in self._grids.values() for _, _, host, _ in state.pending if isinstance(host, Tensor)]
 
+    def entries(self, tile_width: int, tile_height: int, C: int, device="cpu", tile_size: int = 16) -> Optional[int]:
+        """The capacity of one tile grid (None before its first render)."""
+        state = self._grids.get(_grid_key(torch.device(device), C, tile_size, tile_width, tile_height))
+        return None if state is None else state.entries
 
-def last_count():
-    """The intersection count of the latest padded render the host has heard of (a step or two old; None
-    before the first): what the memory stats log without reading the device."""
-    return _overflows["last_count"]
-
-
-def pending_host_counts() -> list:
-    """The counts on their way to the host (the step ledger: these are host tensors on a Mac)."""
-    return [host for state in _capacities.values() for _, _, host, _ in state.pending if isinstance(host, Tensor)]
-
-
-def reset_capacities() -> None:
-    """Forgets every capacity and pending count (tests; a new run in the same process)."""
-    _capacities.clear()
-    _overflows.update(count=0, said=False, last_count=None)
-
-
-def set_capacity(tile_width: int, tile_height: int, C: int, entries: int, device="cpu", tile_size: int = 16) -> None:
-    """Forces the capacity of one tile grid (tests: a small capacity makes the lists overflow)."""
-    key = _grid_key(torch.device(device), C, tile_size, tile_width, tile_height)
-    state = _capacities.setdefault(key, _Capacity(int(entries), 0.0))
-    state.entries, state.per_item = int(entries), 0.0
-    state.pending.clear()
+    def force(self, tile_width: int, tile_height: int, C: int, entries: int, device="cpu", tile_size: int = 16):
+        """Sets the capacity of one tile grid and forgets what was seen of it (tests: a small capacity makes
+        the lists overflow)."""
+        key = _grid_key(torch.device(device), C, tile_size, tile_width, tile_height)
+        self._grids[key] = _Capacity(self, int(entries), 0.0)
 
 
 def _grid_key(device: torch.device, C: int, tile_size: int, tile_width: int, tile_height: int) -> tuple:
@@ -223,8 +221,9 @@ def isect_tiles_padded_fwd(
     tile_size: int,
     tile_width: int,
     tile_height: int,
+    capacities: IntersectionCapacities,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """isect_tiles + isect_offset_encode without a host read (see above). Returns tiles_per_gauss
+    """isect_tiles + isect_offset_encode without a host read (see above), sized by `capacities`. Returns tiles_per_gauss
     [C,N] int32, isect_ids [cap] int64 and flatten_ids [cap] int32 (the real entries first, in the
     order isect_tiles_fwd gives them; then padding), and isect_offsets [C*th*tw + 1] int32 whose last
     entry is the real entries' count (the end of the last tile). No host sync, but on the first call
@@ -251,10 +250,10 @@ def isect_tiles_padded_fwd(
     lib.isect_count(means2d, radii, order, tiles_per_gauss, counts, total, int(tile_size), int(tile_width),
                     int(tile_height), **grid_1d(total))  # fmt: skip
     cum = prefix_sum(counts, inclusive=True, out=ws.get("isect.cum", total, torch.int64, device))  # [C*N]
-    state = _capacities.get(key)
+    state = capacities._grids.get(key)
     if state is None:  # a tile grid not seen yet: one read of M sizes its capacity
         M = int(runtime.host_read(cum[-1]))
-        state = _capacities[key] = _Capacity(0, M / total)
+        state = capacities._grids[key] = _Capacity(capacities, 0, M / total)
     else:
         state.resolve()
     cap = state.size_for(total)

@@ -18,18 +18,16 @@ import warnings
 import pytest
 import torch
 
-import splat_metal_method.ops.metal as metal
-from splat_metal_method.ops import rasterization
+from splat_metal_method.ops import IntersectionCapacities, rasterization
 from splat_metal_method.ops.metal import isect, runtime
 
 SIZES = [(64, 48), (48, 64), (70, 45), (33, 17), (96, 96)]
 
 
-@pytest.fixture(autouse=True)
-def fresh_capacities():
-    isect.reset_capacities()
-    yield
-    isect.reset_capacities()
+@pytest.fixture
+def caps():
+    """A renderer's own capacities, as a model keeps them (ops.IntersectionCapacities)."""
+    return IntersectionCapacities()
 
 
 def scene(n=240, C=1, seed=0):
@@ -50,18 +48,15 @@ def intrinsics(C, width, height):
     return torch.tensor([[f, 0, width / 2], [0, f, height / 2], [0, 0, 1]]).repeat(C, 1, 1)
 
 
-def render(params, viewmats, width, height, padded: bool, tile_size=16, monkeypatch=None):
-    """(colors, alphas, meta, gradients of means..colors, absgrad) of a training render."""
+def render(params, viewmats, width, height, caps=None, tile_size=16):
+    """(colors, alphas, meta, gradients of means..colors, absgrad) of a training render: padded lists with
+    the capacities `caps`, exact lists without."""
     leaves = [p.clone().requires_grad_(True) for p in params]
-    if not padded:
-        monkeypatch.setattr(metal, "isect_tiles_padded", lambda *a: None)
     Ks = intrinsics(viewmats.shape[0], width, height)
     colors, alphas, meta = rasterization(*leaves, viewmats, Ks, width, height, tile_size=tile_size, backend="metal",
-                                         absgrad=True)  # fmt: skip
+                                         absgrad=True, isect_capacity=caps)  # fmt: skip
     weights = torch.linspace(0.5, 1.5, colors.numel()).view(colors.shape)
     ((colors * weights).sum() + alphas.sum()).backward()
-    if not padded:
-        monkeypatch.undo()
     return colors.detach(), alphas.detach(), meta, [p.grad for p in leaves], meta["means2d"].absgrad
 
 
@@ -73,12 +68,12 @@ def assert_gradients_close(got, want):
 
 @pytest.mark.parametrize("C", [1, 2])
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_padded_lists_render_as_the_exact_ones(size, C, monkeypatch):
+def test_padded_lists_render_as_the_exact_ones(size, C, monkeypatch, caps):
     width, height = size
     *params, viewmats = scene(C=C, seed=width)
-    exact = render(params, viewmats, width, height, padded=False, monkeypatch=monkeypatch)
+    exact = render(params, viewmats, width, height)
     for call in range(2):  # the first sizes the capacity (one host read), the second reads nothing
-        got = render(params, viewmats, width, height, padded=True)
+        got = render(params, viewmats, width, height, caps=caps)
         assert torch.equal(got[0], exact[0]) and torch.equal(got[1], exact[1]), f"call {call}: pixels differ"
         assert_gradients_close(got[3], exact[3])
         assert_gradients_close([got[4]], [exact[4]])
@@ -92,53 +87,53 @@ def test_padded_lists_render_as_the_exact_ones(size, C, monkeypatch):
 
 
 @pytest.mark.parametrize("tile_size", [8, 16, 32])
-def test_padded_lists_at_other_tile_sizes(tile_size, monkeypatch):
+def test_padded_lists_at_other_tile_sizes(tile_size, monkeypatch, caps):
     *params, viewmats = scene(C=2, seed=tile_size)
-    exact = render(params, viewmats, 70, 45, padded=False, tile_size=tile_size, monkeypatch=monkeypatch)
-    got = render(params, viewmats, 70, 45, padded=True, tile_size=tile_size)
+    exact = render(params, viewmats, 70, 45, tile_size=tile_size)
+    got = render(params, viewmats, 70, 45, caps=caps, tile_size=tile_size)
     assert torch.equal(got[0], exact[0]) and torch.equal(got[1], exact[1])
     assert_gradients_close(got[3], exact[3])
 
 
-def test_multi_pass_plan_without_lengths(monkeypatch):
+def test_multi_pass_plan_without_lengths(monkeypatch, caps):
     """Tiles longer than a pass's chunk: passes planned from the capacity bound (no read of the lengths)
     give the exact render."""
     from splat_metal_method.ops.metal import rasterize
 
     monkeypatch.setattr(rasterize, "RASTER_CHUNK", 16)
     *params, viewmats = scene(n=400, seed=3)
-    exact = render(params, viewmats, 64, 48, padded=False, monkeypatch=monkeypatch)
+    exact = render(params, viewmats, 64, 48)
     monkeypatch.setattr(rasterize, "RASTER_CHUNK", 16)
-    render(params, viewmats, 64, 48, padded=True)  # sizes the capacity
+    render(params, viewmats, 64, 48, caps=caps)  # sizes the capacity
     reads = []
     monkeypatch.setattr(runtime, "host_read", lambda t: reads.append(t) or t.cpu())
-    got = render(params, viewmats, 64, 48, padded=True)
+    got = render(params, viewmats, 64, 48, caps=caps)
     assert reads == [], "a padded render read the device"
     assert torch.equal(got[0], exact[0]) and torch.equal(got[1], exact[1])
     assert_gradients_close(got[3], exact[3])
 
 
-def test_only_the_first_call_of_a_grid_reads_the_count(monkeypatch):
+def test_only_the_first_call_of_a_grid_reads_the_count(monkeypatch, caps):
     *params, viewmats = scene()
     reads = []
     real = runtime.host_read
     monkeypatch.setattr(runtime, "host_read", lambda t: reads.append(t.numel()) or real(t))
     for _ in range(3):
-        render(params, viewmats, 64, 48, padded=True)
+        render(params, viewmats, 64, 48, caps=caps)
     assert reads == [1], reads
-    render(params, viewmats, 48, 64, padded=True)  # another tile grid: its own capacity
+    render(params, viewmats, 48, 64, caps=caps)  # another tile grid: its own capacity
     assert reads == [1, 1], reads
 
 
-def test_capacity_follows_the_gaussian_count():
+def test_capacity_follows_the_gaussian_count(caps):
     """Densification grows N between steps: the capacity is sized from intersections per gaussian times
     this call's N, so a doubled scene does not overflow unseen."""
     *params, viewmats = scene(n=200)
-    render(params, viewmats, 64, 48, padded=True)
-    render(params, viewmats, 64, 48, padded=True)  # the first step's count is now read
+    render(params, viewmats, 64, 48, caps=caps)
+    render(params, viewmats, 64, 48, caps=caps)  # the first step's count is now read
     doubled = [torch.cat([p, p]) for p in params]
-    colors, _, meta, _, _ = render(doubled, viewmats, 64, 48, padded=True)
-    assert isect.overflows() == 0
+    colors, _, meta, _, _ = render(doubled, viewmats, 64, 48, caps=caps)
+    assert caps.overflows == 0
     M = int(meta["n_intersections"])
     assert meta["flatten_ids"].numel() >= M
 
@@ -156,23 +151,23 @@ def _depth_positions(params, viewmats, width, height):
     return order, tiles[0][order].long().cumsum(0)
 
 
-def test_overflow_leaves_out_the_deepest_said_once_then_grows(monkeypatch):
+def test_overflow_leaves_out_the_deepest_said_once_then_grows(monkeypatch, caps):
     width, height = 64, 48
     *params, viewmats = scene(n=240, seed=5)
     order, cum = _depth_positions(params, viewmats, width, height)
     k = int((cum <= cum[-1] // 2).sum())  # the first k gaussians in depth order fit
     capacity = int(cum[k - 1])
-    isect.set_capacity(math.ceil(width / 16), math.ceil(height / 16), 1, capacity)
+    caps.force(math.ceil(width / 16), math.ceil(height / 16), 1, capacity)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        over = render(params, viewmats, width, height, padded=True)
+        over = render(params, viewmats, width, height, caps=caps)
     assert not [w for w in said if "tile intersections" in str(w.message)], "said before it was known"
-    assert isect.overflows() == 0 and over[2]["n_intersections"].tolist() == [capacity]
+    assert caps.overflows == 0 and over[2]["n_intersections"].tolist() == [capacity]
 
     # The overflowed step is the render of the scene without the deepest gaussians, exactly.
     kept = order[:k]
     subset = [p[kept] for p in params]
-    want = render(subset, viewmats, width, height, padded=False, monkeypatch=monkeypatch)
+    want = render(subset, viewmats, width, height)
     assert torch.equal(over[0], want[0]) and torch.equal(over[1], want[1])
     dropped = order[k:]
     for g, w in zip(over[3], want[3]):
@@ -180,29 +175,34 @@ def test_overflow_leaves_out_the_deepest_said_once_then_grows(monkeypatch):
         assert_gradients_close([g[kept]], [w])
 
     # A step later: said once, counted, and the capacity grown past the need: exact again.
-    exact = render(params, viewmats, width, height, padded=False, monkeypatch=monkeypatch)
+    exact = render(params, viewmats, width, height)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        again = render(params, viewmats, width, height, padded=True)
-        render(params, viewmats, width, height, padded=True)
+        again = render(params, viewmats, width, height, caps=caps)
+        render(params, viewmats, width, height, caps=caps)
     messages = [str(w.message) for w in said if "tile intersections" in str(w.message)]
     assert len(messages) == 1 and "left out" in messages[0] and f"{int(cum[-1]):,}" in messages[0], messages
-    assert isect.overflows() == 1
+    assert caps.overflows == 1
     assert torch.equal(again[0], exact[0]) and torch.equal(again[1], exact[1])
     assert again[2]["flatten_ids"].numel() >= int(cum[-1]) * isect.HEADROOM
 
     # A second overflow is counted but not said again.
-    isect.set_capacity(math.ceil(width / 16), math.ceil(height / 16), 1, capacity)
+    caps.force(math.ceil(width / 16), math.ceil(height / 16), 1, capacity)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        render(params, viewmats, width, height, padded=True)
-        render(params, viewmats, width, height, padded=True)
+        render(params, viewmats, width, height, caps=caps)
+        render(params, viewmats, width, height, caps=caps)
     assert not [w for w in said if "tile intersections" in str(w.message)]
-    assert isect.overflows() == 2
+    assert caps.overflows == 2
 
 
-def test_eval_renders_use_exact_lists():
+def test_without_capacities_the_lists_are_exact():
+    """Renders whose caller keeps no capacities (eval, the viewer, any other caller of the op) use exact
+    lists; one renderer's capacities never size another's."""
     *params, viewmats = scene()
     with torch.no_grad():
         _, _, meta = rasterization(*params, viewmats, intrinsics(1, 64, 48), 64, 48, backend="metal")
     assert meta["n_intersections"] is None and meta["isect_offsets"].shape == (1, 3, 4)
+    first, second = IntersectionCapacities(), IntersectionCapacities()
+    render(params, viewmats, 64, 48, caps=first)
+    assert first.entries(4, 3, 1) is not None and second.entries(4, 3, 1) is None
