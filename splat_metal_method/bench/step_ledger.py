@@ -426,9 +426,13 @@ def measure(data: Path, method: str = "splat-metal", backend: str = "metal", out
     from nerfstudio.utils import writer
 
     from ..ops.metal.runtime import reset_launch_counts
+    from ..ops.workspace import workspace
 
     writers = list(writer.EVENT_WRITERS)
     trainer = build_trainer(data, method, backend, output_dir)
+    # as in a new process: scratch buffers grown by earlier renders in this one would hand out slices
+    # (a view each) where a fresh workspace hands out whole buffers
+    workspace().clear()
     try:
         model = trainer.pipeline.model
         # one pass over the training cameras first: a steady step never reads a camera's size again
