@@ -232,7 +232,7 @@ def _rank_pid(torchrun_pid: int, rank: int) -> int:
 
 
 def _start_and_hurt(scene, tmp_path, hurt, env_extra=None, timeout=300, after_hurt=None):
-    """Starts a long 2-rank run, waits for its first checkpoint, applies ``hurt(pid of rank 1)``, then
+    """Starts a long 2-rank run, waits for a checkpoint after step 0, applies ``hurt(pid of rank 1)``, then
     ``after_hurt(pid of rank 0, pid of rank 1)`` if given; returns (exit code, output, seconds from the
     hurt to torchrun's exit, run dir)."""
     out = tmp_path / "out"
@@ -245,7 +245,9 @@ def _start_and_hurt(scene, tmp_path, hurt, env_extra=None, timeout=300, after_hu
                                 start_new_session=True)  # fmt: skip
         try:
             deadline = time.monotonic() + 600
-            while not (run.exists() and checkpoints(run)):
+            # a checkpoint past step 0: the run is in its steady loop of collectives (right after step 0
+            # rank 0 caches the eval images, no collective, and torchrun's SIGTERM could reach it first)
+            while not (run.exists() and any(int(c.stem.split("-")[1]) > 0 for c in checkpoints(run))):
                 assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
                 time.sleep(0.05)
             survivor, victim = _rank_pid(proc.pid, 0), _rank_pid(proc.pid, 1)
