@@ -20,7 +20,8 @@ from typing import Dict, Tuple, Type
 
 from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.data.datamanagers.full_images_datamanager import FullImageDatamanager, FullImageDatamanagerConfig
-from nerfstudio.data.datasets.base_dataset import InputDataset
+
+from .images import SplatMetalDataset
 
 
 @dataclass
@@ -28,7 +29,7 @@ class SplatMetalDatamanagerConfig(FullImageDatamanagerConfig):
     _target: Type = field(default_factory=lambda: SplatMetalDatamanager)
 
 
-class SplatMetalDatamanager(FullImageDatamanager[InputDataset]):
+class SplatMetalDatamanager(FullImageDatamanager[SplatMetalDataset]):  # images decoded by images.py
     _train_camera_cache: Dict[int, Tuple[Cameras, dict, dict]]  # i -> (camera, its fields, slice metadata)
 
     def next_train(self, step: int) -> Tuple[Cameras, Dict]:
