@@ -73,7 +73,7 @@ class SplatMetalTrainerConfig(TrainerConfig):
         dataparser = getattr(datamanager, "dataparser", None)
         if isinstance(dataparser, SplatMetalDataParserConfig):  # not when the user picked another dataparser
             data = datamanager.data if datamanager.data is not None else dataparser.data
-            check_dataset(data, load_3D_points=dataparser.load_3D_points)
+            check_dataset(data, config=dataparser)  # its downscale factor, split and seed-point options too
         super().save_config()
 
 
