@@ -317,9 +317,14 @@ def check_dataset(
     def resolve(file_path: str, prefix: str = "images_") -> Path:
         return data_dir / f"{prefix}{factor}" / Path(file_path).name if factor > 1 else data_dir / file_path
 
-    downscale_fix = (
+    downscale_fix = (  # images_<factor>/ chosen by the user, or by nerfstudio for images over 1600 px
         f"; remake {data_dir / f'images_{factor}'} at 1/{factor} of the size transforms.json gives "
-        f"(ns-process-data --num-downscales), or drop --downscale-factor"
+        "(ns-process-data --num-downscales), or "
+        + (
+            "drop --downscale-factor"
+            if config.downscale_factor
+            else "use the originals: `nerfstudio-data --downscale-factor 1`"
+        )
     )
     for key, name in (("mask_path", "mask"), ("depth_file_path", "depth image")):
         having = sum(isinstance(f, dict) and key in f for f in frames)

@@ -137,6 +137,22 @@ def _downscale_file_missing(scene_copy, tmp):
     return scene, missing, ["does not exist", DOWNSCALE_FIX], {"downscale_factor": 4}
 
 
+def _auto_downscale_wrong_size(scene_copy, tmp):
+    """Images over 1600 px: nerfstudio reads images_2/ by itself when it holds the first frame's image."""
+    scene = scene_copy()
+    big = (1700, 1020)  # 1700 > 1600; w/h in transforms.json follow
+    for image in sorted((scene / demo_scene.IMAGE_DIR).glob("*.png")):
+        with Image.open(image) as im:
+            im.resize(big, Image.Resampling.NEAREST).save(image, compress_level=1)
+    _edit_transforms(scene, lambda m: m.update(w=big[0], h=big[1], fl_x=m["fl_x"] * 1700 / WIDTH, fl_y=m["fl_y"] * 1020 / HEIGHT,
+                                                cx=m["cx"] * 1700 / WIDTH, cy=m["cy"] * 1020 / HEIGHT))  # fmt: skip
+    folder = _downscaled_folder(scene, 2)
+    named = folder / Path(demo_scene.frame_name(9)).name
+    with Image.open(named) as im:
+        im.resize((849, 510)).save(named)  # one pixel short, as an odd rounding makes it
+    return scene, named, ["849x510", "w=850, h=510", "nerfstudio-data --downscale-factor 1"], {}
+
+
 def _per_frame_intrinsic_missing(scene_copy, tmp):
     scene = scene_copy()
     path = _edit_transforms(scene, lambda m: (_per_frame_intrinsics(m), m["frames"][3].pop("cx")))
@@ -305,6 +321,7 @@ PARSER_CASES = {
     "equirectangular": _equirectangular,
     "downscale-wrong-size": _downscale_wrong_size,
     "downscale-file-missing": _downscale_file_missing,
+    "auto-downscale-wrong-size": _auto_downscale_wrong_size,
     "per-frame-intrinsic-missing": _per_frame_intrinsic_missing,
     "per-frame-intrinsic-invalid": _per_frame_intrinsic_invalid,
     "distortion-invalid": _distortion_invalid,
