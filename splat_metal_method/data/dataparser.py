@@ -162,14 +162,15 @@ def _seed_points_problem(path: Path) -> Optional[str]:
     if not vertex or elements[vertex[0]][1] == 0:
         return "holds no points (its header lists no vertices)"
     count = elements[vertex[0]][1]
-    body = len(data) - data.index(b"\n", end) - 1 if b"\n" in data[end:] else 0
-    before = elements[: vertex[0] + 1]
-    if formats[:1] != ["ascii"] and all(e[2] is not None for e in before):
-        needed = sum(e[1] * e[2] for e in before)
-        if body < needed:
-            return (
-                f"is truncated: its header lists {count} points ({needed} bytes of data), the file holds {body} bytes"
-            )
+    body = data[data.index(b"\n", end) + 1 :] if b"\n" in data[end:] else b""
+    before = elements[: vertex[0] + 1]  # the elements stored up to the last point
+    if formats[:1] == ["ascii"]:
+        needed, held, unit = sum(e[1] for e in before), len(body.strip().splitlines()), "lines"
+    else:
+        sizes_known = all(e[2] is not None for e in before)
+        needed, held, unit = (sum(e[1] * e[2] for e in before) if sizes_known else 0), len(body), "bytes"
+    if held < needed:
+        return f"is truncated: its header lists {count} points ({needed} {unit} of data), the file holds {held} {unit}"
     import open3d as o3d  # what nerfstudio reads it with (slow to import: only here)
 
     points = np.asarray(o3d.io.read_point_cloud(str(path)).points)  # [N, 3]

@@ -310,6 +310,14 @@ def _seed_ascii_nan(scene_copy, tmp):
     return scene, ply, ["1 point(s) with NaN", SEED_FIX], {}
 
 
+def _seed_ascii_truncated(scene_copy, tmp):
+    header = (
+        "ply\nformat ascii 1.0\nelement vertex 4\nproperty float x\nproperty float y\nproperty float z\nend_header\n"
+    )
+    scene, ply = _seed(scene_copy, (header + "0 0 0\n0.5 0.1 0.2\n").encode())
+    return scene, ply, ["truncated", "4 points (4 lines", "holds 2 lines", SEED_FIX], {}
+
+
 CLI_CASES = {
     "one-frame": _one_frame,
     "downscale-folder-missing": _downscale_folder_missing,
@@ -340,6 +348,7 @@ PARSER_CASES = {
     "seed-points-empty": _seed_empty,
     "seed-points-truncated": _seed_truncated,
     "seed-points-ascii-nan": _seed_ascii_nan,
+    "seed-points-ascii-truncated": _seed_ascii_truncated,
 }
 
 
