@@ -261,7 +261,7 @@ def check_dataset(
             "positions (one camera has none) and a scene needs views from several positions"
         )
     camera_model = meta.get("camera_model", "PINHOLE")
-    if camera_model not in CAMERA_MODEL_TO_TYPE:
+    if not isinstance(camera_model, str) or camera_model not in CAMERA_MODEL_TO_TYPE:
         problems.append(
             f"unknown camera_model {camera_model!r} in {transforms}; nerfstudio reads "
             f"{', '.join(CAMERA_MODEL_TO_TYPE)} (ns-process-data writes OPENCV or OPENCV_FISHEYE)"

@@ -209,6 +209,12 @@ def _masks_on_some_frames(scene_copy, tmp):
     return scene, scene / "transforms.json", ["9 of the 10 frames", "mask_path", "every frame or for none"], {}
 
 
+def _depths_on_some_frames(scene_copy, tmp):
+    scene = scene_copy()
+    path = _edit_transforms(scene, lambda m: m["frames"][4].update(depth_file_path="depths/frame_00004.png"))
+    return scene, path, ["1 of the 10 frames", "depth_file_path", "every frame or for none"], {}
+
+
 def _mask_rgb(scene_copy, tmp):
     scene = scene_copy()
     _masks(scene)
@@ -339,6 +345,7 @@ PARSER_CASES = {
     "mask-missing": _mask_missing,
     "masks-on-some-frames": _masks_on_some_frames,
     "mask-rgb": _mask_rgb,
+    "depths-on-some-frames": _depths_on_some_frames,
     "mask-wrong-size": _mask_wrong_size,
     "split-list-missing": _split_list_missing,
     "split-names-unknown-file": _split_names_unknown_file,
