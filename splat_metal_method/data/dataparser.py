@@ -268,8 +268,9 @@ def check_dataset(
         )
     elif CAMERA_MODEL_TO_TYPE[camera_model] not in RASTERIZED_CAMERA_TYPES:
         problems.append(
-            f"camera_model {camera_model} in {transforms}: splat-metal renders pinhole views only; make perspective "
-            "crops with `ns-process-data images --camera-type equirectangular --images-per-equirect 8`"
+            f"camera_model {camera_model} in {transforms}: splat-metal renders pinhole views (nerfstudio undistorts "
+            "OPENCV and fisheye images into them, not this model); for a 360° capture make perspective crops "
+            "with `ns-process-data images --camera-type equirectangular --images-per-equirect 8`"
         )
 
     def check_value(key: str, value, where: str) -> bool:
