@@ -27,6 +27,7 @@ from nerfstudio.utils.rich_utils import CONSOLE
 from ..engine import distributed, memory, reliability
 from ..ops import IntersectionCapacities, rasterization
 from ..ops.composite import composite_background
+from ..ops.constants import SH_MAX_DEGREE
 from ..ops.loss import l1_ssim_loss
 from ..ops.ssim import FusedSSIM
 from ..verify import self_check
@@ -152,6 +153,8 @@ class SplatMetalModel(SplatfactoModel):
     gathered_params = None  # distributed runs, rank 0: every shard's gaussians, for the viewer and eval
 
     def populate_modules(self):
+        if not 0 <= self.config.sh_degree <= SH_MAX_DEGREE:  # gsplat's and every backend's range
+            raise ValueError(f"--pipeline.model.sh-degree must be 0..{SH_MAX_DEGREE}, got {self.config.sh_degree}")
         seed_colors = None
         if self.seed_points is not None and not self.config.random_init and self.seed_points[1].shape[0] > 0:
             # Hide the colours from splatfacto (its colour init calls .cuda()) and apply them below.
