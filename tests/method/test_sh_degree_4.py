@@ -51,6 +51,7 @@ def test_eval_and_viewer_renders_use_band_4_on_every_backend(sh4_config, tmp_pat
     model = pipeline.model
     metrics = pipeline.get_average_eval_image_metrics(step)  # ns-eval's
     assert math.isfinite(metrics["psnr"]) and metrics["psnr"] > 5, metrics
+    pipeline.eval()  # nerfstudio's eval metrics leave the pipeline in training mode
     with torch.no_grad():  # bands with weight, so that a backend's wrong band 4 would show
         g = torch.Generator().manual_seed(0)
         model.features_rest[:, BAND4] = 0.3 * torch.randn(model.features_rest[:, BAND4].shape, generator=g)
