@@ -153,7 +153,7 @@ def test_a_viewmat_gradient_keeps_the_unfused_path():
     assert viewmats.grad is not None and viewmats.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("degree,mode", [(3, "classic"), (1, "antialiased"), (0, "classic")])
+@pytest.mark.parametrize("degree,mode", [(3, "classic"), (1, "antialiased"), (0, "classic"), (4, "antialiased")])
 def test_self_check_of_the_fused_preparation_passes(degree, mode):
     """verify/kernel_checks.prepare_checks (the self-check's, stage outputs weighted directly: also the
     gradient of the composited opacity of a gaussian projection culled, which the rasterizer never gives)."""
