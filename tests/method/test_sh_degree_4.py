@@ -94,3 +94,16 @@ def test_exports_keep_band_4_where_the_format_can(sh4_config, tmp_path):
     spz = read_spz(tmp_path / "ours" / "splat.spz")
     assert spz["sh_degree"] == 4 and spz["sh_rest"].shape[1:] == (24, 3)
     assert out.count("SH band 4 dropped (the format stores bands 1-3)") == 2, out  # .sog and .compressed.ply
+
+
+def test_sh_degree_above_4_stops_before_ns_train_writes_anything(tmp_path):
+    from splat_metal_method.method.configs import splat_metal_trainer_config
+
+    cfg = splat_metal_trainer_config()
+    cfg.output_dir = tmp_path / "outputs"
+    cfg.pipeline.datamanager.data = tmp_path / "scene"
+    cfg.pipeline.model.sh_degree = 5
+    cfg.set_timestamp()
+    with pytest.raises(SystemExit, match=r"^splat-metal: --pipeline.model.sh-degree must be 0\.\.4 .*got 5$"):
+        cfg.save_config()  # ns-train's first write
+    assert not (tmp_path / "outputs").exists()
