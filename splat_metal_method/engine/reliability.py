@@ -40,7 +40,16 @@ Two mechanisms, each small:
   model-construction hook instead of an import-time patch.) A SIGKILL can leave a hidden
   ``.NAME.partial-PID`` file behind, never a partial ``NAME``.
 
-Testing aid: ``SPLAT_METAL_INJECT_NAN_AT_STEP=STEP[:PARAM[:ROWS]]`` sets the gradient of PARAM
+* ``save_checkpoint_file``: a checkpoint written through a Python file object (torch then reports a full
+  disk as ``OSError(ENOSPC)`` naming the file, not as a C++ ``basic_ios``/``inline_container``
+  RuntimeError), into a hidden temporary file that is renamed over the target only when complete.
+  A failed write raises ``CheckpointWriteError`` after the temporary file is removed: the earlier
+  checkpoints are untouched.
+
+Testing aids: ``SPLAT_METAL_INJECT_SAVE_ERROR=STEP[:ERRNO]`` makes the checkpoint write of every step
+>= STEP fail half-way with that OSError (default ENOSPC, "No space left on device"), as a full disk
+does; tests use it where mounting a small filesystem needs root.
+``SPLAT_METAL_INJECT_NAN_AT_STEP=STEP[:PARAM[:ROWS]]`` sets the gradient of PARAM
 (default ``scales``; any optimizer group, e.g. ``camera_opt``) to NaN at STEP, in its first ROWS
 gaussians (default 3; all of it for non-gaussian groups), right before the optimizer step, as a real
 numerical blow-up would. It is meant for tests and for trying the two modes; never set it otherwise.
@@ -49,6 +58,7 @@ numerical blow-up would. It is meant for tests and for trying the two modes; nev
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import sys
@@ -62,6 +72,7 @@ from nerfstudio.utils.rich_utils import CONSOLE
 
 NONFINITE_MODES = ("recover", "stop")
 INJECT_NAN_ENV = "SPLAT_METAL_INJECT_NAN_AT_STEP"
+INJECT_SAVE_ERROR_ENV = "SPLAT_METAL_INJECT_SAVE_ERROR"
 
 
 class NonFiniteError(SystemExit):
@@ -96,6 +107,39 @@ def atomic_path(target: Path, staging_dir: Optional[Path] = None) -> Iterator[Pa
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+class CheckpointWriteError(SystemExit):
+    """A checkpoint could not be written (full disk, read-only folder); ``str(e)`` is the message."""
+
+    def __init__(self, message: str):
+        super().__init__(message if message.startswith("splat-metal: ") else f"splat-metal: {message}")
+
+
+def _injected_save_error(step: int) -> Optional[OSError]:
+    value = os.environ.get(INJECT_SAVE_ERROR_ENV)
+    if not value:
+        return None
+    at, _, name = value.partition(":")
+    code = getattr(errno, name or "ENOSPC", None)
+    if not at.isdigit() or not isinstance(code, int):
+        raise CheckpointWriteError(f"{INJECT_SAVE_ERROR_ENV}={value!r}: expected STEP[:ERRNO], e.g. 100:ENOSPC")
+    return OSError(code, os.strerror(code)) if step >= int(at) else None
+
+
+def save_checkpoint_file(state: dict, target: Path, step: int, staging_dir: Optional[Path] = None) -> None:
+    """torch.save(state) to ``target`` atomically (atomic_path). An OSError (full disk, read-only
+    folder) raises CheckpointWriteError naming the file; nothing is left at ``target``'s temporary path."""
+    try:
+        with atomic_path(target, staging_dir) as tmp:
+            with open(tmp, "wb") as f:
+                injected = _injected_save_error(step)
+                if injected is not None:
+                    f.write(b"\0" * 4096)  # part of a checkpoint, as a disk that fills up mid-write leaves
+                    raise injected
+                torch.save(state, f)
+    except OSError as e:
+        raise CheckpointWriteError(f"could not write the checkpoint {target} ({e.strerror or e})") from None
 
 
 # --------------------------------------------------------------------------------------------------
