@@ -61,7 +61,10 @@ import contextlib
 import errno
 import math
 import os
+import re
+import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -140,6 +143,57 @@ def save_checkpoint_file(state: dict, target: Path, step: int, staging_dir: Opti
                 torch.save(state, f)
     except OSError as e:
         raise CheckpointWriteError(f"could not write the checkpoint {target} ({e.strerror or e})") from None
+
+
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP (a closed terminal, ``kill``) raise KeyboardInterrupt in the block, as Ctrl-C
+    does, so that the same clean-up runs (atomic_path removes its temporary file). Main thread only;
+    elsewhere (signals cannot be caught there) a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, interrupt) for s in STOP_SIGNALS if s != signal.SIGINT}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+PARTIAL_NAME = re.compile(r"\.(?P<name>.+)\.partial-(?P<pid>\d+)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_partials(folder: Path) -> List[Path]:
+    """Removes the hidden ``.NAME.partial-PID`` files (atomic_path's) in ``folder`` whose process is
+    gone: what a SIGKILLed or crashed writer left. A live process's file is left alone. Returns the
+    removed paths."""
+    removed = []
+    for p in Path(folder).iterdir() if Path(folder).is_dir() else []:
+        m = PARTIAL_NAME.fullmatch(p.name)
+        if m and p.is_file() and int(m.group("pid")) != os.getpid() and not _alive(int(m.group("pid"))):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed.append(p)
+    return removed
 
 
 # --------------------------------------------------------------------------------------------------
@@ -405,8 +459,9 @@ def atomic_ply_writer(write_ply: Callable) -> Callable:
 
     def write(filename, count, map_to_tensors):
         target = Path(filename)
+        remove_stale_partials(target.parent)
         try:
-            with atomic_path(target) as tmp:
+            with signals_interrupt(), atomic_path(target) as tmp:
                 write_ply(str(tmp), count, map_to_tensors)
         except KeyboardInterrupt:
             raise SystemExit(
