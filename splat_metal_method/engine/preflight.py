@@ -83,23 +83,27 @@ def _check_backend(backend: Optional[str], device_type: str) -> None:
         resolve_backend(backend, torch.device(device_type))
     except BackendUnavailable as e:
         where = f"SPLAT_METAL_BACKEND={env}" if backend == "auto" else f"--pipeline.model.backend {backend}"
-        raise OptionError(f"{where}: {str(e).splitlines()[0]}") from None
+        raise OptionError(
+            f"{where}: {str(e).splitlines()[0]}; use auto (the best backend for the device) or another backend."
+        ) from None
 
 
 def _check_output(config) -> None:
     """The run's folder stays inside --output-dir, and a file can be created where it will be."""
     output_dir = Path(config.output_dir)
-    base = config.get_base_dir()
-    if not os.path.abspath(base).startswith(os.path.join(os.path.abspath(output_dir), "")):
+    inside = os.path.join(os.path.abspath(output_dir), "")
+    if not os.path.abspath(config.get_base_dir()).startswith(inside):
+        outside_by_name = not os.path.abspath(output_dir / config.experiment_name).startswith(inside)
+        option = f"--experiment-name {config.experiment_name}" if outside_by_name else f"--timestamp {config.timestamp}"
         raise OptionError(
-            f"the run's folder {base} would be outside --output-dir {output_dir}; "
-            "--experiment-name and --timestamp cannot contain '..'."
+            f"{option} would put the run's folder outside --output-dir {output_dir}; use a name without '..' or '/'."
         )
-    existing = Path(os.path.abspath(base))
+    existing = Path(os.path.abspath(config.get_base_dir()))
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise OptionError(f"--output-dir {output_dir}: {existing} is a file, not a folder.")
+        where = "" if existing == Path(os.path.abspath(output_dir)) else f": {existing} in it"
+        raise OptionError(f"--output-dir {output_dir}{where} is a file, not a folder; choose a folder.")
     probe = existing / f".splat-metal-probe-{os.getpid()}"
     try:
         probe.write_bytes(b"")
