@@ -40,9 +40,9 @@ Two mechanisms, each small:
   model-construction hook instead of an import-time patch.) A SIGKILL can leave a hidden
   ``.NAME.partial-PID`` file behind, never a partial ``NAME``.
 
-* ``save_checkpoint_file``: a checkpoint written through a Python file object (torch then reports a full
-  disk as ``OSError(ENOSPC)`` naming the file, not as a C++ ``basic_ios``/``inline_container``
-  RuntimeError), into a hidden temporary file that is renamed over the target only when complete.
+* ``save_checkpoint_file``: a checkpoint written through a Python file object (torch then raises a
+  RuntimeError whose context is the file's ``OSError(ENOSPC)``, where a path gives only a C++
+  ``basic_ios``/``inline_container`` message), into a hidden temporary file that is renamed over the target only when complete.
   A failed write raises ``CheckpointWriteError`` after the temporary file is removed: the earlier
   checkpoints are untouched.
 
@@ -141,8 +141,17 @@ def save_checkpoint_file(state: dict, target: Path, step: int, staging_dir: Opti
                     f.write(b"\0" * 4096)  # part of a checkpoint, as a disk that fills up mid-write leaves
                     raise injected
                 torch.save(state, f)
-    except OSError as e:
-        raise CheckpointWriteError(f"could not write the checkpoint {target} ({e.strerror or e})") from None
+    except (OSError, RuntimeError) as e:
+        cause = _os_error(e)  # torch's writer turns the file's OSError into a RuntimeError (its context)
+        if cause is None:
+            raise
+        raise CheckpointWriteError(f"could not write the checkpoint {target} ({cause.strerror or cause})") from None
+
+
+def _os_error(e: Optional[BaseException]) -> Optional[OSError]:
+    while e is not None and not isinstance(e, OSError):
+        e = e.__cause__ or e.__context__
+    return e
 
 
 STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))

@@ -171,7 +171,12 @@ def install() -> None:
         def get_checkpoint_dir(self) -> Path:
             folder = get_dir(self)
             if sys._getframe(1).f_globals.get("__name__") == "nerfstudio.utils.eval_utils":
-                path, _ = find_checkpoint(folder, self.load_step)
+                # config.yml's load_step is the --load-step of training (a step of the run it resumed):
+                # used only where this run's folder has it
+                step = self.load_step
+                if step is not None and not (Path(folder) / f"step-{step:09d}.ckpt").is_file():
+                    step = None
+                path, _ = find_checkpoint(folder, step)
                 self.load_step = int(CHECKPOINT_NAME.fullmatch(path.name).group(1))  # type: ignore[union-attr]
             return folder
 
