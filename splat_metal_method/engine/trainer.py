@@ -11,7 +11,12 @@
   prints the command that resumes (``--load-dir``) and exits with status 130; a second one exits at
   once without saving (the last checkpoint stays intact). The viewer's "completed" wait loop keeps
   nerfstudio's plain Ctrl-C behaviour;
-* a clean stop on NaN/Inf (reliability.NonFiniteError), keeping the last good checkpoint;
+* a clean stop on NaN/Inf (reliability.NonFiniteError), keeping the last good checkpoint, and on a
+  checkpoint that cannot be written (full disk, read-only folder: reliability.CheckpointWriteError),
+  naming the file, the previous checkpoint (intact) and the resume command;
+* every line a person must read at the end (stopped, failed, finished) printed after the last redraw
+  of nerfstudio's progress table, which moves the cursor up over whatever was printed since the one
+  before (tests/engine/test_terminal_screen.py reads a terminal's screen);
 * a train_lock the viewer gets its turn at (TurnTakingLock);
 * under torchrun, one scene sharded across the processes (distributed.py's ShardedRun: rank 0 writes
   the whole scene's checkpoints, serves the viewer and evaluates; a stop on any rank stops all of them
