@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything splat-metal needs on a fresh Linux or macOS machine: system libraries
 # (Debian/Ubuntu: g++ for the native CPU backend, libusb for ns-export's open3d import, chromium for
-# the viewer tests, ffmpeg, which ns-render requires even for image output; extra Debian packages
+# the viewer tests, ffmpeg, which ns-render requires even for image output, tmux for the terminal-screen
+# test; extra Debian packages
 # may be named as arguments, e.g. `bash scripts/setup.sh clang`), a virtual
 # environment in .venv (override with SPLAT_METAL_VENV) and this package with its test extras.
 # Safe to re-run: it skips what is already in place.
@@ -31,7 +32,7 @@ fi
 
 if [ "$(uname -s)" = Linux ] && command -v apt-get >/dev/null 2>&1; then
   missing=()
-  wanted=(g++ libusb-1.0-0 chromium chromium-driver ffmpeg)
+  wanted=(g++ libusb-1.0-0 chromium chromium-driver ffmpeg tmux)
   # Node and npm for PlayCanvas's tools below, only when there is no npm (a NodeSource nodejs carries
   # its own npm and conflicts with Debian's npm package).
   command -v npm >/dev/null 2>&1 || wanted+=(nodejs npm)

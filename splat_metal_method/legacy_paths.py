@@ -6,6 +6,9 @@ A run's config.yml names the classes it was trained with by module path
 ns-eval, ns-render, splat-metal-export and ``ns-train --load-config`` import them by that path.
 ``install()`` (run by the package's ``__init__``) answers each old path with a stand-in module whose
 attributes are those of the module's new home, so the old names resolve to today's classes.
+``python -m <package>.<old>`` (older docs and scripts: ``python -m splat_metal_method.doctor``) runs
+the new module as ``__main__``: runpy asks the finder for the module's code, which is a two-line
+stand-in that runs the new module with ``runpy.run_module(new, run_name="__main__")``.
 """
 
 from __future__ import annotations
@@ -79,6 +82,17 @@ class _LegacyFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         pass
+
+    # runpy (python -m) asks the loader for code to run as __main__
+    def is_package(self, fullname) -> bool:
+        return False
+
+    def get_source(self, fullname) -> str:
+        new = f"{_PACKAGE}.{MOVED[fullname.rpartition('.')[2]]}"
+        return f"import runpy\nrunpy.run_module({new!r}, run_name='__main__', alter_sys=True)\n"
+
+    def get_code(self, fullname):
+        return compile(self.get_source(fullname), f"<{fullname}, moved (legacy_paths.py)>", "exec")
 
 
 def install() -> None:

@@ -40,7 +40,16 @@ Two mechanisms, each small:
   model-construction hook instead of an import-time patch.) A SIGKILL can leave a hidden
   ``.NAME.partial-PID`` file behind, never a partial ``NAME``.
 
-Testing aid: ``SPLAT_METAL_INJECT_NAN_AT_STEP=STEP[:PARAM[:ROWS]]`` sets the gradient of PARAM
+* ``save_checkpoint_file``: a checkpoint written through a Python file object (torch then raises a
+  RuntimeError whose context is the file's ``OSError(ENOSPC)``, where a path gives only a C++
+  ``basic_ios``/``inline_container`` message), into a hidden temporary file that is renamed over the target only when complete.
+  A failed write raises ``CheckpointWriteError`` after the temporary file is removed: the earlier
+  checkpoints are untouched.
+
+Testing aids: ``SPLAT_METAL_INJECT_SAVE_ERROR=STEP[:ERRNO]`` makes the checkpoint write of every step
+>= STEP fail half-way with that OSError (default ENOSPC, "No space left on device"), as a full disk
+does; tests use it where mounting a small filesystem needs root.
+``SPLAT_METAL_INJECT_NAN_AT_STEP=STEP[:PARAM[:ROWS]]`` sets the gradient of PARAM
 (default ``scales``; any optimizer group, e.g. ``camera_opt``) to NaN at STEP, in its first ROWS
 gaussians (default 3; all of it for non-gaussian groups), right before the optimizer step, as a real
 numerical blow-up would. It is meant for tests and for trying the two modes; never set it otherwise.
@@ -49,9 +58,13 @@ numerical blow-up would. It is meant for tests and for trying the two modes; nev
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
+import re
+import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -62,6 +75,7 @@ from nerfstudio.utils.rich_utils import CONSOLE
 
 NONFINITE_MODES = ("recover", "stop")
 INJECT_NAN_ENV = "SPLAT_METAL_INJECT_NAN_AT_STEP"
+INJECT_SAVE_ERROR_ENV = "SPLAT_METAL_INJECT_SAVE_ERROR"
 
 
 class NonFiniteError(SystemExit):
@@ -96,6 +110,99 @@ def atomic_path(target: Path, staging_dir: Optional[Path] = None) -> Iterator[Pa
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+class CheckpointWriteError(SystemExit):
+    """A checkpoint could not be written (full disk, read-only folder); ``str(e)`` is the message."""
+
+    def __init__(self, message: str):
+        super().__init__(message if message.startswith("splat-metal: ") else f"splat-metal: {message}")
+
+
+def _injected_save_error(step: int) -> Optional[OSError]:
+    value = os.environ.get(INJECT_SAVE_ERROR_ENV)
+    if not value:
+        return None
+    at, _, name = value.partition(":")
+    code = getattr(errno, name or "ENOSPC", None)
+    if not at.isdigit() or not isinstance(code, int):
+        raise CheckpointWriteError(f"{INJECT_SAVE_ERROR_ENV}={value!r}: expected STEP[:ERRNO], e.g. 100:ENOSPC")
+    return OSError(code, os.strerror(code)) if step >= int(at) else None
+
+
+def save_checkpoint_file(state: dict, target: Path, step: int, staging_dir: Optional[Path] = None) -> None:
+    """torch.save(state) to ``target`` atomically (atomic_path). An OSError (full disk, read-only
+    folder) raises CheckpointWriteError naming the file; nothing is left at ``target``'s temporary path."""
+    try:
+        with atomic_path(target, staging_dir) as tmp:
+            with open(tmp, "wb") as f:
+                injected = _injected_save_error(step)
+                if injected is not None:
+                    f.write(b"\0" * 4096)  # part of a checkpoint, as a disk that fills up mid-write leaves
+                    raise injected
+                torch.save(state, f)
+    except (OSError, RuntimeError) as e:
+        cause = _os_error(e)  # torch's writer turns the file's OSError into a RuntimeError (its context)
+        if cause is None:
+            raise
+        raise CheckpointWriteError(f"could not write the checkpoint {target} ({cause.strerror or cause})") from None
+
+
+def _os_error(e: Optional[BaseException]) -> Optional[OSError]:
+    while e is not None and not isinstance(e, OSError):
+        e = e.__cause__ or e.__context__
+    return e
+
+
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP (a closed terminal, ``kill``) raise KeyboardInterrupt in the block, as Ctrl-C
+    does, so that the same clean-up runs (atomic_path removes its temporary file). Main thread only;
+    elsewhere (signals cannot be caught there) a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, interrupt) for s in STOP_SIGNALS if s != signal.SIGINT}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+PARTIAL_NAME = re.compile(r"\.(?P<name>.+)\.partial-(?P<pid>\d+)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_partials(folder: Path) -> List[Path]:
+    """Removes the hidden ``.NAME.partial-PID`` files (atomic_path's) in ``folder`` whose process is
+    gone: what a SIGKILLed or crashed writer left. A live process's file is left alone. Returns the
+    removed paths."""
+    removed = []
+    for p in Path(folder).iterdir() if Path(folder).is_dir() else []:
+        m = PARTIAL_NAME.fullmatch(p.name)
+        if m and p.is_file() and int(m.group("pid")) != os.getpid() and not _alive(int(m.group("pid"))):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed.append(p)
+    return removed
 
 
 # --------------------------------------------------------------------------------------------------
@@ -361,8 +468,9 @@ def atomic_ply_writer(write_ply: Callable) -> Callable:
 
     def write(filename, count, map_to_tensors):
         target = Path(filename)
+        remove_stale_partials(target.parent)
         try:
-            with atomic_path(target) as tmp:
+            with signals_interrupt(), atomic_path(target) as tmp:
                 write_ply(str(tmp), count, map_to_tensors)
         except KeyboardInterrupt:
             raise SystemExit(

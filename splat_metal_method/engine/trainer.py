@@ -11,7 +11,12 @@
   prints the command that resumes (``--load-dir``) and exits with status 130; a second one exits at
   once without saving (the last checkpoint stays intact). The viewer's "completed" wait loop keeps
   nerfstudio's plain Ctrl-C behaviour;
-* a clean stop on NaN/Inf (reliability.NonFiniteError), keeping the last good checkpoint;
+* a clean stop on NaN/Inf (reliability.NonFiniteError), keeping the last good checkpoint, and on a
+  checkpoint that cannot be written (full disk, read-only folder: reliability.CheckpointWriteError),
+  naming the file, the previous checkpoint (intact) and the resume command;
+* every line a person must read at the end (stopped, failed, finished) printed after the last redraw
+  of nerfstudio's progress table, which moves the cursor up over whatever was printed since the one
+  before (tests/engine/test_terminal_screen.py reads a terminal's screen);
 * a train_lock the viewer gets its turn at (TurnTakingLock);
 * under torchrun, one scene sharded across the processes (distributed.py's ShardedRun: rank 0 writes
   the whole scene's checkpoints, serves the viewer and evaluates; a stop on any rank stops all of them
@@ -37,8 +42,9 @@ from nerfstudio.utils.decorators import check_eval_enabled
 from nerfstudio.utils.misc import step_check
 from nerfstudio.utils.rich_utils import CONSOLE
 
+from ..patches.checkpoints import find_checkpoint
 from . import distributed, resume_state
-from .reliability import NonFiniteError, atomic_path
+from .reliability import CheckpointWriteError, NonFiniteError, save_checkpoint_file
 
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what shells report for a Ctrl-C'd command
 
@@ -213,8 +219,15 @@ class SplatMetalTrainer(Trainer):
         ckpt_path: Path = self.checkpoint_dir / f"step-{step:09d}.ckpt"
         # Staged next to nerfstudio_models/, not in it: nerfstudio parses every name in that folder
         # as step-N.ckpt when it resumes or exports.
-        with atomic_path(ckpt_path, staging_dir=self.checkpoint_dir.parent) as tmp:
-            torch.save(state, tmp)
+        try:
+            save_checkpoint_file(state, ckpt_path, step, staging_dir=self.checkpoint_dir.parent)
+        except CheckpointWriteError as e:
+            last = self._latest_checkpoint()
+            intact = f"; the previous checkpoint, {last}, is intact" if last else "; no earlier checkpoint exists"
+            raise CheckpointWriteError(
+                f"{e.code}{intact}. Free space (or make the folder writable), then resume."
+                + (self._resume_hint(int(last.stem.split("-")[1])) if last else "")
+            ) from None
         self._saved_steps.add(step)
         if self.config.save_only_latest_checkpoint:
             for f in self.checkpoint_dir.glob("*.ckpt"):
@@ -226,11 +239,8 @@ class SplatMetalTrainer(Trainer):
 
     def _loaded_checkpoint(self) -> Optional[Path]:
         """The file nerfstudio's _load_checkpoint loaded (--load-dir [--load-step] or --load-checkpoint)."""
-        if self.config.load_dir is not None:
-            step = self.config.load_step
-            if step is None:  # nerfstudio's rule: the highest step in the folder
-                step = max(int(p.stem.split("-")[1]) for p in Path(self.config.load_dir).glob("step-*.ckpt"))
-            return Path(self.config.load_dir) / f"step-{step:09d}.ckpt"
+        if self.config.load_dir is not None:  # as patches/checkpoints.py made nerfstudio choose it
+            return find_checkpoint(self.config.load_dir, self.config.load_step, resume=True)[0]
         return self.config.load_checkpoint
 
     def _load_resume_state(self) -> None:
@@ -328,6 +338,8 @@ class SplatMetalTrainer(Trainer):
                 super().train()
         except NonFiniteError as e:
             self._stop(f"{e.message}{self._last_good()}", NonFiniteError)
+        except CheckpointWriteError as e:
+            self._stop(str(e.code), CheckpointWriteError)
         except RuntimeError as e:
             if self.sharded is None or not distributed.is_collective_failure(e):
                 raise
@@ -381,25 +393,48 @@ class SplatMetalTrainer(Trainer):
 
     def _train_complete_viewer(self) -> None:
         self._restore_signals()  # nerfstudio's wait loop after training ("Use ctrl+c to quit")
+        self._print_finished()
         return super()._train_complete_viewer()
+
+    def _print_finished(self) -> None:
+        """Where the finished run's checkpoint is and the command that trains it further: after
+        nerfstudio's panel, when nothing redraws the progress table any more."""
+        if getattr(self, "_finished_printed", False) or not comms.is_main_process():
+            return
+        self._finished_printed = True
+        last = self._latest_checkpoint()
+        if last is None:
+            return
+        steps = self.config.max_num_iterations
+        command = resume_command(sys.argv, self.checkpoint_dir, steps,
+                                 self.sharded.resume_prefix() if self.sharded is not None else "")  # fmt: skip
+        CONSOLE.print(
+            f"splat-metal: training finished; checkpoint: {last}\nTo train {steps:,} steps more:\n  {command}",
+            highlight=False,
+            soft_wrap=True,
+        )
 
     def _after_train(self) -> None:
         if self._stop_signal is None:
             if self.sharded is not None:  # the viewer, if it stays up, shows the finished scene
                 self.sharded.refresh_view()
-            return super()._after_train()
+            super()._after_train()
+            self._print_finished()
+            return
         self._cut_short = True
         step = self._last_done_step
+        if step is not None and step not in self._saved_steps:
+            self.save_checkpoint(step)
+        # The progress table (nerfstudio's LocalWriter) moves the cursor up over everything printed since
+        # its last redraw: flush it first, so that nothing redraws over the message.
+        writer.write_out_storage()
+        self._shutdown()
         if step is None:
             CONSOLE.print("splat-metal: stopped before the first step finished; no checkpoint was written.")
         else:
-            if step not in self._saved_steps:
-                self.save_checkpoint(step)
             ckpt = self.checkpoint_dir / f"step-{step:09d}.ckpt"
             CONSOLE.print(
                 f"splat-metal: training stopped after step {step}; checkpoint saved: {ckpt}{self._resume_hint(step)}",
                 highlight=False,
                 soft_wrap=True,
             )
-        writer.write_out_storage()
-        self._shutdown()

@@ -13,8 +13,12 @@ splat_file.py, spz_file.py, sog_file.py and compressed_ply_file.py (the .sog's S
 on the device the run trains on: playcanvas.py).
 Every requested file is first written to a hidden temporary file in the output folder; only when
 all are complete are they renamed into place (reliability.atomic_path), so a failure or Ctrl-C
-leaves no partial file and the files already there untouched. Bad input (no such config, not a
-gaussian-splatting run, no checkpoint, an unusable output folder, nothing left to export) stops
+leaves no partial file and the files already there untouched: SIGTERM and SIGHUP (``kill``, a closed
+terminal) clean up as Ctrl-C does, and the hidden temporary files that a SIGKILLed or crashed export
+left are removed by the next export into that folder (those of a process still running are kept).
+Bad input (no such config, not a
+gaussian-splatting run, no checkpoint, an unusable output folder, an --output-name that is not a
+plain file name, nothing left to export) stops
 with one message before anything is written.
 """
 
@@ -72,6 +76,7 @@ class ExportSplats:
         obb_parts = (self.obb_center, self.obb_rotation, self.obb_scale)
         if any(p is not None for p in obb_parts) and not all(p is not None for p in obb_parts):
             raise ExportError("a crop needs all three of --obb-center, --obb-rotation and --obb-scale")
+        _check_output_name(self.output_name)
         targets = [self.output_dir / f"{self.output_name}.{EXTENSIONS.get(fmt, fmt)}" for fmt in formats]
         _check_config_file(self.load_config)
         _prepare_output_dir(self.output_dir, targets)
@@ -126,6 +131,14 @@ def _check_config_file(path: Path) -> None:
         raise ExportError(f"--load-config {path} is a folder; give the config.yml inside a run's folder.")
 
 
+def _check_output_name(name: str) -> None:
+    """A file name: the files stay in --output-dir."""
+    if not name or name in (".", "..") or "/" in name or os.sep in name or (os.altsep and os.altsep in name):
+        raise ExportError(
+            f"--output-name {name!r} must be a plain file name (no '/' or '..'); choose the folder with --output-dir."
+        )
+
+
 def _prepare_output_dir(out: Path, targets: List[Path]) -> None:
     """Creates the folder and checks a file can be created in it, before the (slow) model load."""
     if out.exists() and not out.is_dir():
@@ -137,6 +150,11 @@ def _prepare_output_dir(out: Path, targets: List[Path]) -> None:
         probe.unlink()
     except OSError as e:
         raise ExportError(f"--output-dir {out}: cannot write there ({e.strerror or e}).") from None
+    from ..engine.reliability import remove_stale_partials
+
+    stale = remove_stale_partials(out)
+    if stale:
+        print(f"{PROG}: removed {len(stale)} partial file(s) that an interrupted export left in {out}.")
     for target in targets:
         if target.is_dir():
             raise ExportError(f"{target} is a folder; remove it or choose another --output-name.")
@@ -227,8 +245,15 @@ def _write_one(g, fmt: str, path: Path, device=None) -> Tuple[int, str]:
 
 def entrypoint() -> None:
     """Console script ``splat-metal-export``."""
+    from ..engine.reliability import signals_interrupt
+
     tyro.extras.set_accent_color("bright_yellow")
-    tyro.cli(tyro.conf.FlagConversionOff[ExportSplats], prog=PROG).main()
+    export = tyro.cli(tyro.conf.FlagConversionOff[ExportSplats], prog=PROG)
+    try:
+        with signals_interrupt():  # SIGTERM/SIGHUP clean up as Ctrl-C does
+            export.main()
+    except KeyboardInterrupt:  # before the files were being written (loading the run)
+        raise ExportError("interrupted; nothing was written (files already there are untouched).") from None
 
 
 if __name__ == "__main__":

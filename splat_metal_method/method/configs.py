@@ -18,9 +18,10 @@ from nerfstudio.utils.rich_utils import CONSOLE
 
 from ..data.datamanager import SplatMetalDatamanagerConfig
 from ..data.dataparser import SplatMetalDataParserConfig, check_dataset
-from ..engine import distributed
+from ..engine import distributed, preflight
 from ..engine.trainer import SplatMetalTrainer
 from ..ops import best_device
+from ..patches import checkpoints
 from ..patches import startup as startup_fix
 from ..patches import viewer as viewer_fixes
 from .mcmc import SplatMetalMCMCModelConfig, apply_schedule_scale
@@ -28,6 +29,7 @@ from .model import SplatMetalModelConfig, check_sh_degree
 
 viewer_fixes.apply()  # before any Viewer exists: Ctrl-C could hang after a browser left (viewer_fixes.py)
 startup_fix.apply()  # before nerfstudio builds its external-method stand-ins: a third of start-up (startup_fix.py)
+checkpoints.install()  # nerfstudio's loaders take the newest readable step-*.ckpt, nothing else (checkpoints.py)
 
 
 def default_device_type() -> str:
@@ -67,6 +69,7 @@ class SplatMetalTrainerConfig(TrainerConfig):
             super().print_to_terminal()
 
     def save_config(self) -> None:
+        preflight.check_options(self)  # options and environment, before the first write (preflight.py)
         if distributed.current() is not None and not distributed.current().is_main:  # type: ignore[union-attr]
             return  # rank 0 writes the run's config
         if isinstance(self.pipeline.model, SplatMetalModelConfig):

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from bad_input_table import record
 from cli_helpers import run_cli, snapshot
 from PIL import Image
 
@@ -124,6 +125,16 @@ CLI_CASES = {
     "mixed-image-sizes": _mixed_image_sizes,
 }
 PARSER_CASES = {**CLI_CASES, "negative-focal-in-a-frame": _negative_focal_in_a_frame}
+WHAT = {  # the table's description of each case (docs/reliability.md)
+    "missing-folder": "`ns-train splat-metal --data` a folder that does not exist",
+    "empty-folder": "`--data` an empty folder",
+    "no-transforms-json": "`--data` a folder without transforms.json",
+    "missing-image": "an image transforms.json names is missing",
+    "truncated-image": "an image is truncated (its header still reads)",
+    "zero-focal": "`fl_x` is 0",
+    "mixed-image-sizes": "an image is not the size transforms.json says",
+    "negative-focal-in-a-frame": "one frame's `fl_y` is negative",
+}
 
 
 def _message_lines(stderr: str) -> list:
@@ -151,6 +162,7 @@ def test_ns_train_rejects_bad_data_cleanly(case, scene_copy, tmp_path, existing_
     after = [line for line in message[1:] if not line.startswith("  ")]  # the message's own lines are indented
     assert not after, f"something was printed after the message\n{result.tail()}"
     text = "\n".join(message)
+    record(f"data/{case}", WHAT[case], text, data=data)
     assert str(named) in text, f"message does not name {named}:\n{text}"
     for word in words:
         assert word in text, f"{word!r} not in message:\n{text}"
@@ -169,6 +181,7 @@ def test_dataparser_raises_dataset_error(case, scene_copy, tmp_path):
     with pytest.raises(DatasetError) as info:
         parser.get_dataparser_outputs(split="train")
     message = str(info.value)
+    record(f"data/{case}", WHAT[case], message, data=data)
     assert message.startswith("splat-metal: ") and message == info.value.code  # what Python prints on exit
     assert isinstance(info.value, SystemExit) and not isinstance(info.value, Exception)
     assert str(named) in message
@@ -177,25 +190,29 @@ def test_dataparser_raises_dataset_error(case, scene_copy, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "edit, words",
+    "edit, words, what",
     [
-        (lambda s: (s / "transforms.json").write_text('{"frames": [{"file_path": '), ["not valid JSON", "line 1"]),
-        (lambda s: _edit_transforms(s, lambda m: m.update(frames=[])), ["lists no frames"]),
-        (lambda s: (s / demo_scene.PLY_NAME).unlink(), ["seed points", demo_scene.PLY_NAME, "do not exist"]),
+        (lambda s: (s / "transforms.json").write_text('{"frames": [{"file_path": '), ["not valid JSON", "line 1"],
+         "transforms.json is not valid JSON"),
+        (lambda s: _edit_transforms(s, lambda m: m.update(frames=[])), ["lists no frames"], "transforms.json lists no frames"),
+        (lambda s: (s / demo_scene.PLY_NAME).unlink(), ["seed points", demo_scene.PLY_NAME, "do not exist"],
+         "the seed-point PLY transforms.json names is missing"),
         (
             lambda s: _edit_transforms(s, lambda m: m["frames"][1]["transform_matrix"][0].__setitem__(3, "nan")),
             ["frame 1", "transform_matrix"],
+            "a frame's transform holds NaN",
         ),
-        (lambda s: _edit_transforms(s, lambda m: m.pop("fl_y")), ["no fl_y"]),
-        (lambda s: _edit_transforms(s, lambda m: m.update(w=32.5)), ["w = 32.5", "whole number"]),
+        (lambda s: _edit_transforms(s, lambda m: m.pop("fl_y")), ["no fl_y"], "no `fl_y` anywhere"),
+        (lambda s: _edit_transforms(s, lambda m: m.update(w=32.5)), ["w = 32.5", "whole number"], "`w` is 32.5"),
     ],
     ids=["invalid-json", "no-frames", "missing-seed-points", "nan-pose", "no-focal", "fractional-width"],
-)
-def test_more_problems_are_named(scene_copy, edit, words):
+)  # fmt: skip
+def test_more_problems_are_named(scene_copy, edit, words, what, request):
     scene = scene_copy()
     edit(scene)
     with pytest.raises(DatasetError) as info:
         check_dataset(scene)
+    record(f"data/{request.node.callspec.id}", what, str(info.value), data=scene)
     assert str(scene) in str(info.value)
     for word in words:
         assert word in str(info.value), str(info.value)
@@ -208,6 +225,7 @@ def test_many_problems_are_listed_together(scene_copy):
     with pytest.raises(DatasetError) as info:
         check_dataset(scene)
     message = str(info.value)
+    record("data/every-image-missing", "every image is missing (many problems at once)", message, data=scene)
     assert f"{VIEWS} problems" in message and "... and 2 more" in message
     assert message.count("does not exist") == 8
 

@@ -6,6 +6,7 @@ test_reliability_cli.py; the Trainer's parts (checkpoints, signals) are in test_
 from __future__ import annotations
 
 import math
+import os
 from collections import OrderedDict
 from pathlib import Path
 
@@ -380,3 +381,43 @@ def test_install_wraps_the_loaded_exporter_once(monkeypatch):
     assert reliability.install_atomic_ply_export() and cls.__dict__["write_ply"] is wrapped  # idempotent
     monkeypatch.delitem(__import__("sys").modules, "nerfstudio.scripts.exporter")
     assert not reliability.install_atomic_ply_export()  # not in ns-export: nothing to do
+
+
+# --------------------------------------------------------------------------------------------------
+# A checkpoint write that fails (full disk)
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("disk", ["tmpfs", "injected"])
+def test_full_disk_during_a_checkpoint_write_leaves_nothing(tmp_path, monkeypatch, disk):
+    """A real 256 KiB tmpfs where one can be mounted (root), and the documented testing aid
+    (SPLAT_METAL_INJECT_SAVE_ERROR) that the command-line tests use: the same error, no file left."""
+    import subprocess
+
+    from splat_metal_method.engine.reliability import (
+        INJECT_SAVE_ERROR_ENV,
+        CheckpointWriteError,
+        save_checkpoint_file,
+    )
+
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    if disk == "tmpfs":
+        if (
+            os.geteuid() != 0
+            or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)]).returncode
+        ):
+            pytest.skip("mounting a small tmpfs needs root; the injected case covers the same path")
+    else:
+        monkeypatch.setenv(INJECT_SAVE_ERROR_ENV, "20")
+    try:
+        (folder / "step-000000010.ckpt").write_bytes(b"the previous checkpoint")
+        state = {"step": 20, "w": torch.zeros(200_000)}  # 800 KB: more than the tmpfs holds
+        with pytest.raises(CheckpointWriteError) as info:
+            save_checkpoint_file(state, folder / "step-000000020.ckpt", 20)
+        assert str(info.value.code) == (
+            f"splat-metal: could not write the checkpoint {folder / 'step-000000020.ckpt'} (No space left on device)"
+        )
+        assert sorted(p.name for p in folder.iterdir()) == ["step-000000010.ckpt"]
+        assert (folder / "step-000000010.ckpt").read_bytes() == b"the previous checkpoint"
+    finally:
+        if disk == "tmpfs":
+            subprocess.run(["umount", str(folder)], check=True)
