@@ -17,10 +17,9 @@ from typing import Optional
 
 import torch
 
+from ..ops.constants import SH_MAX_DEGREE as MAX_SH_DEGREE  # 0..4, as gsplat
 from ..ops.rasterization import BACKENDS, BackendUnavailable, resolve_backend
 from ..patches.checkpoints import checkpoint_file, find_checkpoint
-
-MAX_SH_DEGREE = 4  # spherical harmonics degrees 0..4 (degree 4: 25 coefficients per colour)
 
 
 class OptionError(SystemExit):

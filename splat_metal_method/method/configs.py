@@ -25,7 +25,7 @@ from ..patches import checkpoints
 from ..patches import startup as startup_fix
 from ..patches import viewer as viewer_fixes
 from .mcmc import SplatMetalMCMCModelConfig, apply_schedule_scale
-from .model import SplatMetalModelConfig, check_sh_degree
+from .model import SplatMetalModelConfig
 
 viewer_fixes.apply()  # before any Viewer exists: Ctrl-C could hang after a browser left (viewer_fixes.py)
 startup_fix.apply()  # before nerfstudio builds its external-method stand-ins: a third of start-up (startup_fix.py)
@@ -72,8 +72,6 @@ class SplatMetalTrainerConfig(TrainerConfig):
         preflight.check_options(self)  # options and environment, before the first write (preflight.py)
         if distributed.current() is not None and not distributed.current().is_main:  # type: ignore[union-attr]
             return  # rank 0 writes the run's config
-        if isinstance(self.pipeline.model, SplatMetalModelConfig):
-            check_sh_degree(self.pipeline.model.sh_degree)
         datamanager = self.pipeline.datamanager
         dataparser = getattr(datamanager, "dataparser", None)
         if isinstance(dataparser, SplatMetalDataParserConfig):  # not when the user picked another dataparser
