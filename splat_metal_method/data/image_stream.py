@@ -24,7 +24,7 @@ from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.data.datamanagers.full_images_datamanager import _undistort_image
 from nerfstudio.data.datasets.base_dataset import InputDataset
 
-PREFETCH = 8  # images decoded ahead of the one training asks for (within the budget)
+PREFETCH = 8  # images held at most (within the budget): the one training asks for and those due next
 WORKERS = 2  # decoding threads per stream (nerfstudio caches with 2)
 
 
@@ -86,7 +86,7 @@ def nbytes(data: Dict) -> int:
 
 class ImageStream:
     """The images of one split, decoded by ``WORKERS`` background threads in the order ``get`` is told they
-    will be asked for, at most ``PREFETCH`` ahead and ``budget`` bytes (estimated per image by
+    will be asked for, at most ``PREFETCH`` images and ``budget`` bytes (estimated per image by
     ``estimate(idx)`` until decoded) held. An image leaves as soon as it is handed out, unless it is due
     again within the window. A decoding error is raised by ``get`` of that image."""
 
@@ -129,14 +129,14 @@ class ImageStream:
 
     # -- inside the lock
     def _window(self) -> List[int]:
-        """The distinct indices at the head of the plan that fit PREFETCH + 1 and the budget (the first always)."""
+        """The distinct indices at the head of the plan that fit PREFETCH and the budget (the first always)."""
         window: List[int] = []
         total = 0
         for idx in self._plan:
             if idx in window:
                 continue
             size = self._bytes.get(idx) or self._estimate(idx)
-            if window and (len(window) > PREFETCH or total + size > self._budget):
+            if window and (len(window) >= PREFETCH or total + size > self._budget):
                 break
             window.append(idx)
             total += size
