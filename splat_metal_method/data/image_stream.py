@@ -15,7 +15,9 @@ intrinsics nerfstudio writes when it undistorts the pixels, without decoding any
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import numpy as np
@@ -107,6 +109,8 @@ class ImageStream:
             self._start()
             self._cond.notify_all()
             while idx not in self._cache:
+                if self._closed:
+                    raise RuntimeError(f"the {self._name} image stream is closed")
                 self._cond.wait()
             entry = self._cache[idx]
             self._plan = list(upcoming[: PREFETCH * 4])
@@ -121,11 +125,15 @@ class ImageStream:
             return sum(self._bytes.values())
 
     def close(self) -> None:
+        """Stops the decoding threads (after the image each is decoding) and drops the images."""
         with self._cond:
             self._closed = True
             self._cache.clear()
             self._bytes.clear()
             self._cond.notify_all()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
 
     # -- inside the lock
     def _window(self) -> List[int]:
@@ -150,8 +158,10 @@ class ImageStream:
 
     def _start(self) -> None:
         if not self._threads:
+            _LIVE.add(self)
             for k in range(WORKERS):
-                thread = threading.Thread(target=self._run, name=f"splat-metal {self._name} images {k}", daemon=True)
+                name = f"splat-metal {self._name} images {k}"
+                thread = threading.Thread(target=_work, args=(weakref.ref(self), self._cond), name=name, daemon=True)
                 thread.start()
                 self._threads.append(thread)
 
@@ -162,21 +172,43 @@ class ImageStream:
         return None
 
     # -- the decoding threads
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and (idx := self._next()) is None:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                self._loading.add(idx)
-            try:
-                data: object = self._load(idx)
-            except BaseException as e:  # handed to the step that asks for this image
-                data = e
-            with self._cond:
-                self._loading.discard(idx)
-                if not self._closed and idx in self._window():
-                    self._cache[idx] = data
-                    self._bytes[idx] = nbytes(data) if isinstance(data, dict) else 0
-                self._cond.notify_all()
+    def _decode_into(self, idx: int) -> None:
+        try:
+            data: object = self._load(idx)
+        except BaseException as e:  # handed to the step that asks for this image
+            data = e
+        with self._cond:
+            self._loading.discard(idx)
+            if not self._closed and idx in self._window():
+                self._cache[idx] = data
+                self._bytes[idx] = nbytes(data) if isinstance(data, dict) else 0
+            self._cond.notify_all()
+
+
+def _work(ref: "weakref.ref[ImageStream]", cond: threading.Condition) -> None:
+    """A decoding thread. It holds its stream only while decoding (it waits without it, a second at a
+    time), so a stream no one uses is collected and its threads end."""
+    while True:
+        with cond:
+            stream = ref()
+            if stream is None or stream._closed:
+                return
+            idx = stream._next()
+            if idx is None:
+                del stream
+                cond.wait(timeout=1.0)
+                continue
+            stream._loading.add(idx)
+        stream._decode_into(idx)
+        del stream
+
+
+_LIVE: "weakref.WeakSet[ImageStream]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """At exit, before the interpreter tears down: a thread left inside OpenCV or torch then aborts the
+    process ("terminate called without an active exception")."""
+    for stream in list(_LIVE):
+        stream.close()

@@ -116,6 +116,25 @@ def test_stream_raises_a_decoding_error_at_that_image_only():
     stream.close()
 
 
+def test_stream_threads_end_when_closed_or_dropped():
+    """close() joins the decoding threads (at exit too: a thread left inside OpenCV or torch while the
+    interpreter tears down aborts the process); a stream no one holds is collected and its threads end."""
+    import gc
+
+    stream = ImageStream(Photos(), lambda i: PHOTO, 4 * PHOTO, "test")
+    stream.get(0, [1, 2, 3])
+    threads = list(stream._threads)
+    assert threads and all(t.is_alive() for t in threads)
+    stream.close()
+    assert not any(t.is_alive() for t in threads)
+    stream = ImageStream(Photos(), lambda i: PHOTO, 4 * PHOTO, "test")
+    stream.get(0, [1, 2, 3])
+    threads = list(stream._threads)
+    del stream
+    gc.collect()
+    assert wait_for(lambda: not any(t.is_alive() for t in threads), 5.0)
+
+
 # ---- the datamanager
 def test_over_500_training_photos_start_on_cpu(tmp_path):
     """nerfstudio switches its cache to "cpu" over 500 training images and pins each one: without an NVIDIA
