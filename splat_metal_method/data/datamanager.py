@@ -122,7 +122,7 @@ class SplatMetalDatamanager(FullImageDatamanager[InputDataset]):
         if total <= budget:
             return None
         CONSOLE.print(
-            f"splat-metal: the decoded images take {total / GB:.1f} GB, more than image_cache_gb "
+            f"splat-metal: the decoded images take {total / GB:.3g} GB, more than image_cache_gb "
             f"({self.config.image_cache_gb:g} GB): they are decoded in the background as training asks for them "
             "(--pipeline.datamanager.image-cache-gb sets the budget).",
             highlight=False,
