@@ -146,7 +146,7 @@ def test_over_500_training_photos_start_on_cpu(tmp_path):
     loss = train_step(pipeline, optimizers, callbacks, 0)
     assert torch.isfinite(loss)
     assert len(dm.cached_train) == len(dm.train_dataset)
-    assert dm.cached_train[0]["image"].is_pinned() == torch.cuda.is_available()
+    assert not dm.cached_train[0]["image"].is_pinned()  # training on cpu: pinning means nothing
 
 
 def test_budget_decides_cached_or_streamed(capture):
