@@ -18,7 +18,7 @@ def seed_all(seed: int) -> None:
 
 
 def make_pipeline(data: Path, seed: int = 0, warmup: int = 10, refine_every: int = 20, sh_degree_interval: int = 10,
-                  backend: str = "auto"):  # fmt: skip
+                  backend: str = "auto", sh_degree: int = 3):  # fmt: skip
     """VanillaPipeline + Optimizers + training callbacks, as Trainer.setup builds them (no viewer), on
     CPU, with the SO3xR3 camera optimizer (viewmats get gradients) and a white background."""
     from nerfstudio.cameras.camera_optimizers import CameraOptimizerConfig
@@ -35,6 +35,7 @@ def make_pipeline(data: Path, seed: int = 0, warmup: int = 10, refine_every: int
     model.warmup_length = warmup
     model.refine_every = refine_every
     model.sh_degree_interval = sh_degree_interval
+    model.sh_degree = sh_degree
     model.backend = backend  # "auto": SPLAT_METAL_BACKEND decides
     return setup_pipeline(cfg, "cpu", seed)
 

@@ -39,6 +39,7 @@ from nerfstudio.utils.rich_utils import CONSOLE
 from rich.progress import track
 
 from .image_stream import ImageStream, decode, nbytes, undistort_cameras
+from .images import SplatMetalDataset
 
 GB = 1e9
 
@@ -52,7 +53,7 @@ class SplatMetalDatamanagerConfig(FullImageDatamanagerConfig):
     images are decoded in the background just before training asks for them. -1: always cache whole."""
 
 
-class SplatMetalDatamanager(FullImageDatamanager[InputDataset]):
+class SplatMetalDatamanager(FullImageDatamanager[SplatMetalDataset]):  # images decoded by images.py
     config: SplatMetalDatamanagerConfig
     _train_camera_cache: Dict[int, Tuple[Cameras, dict, dict]]  # i -> (camera, its fields, slice metadata)
 

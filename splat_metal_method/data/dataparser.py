@@ -8,12 +8,18 @@ checks first (``check_dataset``), in the two places that come before any use of 
     up, so a bad ``--data`` leaves no new run directory and overwrites no existing ``config.yml``;
   * ``SplatMetalDataParser`` (below), for every other way in (``ns-eval``, ``--load-config``, Python).
 
-What is checked: the folder (or explicit ``.json``) exists; transforms.json exists, is JSON and lists
-frames; every frame has a 4x4 finite transform, positive finite focal lengths ``fl_x``/``fl_y`` and a
-positive ``w``/``h`` (per frame or shared); every image, mask and the seed-point PLY it names exists;
-every image decodes completely (a truncated PNG/JPEG fails PIL's ``load()``, not ``open()``) and has
-the size its camera says. Images of different sizes are fine when each frame carries its own
-``w``/``h`` (nerfstudio supports that); against a shared ``w``/``h`` a different size is an error.
+What is checked (docs/training.md lists it with the fix for each): the folder (or explicit ``.json``)
+exists; transforms.json exists, is JSON and lists at least 2 frames, not all at one position; its
+``camera_model`` is one nerfstudio knows and the rasterizer can use; every frame has a file_path, a 4x4
+finite transform, positive finite focal lengths ``fl_x``/``fl_y``, finite ``cx``/``cy``/distortion and a
+positive ``w``/``h`` (per frame or shared); every image exists, decodes completely (a truncated PNG/JPEG
+fails PIL's ``load()``, not ``open()``) and has the size its camera says, in ``images_N/`` at 1/N of it
+when nerfstudio downscales (``--downscale-factor N``, or chosen by itself for images over 1600 px);
+masks are given for every frame or none, exist, have one channel and their image's size; the train/val
+split nerfstudio will make has a training image; the seed-point PLY (``ply_file_path``, when
+``load_3D_points``) exists and holds points, all finite, as many as its header lists. Images of
+different sizes are fine when each frame carries its own ``w``/``h`` (nerfstudio supports that); against
+a shared ``w``/``h`` a different size is an error.
 
 A problem is raised as ``DatasetError``, a ``SystemExit`` whose message starts with "splat-metal: "
 and names the path: nerfstudio's CLIs do not catch it, so Python prints just the message and exits
@@ -35,11 +41,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Type
 
-from nerfstudio.data.dataparsers.nerfstudio_dataparser import Nerfstudio, NerfstudioDataParserConfig
+import numpy as np
+import torch
+from nerfstudio.cameras.cameras import CAMERA_MODEL_TO_TYPE, CameraType
+from nerfstudio.data.dataparsers.nerfstudio_dataparser import (
+    MAX_AUTO_RESOLUTION,
+    Nerfstudio,
+    NerfstudioDataParserConfig,
+)
+from nerfstudio.data.utils.dataparsers_utils import (
+    get_train_eval_split_filename,
+    get_train_eval_split_fraction,
+    get_train_eval_split_interval,
+)
 from PIL import Image
 
 MAX_LISTED_PROBLEMS = 8
 CAMERA_KEYS = ("fl_x", "fl_y", "cx", "cy", "w", "h")  # shared at the top of transforms.json or per frame
+DISTORTION_KEYS = ("k1", "k2", "k3", "k4", "p1", "p2")  # optional, shared or per frame
+# What nerfstudio's datamanager turns into pinhole images (undistorting the others) for the rasterizer.
+RASTERIZED_CAMERA_TYPES = (CameraType.PERSPECTIVE, CameraType.FISHEYE, CameraType.FISHEYE624)
+ONE_CHANNEL_MODES = ("1", "L", "P", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")  # PIL modes np.array makes [H, W]
+PLY_TYPE_SIZES = {"char": 1, "uchar": 1, "int8": 1, "uint8": 1, "short": 2, "ushort": 2, "int16": 2, "uint16": 2,
+                  "int": 4, "uint": 4, "int32": 4, "uint32": 4, "float": 4, "float32": 4, "double": 8, "float64": 8}  # fmt: skip
 HINT_NO_DATASET = (
     "ns-train splat-metal --data needs a nerfstudio dataset: a folder with transforms.json and the images "
     "it lists. Make one from photos or a video with ns-process-data, or a demo scene with "
@@ -113,19 +137,141 @@ def _read_transforms(data: Path) -> Tuple[Path, Path, dict]:
     return transforms, data_dir, meta
 
 
-def check_dataset(data: Path, inference: bool = False, load_3D_points: bool = True) -> None:
+def _seed_points_problem(path: Path) -> Optional[str]:
+    """Why the seed-point PLY at ``path`` cannot seed a run (None if it can), read as nerfstudio reads it
+    (open3d). open3d itself only warns on a bad file and hands back no points (nerfstudio then starts
+    from 50,000 random gaussians without a word), or the points it read before a truncation."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    end = data.find(b"end_header")
+    if not data.startswith(b"ply") or end < 0:
+        return "is not a PLY file (it must start with a 'ply' ... 'end_header' header)"
+    formats, elements = [], []  # elements: [name, count, row size in bytes or None (list properties)]
+    for line in data[:end].decode("ascii", "replace").splitlines():
+        words = line.split()
+        if words[:1] == ["format"] and len(words) > 1:
+            formats.append(words[1])
+        elif words[:1] == ["element"] and len(words) == 3 and words[2].isdigit():
+            elements.append([words[1], int(words[2]), 0])
+        elif words[:1] == ["property"] and elements and elements[-1][2] is not None:
+            size = PLY_TYPE_SIZES.get(words[1]) if len(words) == 3 else None  # "property list ..." varies
+            elements[-1][2] = None if size is None else elements[-1][2] + size
+    vertex = [i for i, e in enumerate(elements) if e[0] == "vertex"]
+    if not vertex or elements[vertex[0]][1] == 0:
+        return "holds no points (its header lists no vertices)"
+    count = elements[vertex[0]][1]
+    body = data[data.index(b"\n", end) + 1 :] if b"\n" in data[end:] else b""
+    before = elements[: vertex[0] + 1]  # the elements stored up to the last point
+    if formats[:1] == ["ascii"]:
+        needed, held, unit = sum(e[1] for e in before), len(body.strip().splitlines()), "lines"
+    else:
+        sizes_known = all(e[2] is not None for e in before)
+        needed, held, unit = (sum(e[1] * e[2] for e in before) if sizes_known else 0), len(body), "bytes"
+    if held < needed:
+        return f"is truncated: its header lists {count} points ({needed} {unit} of data), the file holds {held} {unit}"
+    import open3d as o3d  # what nerfstudio reads it with (slow to import: only here)
+
+    points = np.asarray(o3d.io.read_point_cloud(str(path)).points)  # [N, 3]
+    if len(points) != count:
+        return f"cannot be read: open3d read {len(points)} of the {count} points its header lists"
+    bad = int((~np.isfinite(points).all(axis=1)).sum())
+    if bad:
+        return f"holds {bad} point(s) with NaN or infinite coordinates (of {count})"
+    return None
+
+
+def _auto_downscale_factor(data_dir: Path, first_file: str) -> int:
+    """nerfstudio's choice when --downscale-factor is not given (Nerfstudio._get_fname): halve while the
+    first frame's image is over 1600 px and images_<2 factor>/ holds it."""
+    try:
+        with Image.open(data_dir / first_file) as im:
+            max_res = max(im.size)
+    except (OSError, ValueError, SyntaxError):
+        return 1  # reported with the image itself
+    factor = 1
+    while (
+        max_res / factor > MAX_AUTO_RESOLUTION and (data_dir / f"images_{factor * 2}" / Path(first_file).name).exists()
+    ):
+        factor *= 2
+    return factor
+
+
+def _downscaled(size: Tuple[int, int], factor: int) -> Tuple[int, int]:
+    """(w, h) after nerfstudio's Cameras.rescale_output_resolution(1 / factor) (float32, rounded down)."""
+    scaled = (torch.tensor(size) * torch.tensor([1.0 / factor])).to(torch.int64)
+    return int(scaled[0]), int(scaled[1])
+
+
+def _split_problem(meta: dict, names: List[str], resolve, config: NerfstudioDataParserConfig) -> Optional[str]:
+    """Why nerfstudio cannot make the train and val splits ns-train reads (a val split may be empty: then
+    nothing is evaluated), with nerfstudio's own split functions; ``names`` are the frames' image files
+    sorted as nerfstudio sorts them."""
+    if any(f"{split}_filenames" in meta for split in ("train", "val", "test")):  # the dataset gives the split
+        for split in ("train", "val"):
+            listed = meta.get(f"{split}_filenames")
+            if not isinstance(listed, list) or (split == "train" and not listed):
+                return f'lists files per split but no "{split}_filenames"; add it, or remove the *_filenames lists'
+            unknown = [x for x in listed if not isinstance(x, str) or str(resolve(x)) not in names]
+            if unknown:
+                return f'"{split}_filenames" names {unknown[0]!r}, which is no frame\'s file_path; list frames only'
+        return None
+    if config.eval_mode == "filename":
+        if not all("train" in os.path.basename(n) or "eval" in os.path.basename(n) for n in names):
+            return '(--eval-mode filename) needs "train" or "eval" in every image file name; name them so'
+        i_train, _ = get_train_eval_split_filename(names)
+    elif config.eval_mode == "fraction":
+        i_train, _ = get_train_eval_split_fraction(names, config.train_split_fraction)
+    elif config.eval_mode == "interval":
+        i_train, _ = get_train_eval_split_interval(names, config.eval_interval)
+    else:
+        return None  # "all": every frame in both
+    if len(i_train) == 0:
+        return (
+            f"has {len(names)} frames and --eval-mode {config.eval_mode} (train_split_fraction "
+            f"{config.train_split_fraction}, eval_interval {config.eval_interval}) leaves no training image; "
+            "change those options or add frames"
+        )
+    return None
+
+
+def check_dataset(
+    data: Path,
+    inference: bool = False,
+    load_3D_points: bool = True,
+    config: Optional[NerfstudioDataParserConfig] = None,
+) -> None:
     """Raises DatasetError naming every problem found (the first few) in the dataset at ``data``.
 
+    ``config``: the dataparser's options (downscale factor, split, pose scaling, load_3D_points; its
+    load_3D_points replaces the argument); nerfstudio-data's defaults with ``load_3D_points`` if None.
     ``inference=True`` checks transforms.json only: nerfstudio's inference setup (ns-export, ns-viewer)
     reads the cameras from it but opens no image, and the model comes from the checkpoint."""
     data = Path(data)
+    config = config if config is not None else NerfstudioDataParserConfig(load_3D_points=load_3D_points)
     transforms, data_dir, meta = _read_transforms(data)
+    frames = meta["frames"]
     problems: List[str] = []
     to_decode: List[Tuple[Path, Tuple[int, int], str]] = []  # (image, (w, h) its camera says, frame label)
 
-    seed_points = data_dir / str(meta.get("ply_file_path"))
-    if not inference and load_3D_points and "ply_file_path" in meta and not seed_points.is_file():
-        problems.append(f"seed points {seed_points} (ply_file_path) do not exist")
+    if len(frames) < 2:
+        problems.append(
+            f"{transforms} lists 1 frame; add more: nerfstudio scales the scene by the spread of the camera "
+            "positions (one camera has none) and a scene needs views from several positions"
+        )
+    camera_model = meta.get("camera_model", "PINHOLE")
+    if not isinstance(camera_model, str) or camera_model not in CAMERA_MODEL_TO_TYPE:
+        problems.append(
+            f"unknown camera_model {camera_model!r} in {transforms}; nerfstudio reads "
+            f"{', '.join(CAMERA_MODEL_TO_TYPE)} (ns-process-data writes OPENCV or OPENCV_FISHEYE)"
+        )
+    elif CAMERA_MODEL_TO_TYPE[camera_model] not in RASTERIZED_CAMERA_TYPES:
+        problems.append(
+            f"camera_model {camera_model} in {transforms}: splat-metal renders pinhole views (nerfstudio undistorts "
+            "OPENCV and fisheye images into them, not this model); for a 360° capture make perspective crops "
+            "with `ns-process-data images --camera-type equirectangular --images-per-equirect 8`"
+        )
 
     def check_value(key: str, value, where: str) -> bool:
         x = _number(value)
@@ -140,10 +286,59 @@ def check_dataset(data: Path, inference: bool = False, load_3D_points: bool = Tr
             return False
         return True
 
+    def check_distortion(owner: dict, where: str) -> None:
+        for key in DISTORTION_KEYS:
+            if key in owner:
+                check_value(key, owner[key], where)
+        params = owner.get("distortion_params")
+        if params is not None and not (
+            isinstance(params, list) and len(params) == 6 and all(_number(x) is not None for x in params)
+        ):
+            problems.append(
+                f"{where}distortion_params in {transforms} must be 6 finite numbers [k1, k2, k3, k4, p1, p2]"
+            )
+
     shared_ok = {key: check_value(key, meta[key], "") for key in CAMERA_KEYS if key in meta}  # shared by all frames
-    for i, frame in enumerate(meta["frames"]):
+    check_distortion(meta, "")
+
+    # nerfstudio reads images (and masks) from images_<factor>/ (masks_<factor>/) when it downscales.
+    named = [f for f in frames if isinstance(f, dict) and isinstance(f.get("file_path"), str)]
+    factor, check_files = 1, not inference
+    if check_files and named:
+        factor = config.downscale_factor or _auto_downscale_factor(data_dir, named[0]["file_path"])
+        folder = data_dir / f"images_{factor}"
+        if factor > 1 and not folder.is_dir():
+            problems.append(
+                f"--downscale-factor {factor} reads images from {folder}, which does not exist; make it with "
+                f"ns-process-data (--num-downscales 3 writes images_2/, images_4/, images_8/), or drop "
+                f"--downscale-factor and pass --pipeline.datamanager.camera-res-scale-factor {1 / factor:g} "
+                "(nerfstudio then resizes each image as it loads it)"
+            )
+            check_files = False  # its images cannot be checked
+
+    def resolve(file_path: str, prefix: str = "images_") -> Path:
+        return data_dir / f"{prefix}{factor}" / Path(file_path).name if factor > 1 else data_dir / file_path
+
+    downscale_fix = (  # images_<factor>/ chosen by the user, or by nerfstudio for images over 1600 px
+        f"; remake {data_dir / f'images_{factor}'} at 1/{factor} of the size transforms.json gives "
+        "(ns-process-data --num-downscales), or "
+        + (
+            "drop --downscale-factor"
+            if config.downscale_factor
+            else "use the originals: `nerfstudio-data --downscale-factor 1`"
+        )
+    )
+    for key, name in (("mask_path", "mask"), ("depth_file_path", "depth image")):
+        having = sum(isinstance(f, dict) and key in f for f in frames)
+        if 0 < having < len(frames):
+            problems.append(
+                f"{having} of the {len(frames)} frames in {transforms} have a {key}; nerfstudio needs a {name} "
+                f"for every frame or for none (remove {key} or add the missing ones)"
+            )
+
+    for i, frame in enumerate(frames):
         if not isinstance(frame, dict) or not isinstance(frame.get("file_path"), str):
-            problems.append(f'frame {i} in {transforms} has no "file_path"')
+            problems.append(f'frame {i} in {transforms} has no "file_path"; give every frame its image file')
             continue
         label = f"frame {i} ({frame['file_path']})"
         camera_ok = True
@@ -153,23 +348,51 @@ def check_dataset(data: Path, inference: bool = False, load_3D_points: bool = Tr
             elif key in meta:
                 camera_ok &= shared_ok[key]
             else:
-                problems.append(f"{label}: no {key} in {transforms} (neither shared nor in the frame)")
+                problems.append(
+                    f"{label}: no {key} in {transforms} (neither shared nor in the frame); give every frame "
+                    "fl_x, fl_y, cx, cy, w, h or put them at the top of the file"
+                )
                 camera_ok = False
+        check_distortion(frame, f"{label}: ")
         camera = {key: _number(frame.get(key, meta.get(key))) for key in CAMERA_KEYS} if camera_ok else None
         size = (int(camera["w"]), int(camera["h"])) if camera_ok else None
-        matrix = frame.get("transform_matrix")
-        rows = matrix if isinstance(matrix, list) else []
-        if not (len(rows) == 4 and all(isinstance(r, list) and len(r) == 4 and all(_number(x) is not None for x in r)
-                                       for r in rows)):  # fmt: skip
+        if not _is_pose(frame):
             problems.append(f"{label}: transform_matrix in {transforms} must be a 4x4 matrix of finite numbers")
-        if not inference and "mask_path" in frame and not (data_dir / str(frame["mask_path"])).is_file():
-            problems.append(f"{label}: mask {data_dir / str(frame['mask_path'])} does not exist")
-        if not inference:
-            image = data_dir / frame["file_path"]
-            if not image.is_file():
-                problems.append(f"{label}: image {image} does not exist")
-            elif size is not None:
-                to_decode.append((image, size, label))
+        if not check_files:
+            continue
+        image = resolve(frame["file_path"])
+        if not image.is_file():
+            problems.append(f"{label}: image {image} does not exist" + (downscale_fix if factor > 1 else ""))
+        elif size is not None:
+            to_decode.append((image, _downscaled(size, factor) if factor > 1 else size, label))
+        if "mask_path" in frame:
+            mask = resolve(str(frame["mask_path"]), "masks_")
+            problem = _mask_problem(mask, image)
+            if problem:
+                problems.append(f"{label}: mask {mask} {problem}")
+
+    names = sorted(str(resolve(f["file_path"])) for f in named)
+    split = _split_problem(meta, names, resolve, config) if len(frames) >= 2 else None
+    if split:
+        problems.append(f"{transforms} {split}")
+    positions = [np.array(f["transform_matrix"], dtype=float)[:3, 3] for f in named if _is_pose(f)]
+    if len(positions) >= 2 and config.auto_scale_poses and config.center_method == "poses":
+        spread = np.abs(np.array(positions) - np.mean(positions, axis=0)).max()
+        if not spread > 0:
+            problems.append(
+                f"all {len(positions)} cameras in {transforms} are at the same position; nerfstudio scales the "
+                "scene by their spread (it would divide by zero): a capture needs camera movement, not only turning"
+            )
+
+    seed_points = data_dir / str(meta.get("ply_file_path"))
+    if not inference and config.load_3D_points and "ply_file_path" in meta:  # what nerfstudio then reads
+        problem = "do not exist" if not seed_points.is_file() else _seed_points_problem(seed_points)
+        if problem:
+            problems.append(
+                f"seed points {seed_points} (ply_file_path) {problem}; fix or re-export them (ns-process-data "
+                "writes them from COLMAP's points), or start from random gaussians with "
+                "`nerfstudio-data --load-3D-points False` at the end of the ns-train command"
+            )
 
     if to_decode:
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
@@ -178,9 +401,15 @@ def check_dataset(data: Path, inference: bool = False, load_3D_points: bool = Tr
             if isinstance(result, str):
                 problems.append(f"{label}: image {image} {result}")
             elif tuple(result) != expected:
+                says = f"w={expected[0]}, h={expected[1]}"
+                if factor > 1:
+                    says += f" (transforms.json's size / {factor}){downscale_fix}"
+                else:
+                    says += " (all images must have the size their camera gives)"
+                if tuple(result) == expected[::-1]:
+                    says += "; width and height are swapped: was the image rotated (EXIF orientation)?"
                 problems.append(
-                    f"{label}: image {image} is {result[0]}x{result[1]} but its camera in {transforms} says "
-                    f"w={expected[0]}, h={expected[1]} (all images must have the size their camera gives)"
+                    f"{label}: image {image} is {result[0]}x{result[1]} but its camera in {transforms} says {says}"
                 )
 
     if problems:
@@ -190,6 +419,37 @@ def check_dataset(data: Path, inference: bool = False, load_3D_points: bool = Tr
             raise DatasetError(f"bad dataset {data}: {problems[0]}")
         lines = "\n".join(f"  - {p}" for p in shown) + (f"\n  ... and {more} more" if more else "")
         raise DatasetError(f"bad dataset {data}: {len(problems)} problems:\n{lines}")
+
+
+def _is_pose(frame: dict) -> bool:
+    rows = frame.get("transform_matrix")
+    return (
+        isinstance(rows, list)
+        and len(rows) == 4
+        and all(isinstance(r, list) and len(r) == 4 and all(_number(x) is not None for x in r) for r in rows)
+    )
+
+
+def _mask_problem(mask: Path, image: Path) -> Optional[str]:
+    """Why nerfstudio cannot use ``mask`` for ``image`` (None if it can): it reads a one-channel image of the
+    image's size (get_image_mask_tensor_from_path; 0 = ignore the pixel)."""
+    if not mask.is_file():
+        return "does not exist; add it or remove mask_path from the frame"
+    try:
+        with Image.open(mask) as m:
+            mode, size = m.mode, m.size
+    except (OSError, ValueError, SyntaxError) as e:
+        return f"is not a readable image ({type(e).__name__}: {e})"
+    try:
+        with Image.open(image) as im:
+            image_size = im.size
+    except (OSError, ValueError, SyntaxError):
+        image_size = size  # the image's own problem is reported with the image
+    if mode not in ONE_CHANNEL_MODES:
+        return f"has {len(mode)} channels ({mode}); nerfstudio reads a one-channel mask: save it as grayscale (L)"
+    if size != image_size:
+        return f"is {size[0]}x{size[1]} but its image {image} is {image_size[0]}x{image_size[1]}; masks must match"
+    return None
 
 
 @dataclass
@@ -208,7 +468,7 @@ class SplatMetalDataParser(Nerfstudio):
             # nerfstudio's inference setup (ns-export, ns-viewer) sets downscale_factor = 1 on the parser
             # (not its config) so that no image is opened; then only transforms.json is checked.
             inference = self.downscale_factor == 1 and self.config.downscale_factor is None
-            check_dataset(self.config.data, inference=inference, load_3D_points=self.config.load_3D_points)
+            check_dataset(self.config.data, inference=inference, config=self.config)
             self._checked = True
         outputs = super()._generate_dataparser_outputs(split, **kwargs)
         if self.downscale_factor is not None and self.downscale_factor > 1:  # images come from images_<factor>/

@@ -24,7 +24,7 @@ from ..ops import best_device
 from ..patches import startup as startup_fix
 from ..patches import viewer as viewer_fixes
 from .mcmc import SplatMetalMCMCModelConfig, apply_schedule_scale
-from .model import SplatMetalModelConfig
+from .model import SplatMetalModelConfig, check_sh_degree
 
 viewer_fixes.apply()  # before any Viewer exists: Ctrl-C could hang after a browser left (viewer_fixes.py)
 startup_fix.apply()  # before nerfstudio builds its external-method stand-ins: a third of start-up (startup_fix.py)
@@ -69,11 +69,13 @@ class SplatMetalTrainerConfig(TrainerConfig):
     def save_config(self) -> None:
         if distributed.current() is not None and not distributed.current().is_main:  # type: ignore[union-attr]
             return  # rank 0 writes the run's config
+        if isinstance(self.pipeline.model, SplatMetalModelConfig):
+            check_sh_degree(self.pipeline.model.sh_degree)
         datamanager = self.pipeline.datamanager
         dataparser = getattr(datamanager, "dataparser", None)
         if isinstance(dataparser, SplatMetalDataParserConfig):  # not when the user picked another dataparser
             data = datamanager.data if datamanager.data is not None else dataparser.data
-            check_dataset(data, load_3D_points=dataparser.load_3D_points)
+            check_dataset(data, config=dataparser)  # its downscale factor, split and seed-point options too
         super().save_config()
 
 

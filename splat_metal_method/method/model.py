@@ -27,6 +27,7 @@ from nerfstudio.utils.rich_utils import CONSOLE
 from ..engine import distributed, memory, reliability
 from ..ops import IntersectionCapacities, rasterization
 from ..ops.composite import composite_background
+from ..ops.constants import SH_MAX_DEGREE
 from ..ops.loss import l1_ssim_loss
 from ..ops.ssim import FusedSSIM
 from ..verify import self_check
@@ -133,6 +134,16 @@ class SplatMetalModelConfig(SplatfactoModelConfig):
     than split_screen_size (0.05) of the image, so at 24x16 every gaussian split at every refine."""
 
 
+def check_sh_degree(degree: int) -> None:
+    """--pipeline.model.sh-degree is gsplat's and every backend's 0..4; ns-train checks it before it writes
+    anything (configs.py), the model again when it is built."""
+    if not 0 <= degree <= SH_MAX_DEGREE:
+        raise SystemExit(
+            f"splat-metal: --pipeline.model.sh-degree must be 0..{SH_MAX_DEGREE} (gsplat's range: up to "
+            f"{(SH_MAX_DEGREE + 1) ** 2} SH coefficients per colour channel), got {degree}"
+        )
+
+
 def max_downscale(width: int, height: int, min_size: int) -> int:
     """The largest power-of-two downscale keeping the image's longer side >= ``min_size`` pixels (1 for
     an image already smaller; no limit for 0). nerfstudio truncates a downscaled size like ``//``."""
@@ -152,6 +163,7 @@ class SplatMetalModel(SplatfactoModel):
     gathered_params = None  # distributed runs, rank 0: every shard's gaussians, for the viewer and eval
 
     def populate_modules(self):
+        check_sh_degree(self.config.sh_degree)
         seed_colors = None
         if self.seed_points is not None and not self.config.random_init and self.seed_points[1].shape[0] > 0:
             # Hide the colours from splatfacto (its colour init calls .cuda()) and apply them below.

@@ -41,7 +41,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .constants import EPS2D, TILE_SIZE
+from .constants import EPS2D, SH_MAX_DEGREE, TILE_SIZE
 
 BACKENDS = ("auto", "reference", "gsplat", "metal", "cpu")
 RENDER_MODES = ("RGB", "D", "ED", "RGB+D", "RGB+ED")
@@ -185,8 +185,8 @@ def _check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degr
     else:
         if colors.dim() != 3 or colors.shape[0] != N or colors.shape[2] != 3:
             fail(f"colors must be [N,K,3] SH coefficients when sh_degree is set, got {list(colors.shape)}")
-        if not 0 <= sh_degree <= 3 or (sh_degree + 1) ** 2 > colors.shape[1]:
-            fail(f"sh_degree={sh_degree} needs 0..3 and K >= (sh_degree+1)^2, got K={colors.shape[1]}")
+        if not 0 <= sh_degree <= SH_MAX_DEGREE or (sh_degree + 1) ** 2 > colors.shape[1]:
+            fail(f"sh_degree={sh_degree} needs 0..{SH_MAX_DEGREE} and K >= (sh_degree+1)^2, got K={colors.shape[1]}")
     if render_mode not in RENDER_MODES:
         fail(f"render_mode must be one of {RENDER_MODES}, got {render_mode!r}")
     tensors = [means, quats, scales, opacities, colors, viewmats, Ks]

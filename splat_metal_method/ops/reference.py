@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from .constants import ALPHA_MAX, ALPHA_MIN, TRANSMITTANCE_MIN
+from .constants import ALPHA_MAX, ALPHA_MIN, SH_MAX_DEGREE, TRANSMITTANCE_MIN
 
 # Elements of one [tiles, gaussians, pixels] block composited at once. Bounds peak memory.
 CHUNK_ELEMENTS = 1 << 22
@@ -160,12 +160,16 @@ def _project_pairs(means, quats, scales, viewmats, Ks, width, height, eps2d, nea
     )
 
 
-# Real spherical-harmonics constants (Sloan 2013 evaluation order, as gsplat and 3DGS).
+# Real spherical-harmonics constants (Sloan 2013 evaluation order, as gsplat and 3DGS; ops/metal/sh.h is the
+# kernels' copy, expression for expression).
 _SH_C0 = 0.2820947917738781
 _SH_C1 = 0.48860251190292
 
 
 def sh_bases(degree: int, dirs: Tensor) -> Tensor:  # dirs [..., 3] unit -> [..., (degree+1)^2]
+    """gsplat 1.4's _eval_sh_bases_fast((degree+1)^2, dirs) for degree 0..4, in its operation order."""
+    if not 0 <= degree <= SH_MAX_DEGREE:
+        raise ValueError(f"[spherical_harmonics] degree must be 0..{SH_MAX_DEGREE}, got {degree}")
     x, y, z = dirs.unbind(-1)
     out = [torch.full_like(x, _SH_C0)]
     if degree >= 1:
@@ -187,8 +191,17 @@ def sh_bases(degree: int, dirs: Tensor) -> Tensor:  # dirs [..., 3] unit -> [...
             z * (1.865881662950577 * z2 - 1.119528997770346),
             tmp_c * x, tmp_b * fc1, -0.5900435899266435 * fc2,
         ]  # fmt: skip
-    if degree > 3:
-        raise ValueError(f"[spherical_harmonics] degree must be 0..3, got {degree}")
+    if degree >= 4:
+        tmp_d = z * (-4.683325804901025 * z2 + 2.007139630671868)
+        tmp_c = 3.31161143515146 * z2 - 0.47308734787878
+        tmp_b = -1.770130769779931 * z
+        fc3, fs3 = x * fc2 - y * fs2, x * fs2 + y * fc2
+        out += [
+            0.6258357354491763 * fs3, tmp_b * fs2, tmp_c * fs1, tmp_d * y,
+            1.984313483298443 * z2 * (1.865881662950577 * z2 - 1.119528997770346)
+            - 1.006230589874905 * (0.9461746957575601 * z2 - 0.3153915652525201),
+            tmp_d * x, tmp_c * fc1, tmp_b * fc2, 0.6258357354491763 * fc3,
+        ]  # fmt: skip
     return torch.stack(out, dim=-1)
 
 

@@ -19,7 +19,16 @@ from typing import Dict, Sequence
 
 import torch
 
-from .kernel_checks import Check, _timed, covariance_checks, full_op_checks, loss_checks, stage_checks
+from ..ops.constants import SH_MAX_DEGREE
+from .kernel_checks import (
+    Check,
+    _timed,
+    covariance_checks,
+    full_op_checks,
+    loss_checks,
+    prepare_checks,
+    stage_checks,
+)
 
 
 def _native_cpu_fact() -> str:
@@ -174,6 +183,8 @@ def main(argv=None) -> int:
             progress.update(task, description="running stages forward and backward")
             # Every standard rasterizer variant (depth only, RGB, RGB+depth), with absgrad as training uses it.
             checks += stage_checks(device, metal, reference, width, height, channels=(1, 3, 4), absgrad=True)
+            # The fused preparation training renders SH colours with (ops/metal/prepare.py), at the highest degree.
+            checks += [c for mode in ("classic", "antialiased") for c in prepare_checks(device, SH_MAX_DEGREE, mode)]
             checks += covariance_checks(device, "metal")
             checks += loss_checks(device)
         from ..ops.cpu import available

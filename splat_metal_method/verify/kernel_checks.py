@@ -61,7 +61,7 @@ def random_scene(
     quats = torch.randn(n, 4, generator=g)
     scales = torch.rand(n, 3, generator=g) * 0.08 + 0.01
     opacities = torch.rand(n, generator=g) * 0.8 + 0.1
-    coeffs = torch.randn(n, 16, 3, generator=g) * 0.3
+    coeffs = torch.randn(n, 25, 3, generator=g) * 0.3  # SH up to degree 4 (constants.SH_MAX_DEGREE)
     viewmats = torch.eye(4).repeat(cameras, 1, 1)
     viewmats[:, 2, 3] = 3.0
     viewmats[:, 0, 3] = torch.linspace(-0.3, 0.3, cameras)
@@ -162,7 +162,7 @@ def stage_checks(
     *,
     tile_size: int = 16,
     channels: Sequence[int] = (4,),
-    sh_degrees: Sequence[int] = (0, 1, 2, 3),
+    sh_degrees: Sequence[int] = (0, 1, 2, 3, 4),
     modes: Sequence[str] = ("classic", "antialiased"),
     absgrad: bool = False,
     backgrounds: bool = True,
@@ -309,7 +309,8 @@ def full_op_checks(
     absgrad: bool = False,
     rasterize_mode: str = "classic",
 ) -> List[Check]:
-    """The whole public op `backend` vs "reference" (used for gsplat on CUDA, which has no stage API).
+    """The whole public op `backend` vs "reference" (used for gsplat on CUDA, which has no stage API), with SH
+    colours of degree 4 (every band gsplat supports).
     With `depth_chunks`, `backend` renders with an intersection budget of about 1/depth_chunks of the
     scene's intersections (ops/chunked.py: resumed compositing), the reference without one."""
     from ..ops import rasterization, reference
@@ -328,7 +329,7 @@ def full_op_checks(
         out, ms = _timed(
             lambda: rasterization(
                 leaves["means"], leaves["quats"], leaves["scales"], leaves["opacities"], leaves["coeffs"],
-                leaves["viewmats"], scene["Ks"], W, H, sh_degree=3, render_mode="RGB+ED", backend=backend_name,
+                leaves["viewmats"], scene["Ks"], W, H, sh_degree=4, render_mode="RGB+ED", backend=backend_name,
                 absgrad=absgrad, rasterize_mode=rasterize_mode, max_intersections=max_intersections,
             ),
             device,

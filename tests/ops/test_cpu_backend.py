@@ -78,6 +78,13 @@ def test_matches_reference_per_mode_with_sh(render_mode, rasterize_mode):
     assert_matches_reference(scene, render_mode=render_mode, rasterize_mode=rasterize_mode)
 
 
+@pytest.mark.parametrize("sh_degree", [0, 1, 2, 4])  # 3: above, in every mode
+def test_matches_reference_at_every_sh_degree(sh_degree):
+    scene = random_scene(n=200, C=2, width=45, height=29, seed=17, sh_degree=sh_degree, backgrounds=True)
+    want, _ = assert_matches_reference(scene, render_mode="RGB+ED")
+    assert want["colors.grad"][:, (sh_degree + 1) ** 2 - 1].abs().max() > 0  # the highest band is trained
+
+
 def test_matches_reference_with_small_tiles_and_many_channels():
     scene = random_scene(n=150, C=1, width=33, height=19, seed=2, channels=11)
     assert_matches_reference(scene, tile_size=4)

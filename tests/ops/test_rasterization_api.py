@@ -92,7 +92,8 @@ def _bad_inputs():
         ("colors", s.kwargs(sh_degree=1)),  # RGB colors given with sh_degree
         ("colors", sh.kwargs(sh_degree=None, colors=sh.colors[:, :, :2])),
         ("sh_degree", sh.kwargs(sh_degree=2)),  # K=4 coefficients only cover degree 1
-        ("sh_degree", sh.kwargs(sh_degree=4)),
+        ("sh_degree", sh.kwargs(sh_degree=4)),  # K=4 again
+        ("sh_degree", sh.kwargs(sh_degree=5, colors=torch.zeros(N, 36, 3))),  # gsplat's and our highest is 4
         ("viewmats", s.kwargs(viewmats=s.viewmats[:, :3])),
         ("Ks", s.kwargs(Ks=s.Ks[:1])),
         ("backgrounds", s.kwargs(backgrounds=s.backgrounds[:1])),

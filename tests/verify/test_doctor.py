@@ -19,6 +19,8 @@ def test_doctor_passes_on_cpu():
     assert "auto backend here: cpu" in res.stdout
     assert "rasterization (cpu)" in res.stdout and "MISMATCH" not in res.stdout
     assert "rasterize (tile 16, 3 channels, absgrad)" in res.stdout  # what training uses
+    assert "sh (degree 4) " in res.stdout  # every SH degree gsplat supports, 0..4
+    assert "sh (fused preparation with projection, degree 4, antialiased)" in res.stdout  # training's SH path
     assert "covariance + precision (triu, metal)" in res.stdout and "covariance + precision (3x3, cpu)" in res.stdout
     assert "l1 + ssim loss (metal)" in res.stdout  # the fused training loss (ops/metal/loss.py)
     assert "Metal pipelines" in res.stdout and "radix_scatter" in res.stdout  # each kernel's threadgroup limit

@@ -2,7 +2,7 @@
 --pipeline.model.backend metal` on CPU tensors runs the Metal kernels under the MSL emulator, so the
 check runs there too. The package is installed (copied) under a directory named with a non-ASCII
 character, as on a Mac under /Users/José/, and imported from there (PYTHONPATH); first with its
-kernels as they are (trains, caches the verdict), then with one wrong line in sh.metal (the SH stage
+kernels as they are (trains, caches the verdict), then with one wrong line in sh.h (the SH stage
 falls back to the reference, named in one line with the doctor command, and the run trains on). The
 strict mode's stop is tested in-process in tests/ops/test_stage_fallback.py."""
 
@@ -19,13 +19,14 @@ import pytest
 import torch
 from cli_helpers import checkpoints, cli_env, demo_args, run_cli
 
+from splat_metal_method.ops import stage_fallback
 from splat_metal_method.ops.metal import kernels, runtime
 from splat_metal_method.ops.metal.emulator import MetalCompileError, compile_library
 from splat_metal_method.verify import self_check
 
 PACKAGE = Path(self_check.__file__).resolve().parents[1]  # the package root (self_check is in verify/)
-RIGHT = "basis[2] = 0.48860251190292f * z;"
-WRONG = "basis[2] = 0.5f * z;"  # a plausible typo: SH degree 1 off by 2 %
+RIGHT = "b.v[2] = 0.48860251190292f * z;"  # sh.h's SH basis, shared by sh.metal and the native cpu backend
+WRONG = "b.v[2] = 0.5f * z;"  # a plausible typo: SH degree 1 off by 2 %
 
 
 def _install_copy(root: Path) -> Path:
@@ -57,7 +58,7 @@ def test_ns_train_checks_metal_kernels_first_and_falls_back_on_a_wrong_one(tmp_p
     finally:
         del sys.modules[spec.name]
     assert "\u00e9" in str(copied.KERNEL_DIR)
-    src = copied.load_source("common.h", "sh.metal", defines={**kernels._base_defines(16)})
+    src = copied.load_source("common.h", "covar.h", "sh.h", "sh.metal", defines={**kernels._base_defines(16)})
     assert src.isascii() and '#line 1 "splat_metal_method/ops/metal/sh.metal"' in src
     assert "sh_fwd" in dir(compile_library(src, "sh"))
 
@@ -76,7 +77,7 @@ def test_ns_train_checks_metal_kernels_first_and_falls_back_on_a_wrong_one(tmp_p
         f"ns-train (1 step) {right.seconds:.1f} s"
     )
 
-    sh = install / "splat_metal_method" / "ops" / "metal" / "sh.metal"
+    sh = install / "splat_metal_method" / "ops" / "metal" / "sh.h"
     assert sh.read_text().count(RIGHT) == 1
     sh.write_text(sh.read_text().replace(RIGHT, WRONG))
     wrong = _train(scene, tmp_path / "wrong", env)
@@ -108,6 +109,40 @@ def test_verdict_is_cached_and_the_check_runs_nothing_then(tmp_path, monkeypatch
     (entry,) = json.loads(self_check.cache_path().read_text()).values()
     assert entry["run"]["rasterize_mode"] == "antialiased" and entry["gpu"].startswith("MSL emulator")
     assert entry["msl"] == 320  # keyed on the MSL version the kernels are built at (the emulator's 3.2)
+
+
+def test_a_degree_4_run_checks_every_degree_and_catches_a_wrong_band_4(tmp_path, monkeypatch):
+    """`--pipeline.model.sh-degree 4`: the check runs SH at degrees 0..4 and the fused preparation at degree 4,
+    and they pass (they failed before the kernels had band 4); then with one wrong band-4 constant in sh.h
+    (the forward basis), only degree 4 and the fused preparation fail, and the SH stage falls back."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    stage_fallback.reset()
+    run = self_check.RunKernels(tile_size=16, channels=(3,), rasterize_mode="classic", absgrad=False, sh_degree=4)
+    checks = self_check.run_checks(torch.device("cpu"), run)
+    sh_checks = [c.stage for c in checks if c.stage.startswith("sh") and c.direction == "forward"]
+    assert sh_checks == [f"sh (degree {d})" for d in range(5)] + [
+        "sh (fused preparation with projection, degree 4, classic)"]  # fmt: skip
+    assert all(c.ok for c in checks), [c.describe() for c in checks if not c.ok]
+
+    right, wrong = "b.v[24] = 0.6258357354491763f * fc3;", "b.v[24] = 0.6f * fc3;"
+    source = kernels.stage_source.__wrapped__
+
+    def with_wrong_band_4(stage_file, *args):  # in the SH libraries (every library has sh.h: no other rebuilt)
+        text = source(stage_file, *args)
+        if stage_file not in ("sh.metal", "sh_bwd.metal"):
+            return text
+        assert text.count(right) == 1
+        return text.replace(right, wrong)
+
+    monkeypatch.setattr(kernels, "stage_source", with_wrong_band_4)
+    try:
+        assert self_check.verify(torch.device("cpu"), run) is not None
+        (verdict,) = [v for v in json.loads(self_check.cache_path().read_text()).values() if not v["passed"]]
+        assert list(verdict["failed"]) == ["sh"] and stage_fallback.failed() == {"sh"}
+        assert "sh (degree 4) forward: max abs error" in verdict["message"]
+        assert "sh (degree 3)" not in verdict["message"]  # bands 0-3 are right
+    finally:
+        stage_fallback.reset()
 
 
 def test_an_mcmc_run_also_checks_the_covariance_kernel(tmp_path, monkeypatch):

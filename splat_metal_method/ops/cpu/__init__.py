@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .. import reference
 from ..autograd_stages import ProjectFn, SphericalHarmonicsFn, camera_grads, resumed_transmittance_grad
-from ..constants import ALPHA_MAX, ALPHA_MIN, TRANSMITTANCE_MIN
+from ..constants import ALPHA_MAX, ALPHA_MIN, SH_MAX_DEGREE, TRANSMITTANCE_MIN
 from . import build
 
 __all__ = ["project", "spherical_harmonics", "isect_tiles", "isect_offset_encode", "rasterize_to_pixels",
@@ -159,8 +159,8 @@ def spherical_harmonics(
     masks: Optional[Tensor] = None,  # [C, N] bool
     activate: bool = False,
 ) -> Tensor:  # [C, N, 3]; with ``activate`` clamp_min(colour + 0.5, 0) (in torch, after the kernel)
-    if not 0 <= int(degree) <= 3:
-        raise ValueError(f"[spherical_harmonics] degree must be 0..3, got {degree}")
+    if not 0 <= int(degree) <= SH_MAX_DEGREE:
+        raise ValueError(f"[spherical_harmonics] degree must be 0..{SH_MAX_DEGREE}, got {degree}")
     if not _native(dirs, coeffs):
         return reference.spherical_harmonics(degree, dirs, coeffs, masks, activate)
     colors = SphericalHarmonicsFn.apply(KERNELS, int(degree), dirs, coeffs, masks)

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Optional
 
 SOURCES = sorted(Path(__file__).resolve().parent.glob("*.cpp"))
-# covar.h is shared with the Metal kernels (shared.h includes it from ../metal).
-SHARED_HEADERS = [Path(__file__).resolve().parents[1] / "metal" / "covar.h"]
+# covar.h and sh.h are shared with the Metal kernels (shared.h includes them from ../metal).
+SHARED_HEADERS = [Path(__file__).resolve().parents[1] / "metal" / name for name in ("covar.h", "sh.h")]
 HEADERS = sorted(Path(__file__).resolve().parent.glob("*.h")) + SHARED_HEADERS
 # -fno-trapping-math lets the compiler turn the pixel loops' selects into vector blends; it does not
 # change any result (no fast-math: no reassociation, no contraction into fma).

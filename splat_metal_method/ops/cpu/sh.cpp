@@ -1,6 +1,7 @@
-// Native spherical harmonics (degree 0..3), forward and backward, one (camera, gaussian) row per
+// Native spherical harmonics (degree 0..4), forward and backward, one (camera, gaussian) row per
 // iteration on n_threads threads. The arithmetic is sh.metal's and sh_bwd.metal's statement for
-// statement (the reference's basis, ops/reference.py::sh_bases); see those files for the derivation.
+// statement, and the basis and its partials are the same source, ../metal/sh.h (through shared.h; the
+// reference's basis, ops/reference.py::sh_bases).
 //
 // Layouts (contiguous float32): dirs [total, 3] unnormalised view directions, coeffs [total, K, 3],
 // masks [total] uint8 or null (null: every row is visible), colors [total, 3] (no +0.5 offset).
@@ -10,6 +11,7 @@
 #include <cstdint>
 
 #include "parallel.h"
+#include "shared.h"
 
 extern "C" {
 
@@ -26,47 +28,15 @@ int splat_sh_fwd(int64_t total, int64_t K, int64_t degree, const float* dirs, co
       const float norm = std::max(std::sqrt(dx * dx + dy * dy + dz * dz), 1e-12f);
       const float x = dx / norm, y = dy / norm, z = dz / norm;
 
-      // Basis values in the reference's order (16 = (3+1)^2 at most).
-      float basis[16];
-      basis[0] = 0.2820947917738781f;
-      int n_bases = 1;
-      if (degree >= 1) {
-        basis[1] = -0.48860251190292f * y;
-        basis[2] = 0.48860251190292f * z;
-        basis[3] = -0.48860251190292f * x;
-        n_bases = 4;
-      }
-      if (degree >= 2) {
-        const float z2 = z * z;
-        const float fc1 = x * x - y * y, fs1 = 2.0f * x * y;
-        const float tmp_b = -1.092548430592079f * z;
-        basis[4] = 0.5462742152960395f * fs1;
-        basis[5] = tmp_b * y;
-        basis[6] = 0.9461746957575601f * z2 - 0.3153915652525201f;
-        basis[7] = tmp_b * x;
-        basis[8] = 0.5462742152960395f * fc1;
-        n_bases = 9;
-        if (degree >= 3) {
-          const float tmp_c = -2.285228997322329f * z2 + 0.4570457994644658f;
-          const float tmp_b3 = 1.445305721320277f * z;
-          const float fc2 = x * fc1 - y * fs1, fs2 = x * fs1 + y * fc1;
-          basis[9] = -0.5900435899266435f * fs2;
-          basis[10] = tmp_b3 * fs1;
-          basis[11] = tmp_c * y;
-          basis[12] = z * (1.865881662950577f * z2 - 1.119528997770346f);
-          basis[13] = tmp_c * x;
-          basis[14] = tmp_b3 * fc1;
-          basis[15] = -0.5900435899266435f * fc2;
-          n_bases = 16;
-        }
-      }
+      const splat_sh::SplatShBasis basis = splat_sh::splat_sh_basis(degree, x, y, z);  // ../metal/sh.h
+      const int n_bases = (int)((degree + 1) * (degree + 1));
 
       const float* row = coeffs + (long)idx * K * 3;
       float r = 0.0f, g = 0.0f, b = 0.0f;
       for (int k = 0; k < n_bases; ++k) {
-        r += basis[k] * row[3 * k + 0];
-        g += basis[k] * row[3 * k + 1];
-        b += basis[k] * row[3 * k + 2];
+        r += basis.v[k] * row[3 * k + 0];
+        g += basis.v[k] * row[3 * k + 1];
+        b += basis.v[k] * row[3 * k + 2];
       }
       colors[3 * idx + 0] = r;
       colors[3 * idx + 1] = g;
@@ -99,76 +69,21 @@ int splat_sh_bwd(int64_t total, int64_t K, int64_t degree, const float* dirs, co
       const float x = dx / norm, y = dy / norm, z = dz / norm;
       const float vr = v_colors[3 * idx + 0], vg = v_colors[3 * idx + 1], vb = v_colors[3 * idx + 2];
 
-      // Basis values (same expressions as sh_fwd) and their partials d/dx, d/dy, d/dz.
-      float basis[16];
-      float bx[16];
-      float by[16];
-      float bz[16];
-      basis[0] = 0.2820947917738781f;
-      bx[0] = 0.0f;
-      by[0] = 0.0f;
-      bz[0] = 0.0f;
-      if (degree >= 1) {
-        const float c1 = 0.48860251190292f;
-        basis[1] = -c1 * y;
-        basis[2] = c1 * z;
-        basis[3] = -c1 * x;
-        bx[1] = 0.0f;  by[1] = -c1;   bz[1] = 0.0f;
-        bx[2] = 0.0f;  by[2] = 0.0f;  bz[2] = c1;
-        bx[3] = -c1;   by[3] = 0.0f;  bz[3] = 0.0f;
-      }
-      if (degree >= 2) {
-        const float z2 = z * z;
-        const float fc1 = x * x - y * y, fs1 = 2.0f * x * y;
-        const float c4 = 0.5462742152960395f, c5 = -1.092548430592079f, c6 = 0.9461746957575601f;
-        const float tmp_b = c5 * z;
-        basis[4] = c4 * fs1;
-        basis[5] = tmp_b * y;
-        basis[6] = c6 * z2 - 0.3153915652525201f;
-        basis[7] = tmp_b * x;
-        basis[8] = c4 * fc1;
-        bx[4] = c4 * 2.0f * y;  by[4] = c4 * 2.0f * x;   bz[4] = 0.0f;
-        bx[5] = 0.0f;           by[5] = tmp_b;           bz[5] = c5 * y;
-        bx[6] = 0.0f;           by[6] = 0.0f;            bz[6] = 2.0f * c6 * z;
-        bx[7] = tmp_b;          by[7] = 0.0f;            bz[7] = c5 * x;
-        bx[8] = c4 * 2.0f * x;  by[8] = -c4 * 2.0f * y;  bz[8] = 0.0f;
-        if (degree >= 3) {
-          const float c9 = -0.5900435899266435f, c10 = 1.445305721320277f;
-          const float c11a = -2.285228997322329f, c11b = 0.4570457994644658f;
-          const float c12a = 1.865881662950577f, c12b = -1.119528997770346f;
-          const float tmp_c = c11a * z2 + c11b;
-          const float tmp_b3 = c10 * z;
-          const float fc2 = x * fc1 - y * fs1, fs2 = x * fs1 + y * fc1;
-          basis[9] = c9 * fs2;
-          basis[10] = tmp_b3 * fs1;
-          basis[11] = tmp_c * y;
-          basis[12] = z * (c12a * z2 + c12b);
-          basis[13] = tmp_c * x;
-          basis[14] = tmp_b3 * fc1;
-          basis[15] = c9 * fc2;
-          // fs2 = 3 x^2 y - y^3, fc2 = x^3 - 3 x y^2 (as polynomials; autograd differentiates the same)
-          bx[9] = c9 * 6.0f * x * y;                 by[9] = c9 * 3.0f * (x * x - y * y);  bz[9] = 0.0f;
-          bx[10] = tmp_b3 * 2.0f * y;                by[10] = tmp_b3 * 2.0f * x;           bz[10] = c10 * fs1;
-          bx[11] = 0.0f;                             by[11] = tmp_c;                       bz[11] = 2.0f * c11a * z * y;
-          bx[12] = 0.0f;                             by[12] = 0.0f;                        bz[12] = 3.0f * c12a * z2 + c12b;
-          bx[13] = tmp_c;                            by[13] = 0.0f;                        bz[13] = 2.0f * c11a * z * x;
-          bx[14] = tmp_b3 * 2.0f * x;                by[14] = -tmp_b3 * 2.0f * y;          bz[14] = c10 * fc1;
-          bx[15] = c9 * 3.0f * (x * x - y * y);      by[15] = -c9 * 6.0f * x * y;          bz[15] = 0.0f;
-        }
-      }
+      // Basis values (same expressions as the forward) and their partials d/dx, d/dy, d/dz (../metal/sh.h).
+      const splat_sh::SplatShBasisGrad basis = splat_sh::splat_sh_basis_grad(degree, x, y, z);
 
       const float* row = coeffs + (long)idx * K * 3;
       float gx = 0.0f, gy = 0.0f, gz = 0.0f;  // d loss / d (x, y, z) of the normalised direction
       for (long k = 0; k < K; ++k) {
         if (k < n_bases) {
-          vrow[3 * k + 0] = basis[k] * vr;
-          vrow[3 * k + 1] = basis[k] * vg;
-          vrow[3 * k + 2] = basis[k] * vb;
+          vrow[3 * k + 0] = basis.v[k] * vr;
+          vrow[3 * k + 1] = basis.v[k] * vg;
+          vrow[3 * k + 2] = basis.v[k] * vb;
           if (v_dirs != nullptr && k > 0) {
             const float w = row[3 * k + 0] * vr + row[3 * k + 1] * vg + row[3 * k + 2] * vb;
-            gx += bx[k] * w;
-            gy += by[k] * w;
-            gz += bz[k] * w;
+            gx += basis.dx[k] * w;
+            gy += basis.dy[k] * w;
+            gz += basis.dz[k] * w;
           }
         } else {
           vrow[3 * k + 0] = 0.0f;

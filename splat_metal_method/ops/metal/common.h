@@ -2,7 +2,7 @@
 //
 // The Python side (splat_metal_method/ops/metal/kernels.py) assembles each library's source as
 //     <#defines generated from splat_metal_method/ops/constants.py and per-variant values>
-//     + this header + covar.h (math shared with the native CPU backend) + the stage's .metal file,
+//     + this header + covar.h and sh.h (math shared with the native CPU backend) + the stage's .metal file,
 // because torch.mps.compile_shader compiles one string and has no include path. The constants are
 // therefore defined once, in Python, and the checks below fail loudly if a source was assembled
 // without them.

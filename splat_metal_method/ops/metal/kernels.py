@@ -1,4 +1,4 @@
-"""Assembles and caches the Metal kernel libraries: generated #defines + common.h + covar.h + one stage file.
+"""Assembles and caches the Metal kernel libraries: generated #defines + common.h + covar.h + sh.h + one stage file.
 
 The constants shared by Python and the kernels come from ``ops/constants.py`` (and the radix sort
 geometry below) and are injected as ``#define``s, so they are defined exactly once. Each
@@ -46,12 +46,12 @@ def _base_defines(tile_size: int) -> dict:
 
 @lru_cache(maxsize=None)
 def stage_source(stage_file: str, tile_size: int = constants.TILE_SIZE, extra: tuple = ()) -> str:
-    """Full source of one library: defines, common.h, covar.h (the quaternion/covariance math shared with
-    the native CPU backend), then the stage file. `extra` holds
+    """Full source of one library: defines, common.h, covar.h and sh.h (the quaternion/covariance math and the
+    spherical-harmonics basis, shared with the native CPU backend), then the stage file. `extra` holds
     (name, value) pairs of per-variant defines (e.g. the channel count of the rasterizer)."""
     defines = _base_defines(tile_size)
     defines.update(dict(extra))
-    return load_source("common.h", "covar.h", stage_file, defines=defines)
+    return load_source("common.h", "covar.h", "sh.h", stage_file, defines=defines)
 
 
 def library(device: torch.device, stage_file: str, tile_size: int = constants.TILE_SIZE, extra: tuple = ()):

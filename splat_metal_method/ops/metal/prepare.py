@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..autograd_stages import camera_grads
+from ..constants import SH_MAX_DEGREE
 from .kernels import grid_1d, group_library, library
 from .variants import PROJECT_BWD_GROUP
 
@@ -183,6 +184,10 @@ def project_and_shade(
     N = means.shape[0]
     if means.shape[0] * viewmats.shape[0] >= 2**31:
         raise ValueError(f"[project_and_shade] C*N = {N * viewmats.shape[0]} exceeds the kernels' 32-bit index")
+    K = sh_dc.shape[1] if sh_rest is None else sh_rest.shape[1] + 1
+    if not 0 <= int(sh_degree) <= SH_MAX_DEGREE or K < (sh_degree + 1) ** 2:  # sh.h's arrays: degree 4 at most
+        raise ValueError(f"[project_and_shade] sh_degree must be 0..{SH_MAX_DEGREE} with K >= (sh_degree+1)^2, "
+                         f"got {sh_degree}, K={K}")  # fmt: skip
     tensors = (means, quats, scales, opacities, sh_dc, viewmats, Ks) + ((sh_rest,) if sh_rest is not None else ())
     for t in tensors:
         if t.dtype != torch.float32 or not t.is_contiguous():

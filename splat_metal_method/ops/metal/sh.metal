@@ -1,12 +1,13 @@
-// sh.metal: view-dependent colour from real spherical harmonics (Sloan 2013 evaluation order, the
-// basis and constants of gsplat and of ops/reference.py::sh_bases). Backward kernels go next to it.
-// Compiled after common.h: kernels.py prepends it (compile_shader has no include path).
+// sh.metal: view-dependent colour from real spherical harmonics of degree 0..4 (the basis is sh.h's, shared
+// with the native CPU backend: gsplat's and ops/reference.py::sh_bases's). Backward kernels: sh_bwd.metal.
+// Compiled after common.h, covar.h and sh.h: kernels.py prepends them (compile_shader has no include path).
 
 // sh_fwd: one thread per (camera, gaussian), flat index idx = c*N + n < C*N; writes 3 floats.
 // Why it is shaped so: a colour depends on one direction and one coefficient row only, so threads are
 // independent (no barriers); a thread may return early.
 // Invariants:
-//   * degree in 0..3 (checked on the host); only the first (degree+1)^2 of K coefficient rows are read;
+//   * degree in 0..SPLAT_SH_MAX_DEGREE (4; checked on the host, sh.h's arrays hold 25 basis values); only
+//     the first (degree+1)^2 of K coefficient rows are read;
 //   * dirs are normalised here as F.normalize does: d / max(|d|, 1e-12) (a zero direction gives a
 //     zero vector, so only the constant band contributes);
 //   * masked-out entries (has_masks != 0 and masks[idx] == 0) get exactly 0 before the activation;
@@ -16,45 +17,6 @@
 // torch.clamp_min(x, 0): x where x > 0 or x is NaN, else 0 (the sign of a zero is that of 0).
 inline float sh_activate(float x) {
   return (x > 0.0f || isnan(x)) ? x : 0.0f;
-}
-
-// The basis values in the reference's order (16 = (3+1)^2 at most) of the normalised direction (x, y, z);
-// returns how many there are, (degree+1)^2.
-inline int sh_basis(long degree, float x, float y, float z, thread float* basis) {
-  basis[0] = 0.2820947917738781f;
-  int n_bases = 1;
-  if (degree >= 1) {
-    basis[1] = -0.48860251190292f * y;
-    basis[2] = 0.48860251190292f * z;
-    basis[3] = -0.48860251190292f * x;
-    n_bases = 4;
-  }
-  if (degree >= 2) {
-    const float z2 = z * z;
-    const float fc1 = x * x - y * y, fs1 = 2.0f * x * y;
-    const float tmp_b = -1.092548430592079f * z;
-    basis[4] = 0.5462742152960395f * fs1;
-    basis[5] = tmp_b * y;
-    basis[6] = 0.9461746957575601f * z2 - 0.3153915652525201f;
-    basis[7] = tmp_b * x;
-    basis[8] = 0.5462742152960395f * fc1;
-    n_bases = 9;
-    if (degree >= 3) {
-      const float tmp_c = -2.285228997322329f * z2 + 0.4570457994644658f;
-      const float tmp_b3 = 1.445305721320277f * z;
-      const float fc2 = x * fc1 - y * fs1, fs2 = x * fs1 + y * fc1;
-      basis[9] = -0.5900435899266435f * fs2;
-      basis[10] = tmp_b3 * fs1;
-      basis[11] = tmp_c * y;
-      basis[12] = z * (1.865881662950577f * z2 - 1.119528997770346f);
-      basis[13] = tmp_c * x;
-      basis[14] = tmp_b3 * fc1;
-      basis[15] = -0.5900435899266435f * fc2;
-      n_bases = 16;
-    }
-  }
-
-  return n_bases;
 }
 
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
@@ -83,16 +45,15 @@ kernel void sh_fwd(
   const float norm = max(sqrt(dx * dx + dy * dy + dz * dz), 1e-12f);
   const float x = dx / norm, y = dy / norm, z = dz / norm;
 
-  // Basis values in the reference's order (16 = (3+1)^2 at most).
-  float basis[16];
-  const int n_bases = sh_basis(degree, x, y, z, basis);
+  const SplatShBasis basis = splat_sh_basis(degree, x, y, z);  // sh.h
+  const int n_bases = (int)((degree + 1) * (degree + 1));
 
   const device float* row = coeffs + (long)idx * K * 3;
   float r = 0.0f, g = 0.0f, b = 0.0f;
   for (int k = 0; k < n_bases; ++k) {
-    r += basis[k] * row[3 * k + 0];
-    g += basis[k] * row[3 * k + 1];
-    b += basis[k] * row[3 * k + 2];
+    r += basis.v[k] * row[3 * k + 0];
+    g += basis.v[k] * row[3 * k + 1];
+    b += basis.v[k] * row[3 * k + 2];
   }
   if (activate != 0) {
     r = sh_activate(r + 0.5f);
@@ -143,15 +104,15 @@ kernel void sh_fused_fwd(
   const float dz = means[3 * g + 2] - inv_viewmats[16 * cam + 2 * inv_row_stride + 3 * inv_col_stride];
   const float norm = max(sqrt(dx * dx + dy * dy + dz * dz), 1e-12f);
   const float x = dx / norm, y = dy / norm, z = dz / norm;
-  float basis[16];
-  const int n_bases = sh_basis(degree, x, y, z, basis);
+  const SplatShBasis basis = splat_sh_basis(degree, x, y, z);  // sh.h
+  const int n_bases = (int)((degree + 1) * (degree + 1));
   const device float* dc = sh_dc + g * dc_stride;
   const device float* rest = sh_rest + g * rest_stride + rest_offset;
-  float r = basis[0] * dc[0], gr = basis[0] * dc[1], b = basis[0] * dc[2];
+  float r = basis.v[0] * dc[0], gr = basis.v[0] * dc[1], b = basis.v[0] * dc[2];
   for (int k = 1; k < n_bases; ++k) {
-    r += basis[k] * rest[3 * (k - 1) + 0];
-    gr += basis[k] * rest[3 * (k - 1) + 1];
-    b += basis[k] * rest[3 * (k - 1) + 2];
+    r += basis.v[k] * rest[3 * (k - 1) + 0];
+    gr += basis.v[k] * rest[3 * (k - 1) + 1];
+    b += basis.v[k] * rest[3 * (k - 1) + 2];
   }
   colors[3 * idx + 0] = sh_activate(r + 0.5f);
   colors[3 * idx + 1] = sh_activate(gr + 0.5f);

@@ -1,4 +1,4 @@
-"""Dispatch of sh.metal: spherical-harmonics colours, degree 0..3."""
+"""Dispatch of sh.metal: spherical-harmonics colours, degree 0..4."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..constants import SH_MAX_DEGREE
 from .kernels import grid_1d, library
 
 
@@ -18,8 +19,8 @@ def spherical_harmonics_fwd(
     activate: bool = False,
 ) -> Tensor:  # [C, N, 3]; with ``activate`` clamp_min(colour + 0.5, 0) (sh.metal)
     op = "spherical_harmonics"
-    if not 0 <= int(degree) <= 3:
-        raise ValueError(f"[{op}] degree must be 0..3, got {degree}")
+    if not 0 <= int(degree) <= SH_MAX_DEGREE:  # sh.h's basis arrays hold degree 4 at most
+        raise ValueError(f"[{op}] degree must be 0..{SH_MAX_DEGREE}, got {degree}")
     if dirs.dim() < 1 or dirs.shape[-1] != 3:
         raise ValueError(f"[{op}] dirs must be [..., 3], got {list(dirs.shape)}")
     lead = tuple(dirs.shape[:-1])

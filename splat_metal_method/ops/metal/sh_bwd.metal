@@ -1,65 +1,8 @@
-// sh_bwd.metal: gradients of sh.metal's view-dependent colour with respect to the SH coefficients
-// and, through the normalised view direction, to the unnormalised directions (gsplat 1.4's
-// compute_sh_bwd, written as the exact derivative of ops/reference.py::spherical_harmonics).
-// Compiled after common.h: kernels.py prepends it (compile_shader has no include path).
-
-// Basis values (same expressions as sh_fwd) and their partials d/dx, d/dy, d/dz at the normalised
-// direction (x, y, z), for bands up to `degree`.
-inline void sh_basis_grad(long degree, float x, float y, float z, thread float* basis, thread float* bx,
-                          thread float* by, thread float* bz) {
-  basis[0] = 0.2820947917738781f;
-  bx[0] = 0.0f;
-  by[0] = 0.0f;
-  bz[0] = 0.0f;
-  if (degree >= 1) {
-    const float c1 = 0.48860251190292f;
-    basis[1] = -c1 * y;
-    basis[2] = c1 * z;
-    basis[3] = -c1 * x;
-    bx[1] = 0.0f;  by[1] = -c1;   bz[1] = 0.0f;
-    bx[2] = 0.0f;  by[2] = 0.0f;  bz[2] = c1;
-    bx[3] = -c1;   by[3] = 0.0f;  bz[3] = 0.0f;
-  }
-  if (degree >= 2) {
-    const float z2 = z * z;
-    const float fc1 = x * x - y * y, fs1 = 2.0f * x * y;
-    const float c4 = 0.5462742152960395f, c5 = -1.092548430592079f, c6 = 0.9461746957575601f;
-    const float tmp_b = c5 * z;
-    basis[4] = c4 * fs1;
-    basis[5] = tmp_b * y;
-    basis[6] = c6 * z2 - 0.3153915652525201f;
-    basis[7] = tmp_b * x;
-    basis[8] = c4 * fc1;
-    bx[4] = c4 * 2.0f * y;  by[4] = c4 * 2.0f * x;   bz[4] = 0.0f;
-    bx[5] = 0.0f;           by[5] = tmp_b;           bz[5] = c5 * y;
-    bx[6] = 0.0f;           by[6] = 0.0f;            bz[6] = 2.0f * c6 * z;
-    bx[7] = tmp_b;          by[7] = 0.0f;            bz[7] = c5 * x;
-    bx[8] = c4 * 2.0f * x;  by[8] = -c4 * 2.0f * y;  bz[8] = 0.0f;
-    if (degree >= 3) {
-      const float c9 = -0.5900435899266435f, c10 = 1.445305721320277f;
-      const float c11a = -2.285228997322329f, c11b = 0.4570457994644658f;
-      const float c12a = 1.865881662950577f, c12b = -1.119528997770346f;
-      const float tmp_c = c11a * z2 + c11b;
-      const float tmp_b3 = c10 * z;
-      const float fc2 = x * fc1 - y * fs1, fs2 = x * fs1 + y * fc1;
-      basis[9] = c9 * fs2;
-      basis[10] = tmp_b3 * fs1;
-      basis[11] = tmp_c * y;
-      basis[12] = z * (c12a * z2 + c12b);
-      basis[13] = tmp_c * x;
-      basis[14] = tmp_b3 * fc1;
-      basis[15] = c9 * fc2;
-      // fs2 = 3 x^2 y - y^3, fc2 = x^3 - 3 x y^2 (as polynomials; autograd differentiates the same)
-      bx[9] = c9 * 6.0f * x * y;                 by[9] = c9 * 3.0f * (x * x - y * y);  bz[9] = 0.0f;
-      bx[10] = tmp_b3 * 2.0f * y;                by[10] = tmp_b3 * 2.0f * x;           bz[10] = c10 * fs1;
-      bx[11] = 0.0f;                             by[11] = tmp_c;                       bz[11] = 2.0f * c11a * z * y;
-      bx[12] = 0.0f;                             by[12] = 0.0f;                        bz[12] = 3.0f * c12a * z2 + c12b;
-      bx[13] = tmp_c;                            by[13] = 0.0f;                        bz[13] = 2.0f * c11a * z * x;
-      bx[14] = tmp_b3 * 2.0f * x;                by[14] = -tmp_b3 * 2.0f * y;          bz[14] = c10 * fc1;
-      bx[15] = c9 * 3.0f * (x * x - y * y);      by[15] = -c9 * 6.0f * x * y;          bz[15] = 0.0f;
-    }
-  }
-}
+// sh_bwd.metal: gradients of sh.metal's view-dependent colour (degree 0..4) with respect to the SH
+// coefficients and, through the normalised view direction, to the unnormalised directions (gsplat 1.4's
+// compute_sh_bwd, written as the exact derivative of ops/reference.py::spherical_harmonics; the basis and
+// its partials are sh.h's, shared with the native CPU backend).
+// Compiled after common.h, covar.h and sh.h: kernels.py prepends them (compile_shader has no include path).
 
 // sh_bwd: one thread per (camera, gaussian), flat index idx = c*N + n < C*N.
 // Why it is shaped so: like sh_fwd, each output row depends on one direction and one coefficient row,
@@ -119,25 +62,21 @@ kernel void sh_bwd(
     vb = colors[3 * idx + 2] > 0.0f ? vb : 0.0f;
   }
 
-  // Basis values (same expressions as sh_fwd) and their partials d/dx, d/dy, d/dz.
-  float basis[16];
-  float bx[16];
-  float by[16];
-  float bz[16];
-  sh_basis_grad(degree, x, y, z, basis, bx, by, bz);
+  // Basis values (same expressions as sh_fwd) and their partials d/dx, d/dy, d/dz (sh.h).
+  const SplatShBasisGrad basis = splat_sh_basis_grad(degree, x, y, z);
 
   const device float* row = coeffs + (long)idx * K * 3;
   float gx = 0.0f, gy = 0.0f, gz = 0.0f;  // d loss / d (x, y, z) of the normalised direction
   for (long k = 0; k < K; ++k) {
     if (k < n_bases) {
-      vrow[3 * k + 0] = basis[k] * vr;
-      vrow[3 * k + 1] = basis[k] * vg;
-      vrow[3 * k + 2] = basis[k] * vb;
+      vrow[3 * k + 0] = basis.v[k] * vr;
+      vrow[3 * k + 1] = basis.v[k] * vg;
+      vrow[3 * k + 2] = basis.v[k] * vb;
       if (calc_dirs != 0 && k > 0) {
         const float w = row[3 * k + 0] * vr + row[3 * k + 1] * vg + row[3 * k + 2] * vb;
-        gx += bx[k] * w;
-        gy += by[k] * w;
-        gz += bz[k] * w;
+        gx += basis.dx[k] * w;
+        gy += basis.dy[k] * w;
+        gz += basis.dz[k] * w;
       }
     } else {
       vrow[3 * k + 0] = 0.0f;
@@ -208,28 +147,24 @@ kernel void sh_fused_bwd(
   const float vr = colors[3 * idx + 0] > 0.0f ? v_colors[3 * idx + 0] : 0.0f;
   const float vg = colors[3 * idx + 1] > 0.0f ? v_colors[3 * idx + 1] : 0.0f;
   const float vb = colors[3 * idx + 2] > 0.0f ? v_colors[3 * idx + 2] : 0.0f;
-  float basis[16];
-  float bx[16];
-  float by[16];
-  float bz[16];
-  sh_basis_grad(degree, x, y, z, basis, bx, by, bz);
+  const SplatShBasisGrad basis = splat_sh_basis_grad(degree, x, y, z);  // sh.h
 
   const device float* rest = sh_rest + g * rest_stride + rest_offset;
-  vdc[0] = basis[0] * vr;
-  vdc[1] = basis[0] * vg;
-  vdc[2] = basis[0] * vb;
+  vdc[0] = basis.v[0] * vr;
+  vdc[1] = basis.v[0] * vg;
+  vdc[2] = basis.v[0] * vb;
   float gx = 0.0f, gy = 0.0f, gz = 0.0f;  // d loss / d (x, y, z) of the normalised direction
   for (long k = 1; k < K; ++k) {
     device float* vrow = vrest + 3 * (k - 1);
     if (k < n_bases) {
-      vrow[0] = basis[k] * vr;
-      vrow[1] = basis[k] * vg;
-      vrow[2] = basis[k] * vb;
+      vrow[0] = basis.v[k] * vr;
+      vrow[1] = basis.v[k] * vg;
+      vrow[2] = basis.v[k] * vb;
       const device float* row = rest + 3 * (k - 1);
       const float w = row[0] * vr + row[1] * vg + row[2] * vb;
-      gx += bx[k] * w;
-      gy += by[k] * w;
-      gz += bz[k] * w;
+      gx += basis.dx[k] * w;
+      gy += basis.dy[k] * w;
+      gz += basis.dz[k] * w;
     } else {
       vrow[0] = 0.0f;
       vrow[1] = 0.0f;

@@ -7,6 +7,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..constants import SH_MAX_DEGREE
 from .kernels import grid_1d, library
 
 
@@ -25,6 +26,8 @@ def spherical_harmonics_bwd(
     op = "spherical_harmonics_bwd"
     lead = tuple(dirs.shape[:-1])
     K = coeffs.shape[-2]
+    if not 0 <= int(degree) <= SH_MAX_DEGREE or K < (degree + 1) ** 2:  # sh.h's basis arrays hold degree 4 at most
+        raise ValueError(f"[{op}] degree must be 0..{SH_MAX_DEGREE} with K >= (degree+1)^2, got {degree}, K={K}")
     if tuple(v_colors.shape) != lead + (3,) or v_colors.dtype != torch.float32:
         raise ValueError(
             f"[{op}] v_colors must be {list(lead) + [3]} float32, got {list(v_colors.shape)} {v_colors.dtype}"

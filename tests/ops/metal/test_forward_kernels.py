@@ -156,11 +156,11 @@ def test_project_options_and_culling(device):
 # spherical harmonics
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("degree", [0, 1, 2, 3])
+@pytest.mark.parametrize("degree", [0, 1, 2, 3, 4])
 @pytest.mark.parametrize("with_masks", [False, True])
 def test_spherical_harmonics_matches_reference(device, degree, with_masks):
     g = torch.Generator().manual_seed(10 + degree)
-    C, N, K = 2, 1000, 16  # K = 16 > (degree+1)^2 for degree < 3: only the leading rows may be read
+    C, N, K = 2, 1000, 25  # K = 25 > (degree+1)^2 for degree < 4: only the leading rows may be read
     dirs = torch.randn(C, N, 3, generator=g) * 3.0
     dirs[0, :5] = 0.0  # zero directions normalise to zero, as F.normalize does
     coeffs = torch.randn(C, N, K, 3, generator=g)
@@ -173,12 +173,12 @@ def test_spherical_harmonics_matches_reference(device, degree, with_masks):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("degree", [0, 3])
+@pytest.mark.parametrize("degree", [0, 3, 4])
 def test_spherical_harmonics_activate_matches_reference(device, degree):
     """activate: the public API's clamp_min(c + 0.5, 0) inside sh.metal, bitwise as torch computes it
     after the plain kernel: clamped and unclamped entries, masked ones (0.5), a NaN that stays NaN."""
     g = torch.Generator().manual_seed(20 + degree)
-    C, N, K = 2, 500, 16
+    C, N, K = 2, 500, 25
     dirs = torch.randn(C, N, 3, generator=g) * 3.0
     coeffs = torch.randn(C, N, K, 3, generator=g) * 2.0
     coeffs[1, 7, 0, 0] = float("nan")
@@ -197,6 +197,8 @@ def test_spherical_harmonics_empty_and_bad_degree():
     assert mtl.spherical_harmonics(2, torch.zeros(1, 0, 3), torch.zeros(1, 0, 9, 3)).shape == (1, 0, 3)
     with pytest.raises(ValueError, match="spherical_harmonics"):
         mtl.spherical_harmonics(3, torch.zeros(1, 4, 3), torch.zeros(1, 4, 9, 3))  # K too small
+    with pytest.raises(ValueError, match=r"degree must be 0\.\.4, got 5"):  # sh.h's basis arrays end at degree 4
+        mtl.spherical_harmonics(5, torch.zeros(1, 4, 3), torch.zeros(1, 4, 36, 3))
 
 
 # --------------------------------------------------------------------------------------------------

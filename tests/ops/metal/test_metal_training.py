@@ -210,3 +210,42 @@ def test_thirty_training_steps_metal_vs_reference(demo_dir, monkeypatch):
     print(
         f"metal run grew at steps {grew}: {sizes[0]} -> {sizes[-1]} gaussians (reference {ref_sizes[0]} -> {ref_sizes[-1]})"
     )
+
+
+def test_sh_degree_4_trains_past_step_4_intervals(demo_dir, monkeypatch, tmp_path):
+    """`--pipeline.model.sh-degree 4` on the Metal backend: the self-check passes at degree 4 (it failed
+    before the kernels had band 4, and training then crashed at step 4 x sh_degree_interval); the steps
+    from 4 x interval render with degree 4 and train band 4 (zero until then: Adam moves nothing without a
+    gradient); the loss stays finite."""
+    from splat_metal_method.method import model as model_module
+    from splat_metal_method.ops import stage_fallback
+    from splat_metal_method.verify import self_check
+
+    interval, steps = 2, 10  # degree 4 from step 8
+    monkeypatch.setenv("SPLAT_METAL_BACKEND", "metal")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no cached verdict: the check runs
+    monkeypatch.setattr(self_check, "_verified", set())
+    stage_fallback.reset()
+    degrees = []
+    render = model_module.rasterization
+
+    def recording(*args, **kwargs):  # the real op; only the degree each step renders with is noted
+        degrees.append(kwargs["sh_degree"])
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(model_module, "rasterization", recording)
+    pipeline, optimizers, callbacks = pipelines.make_pipeline(
+        demo_dir, warmup=WARMUP, refine_every=REFINE_EVERY, sh_degree_interval=interval, sh_degree=4
+    )
+    model = pipeline.model
+    band4 = slice(15, 24)  # features_rest rows of band 4 (coefficients 16..24)
+    for step in range(steps):
+        if step == 4 * interval:
+            assert model.features_rest[:, band4].abs().max() == 0, "band 4 trained before degree 4"
+        loss = train_step(pipeline, optimizers, callbacks, step)
+        assert torch.isfinite(loss), f"step {step}: loss {loss}"
+        assert model.info["backend"] == "metal"
+    assert degrees == [min(s // interval, 4) for s in range(steps)]
+    assert model.features_rest.shape[1] == 24 and model.features_rest[:, band4].abs().max() > 0
+    assert stage_fallback.failed() == frozenset(), "a stage failed the self-check at degree 4"
+    assert [run.sh_degree for _, run in self_check._verified] == [4]

@@ -17,11 +17,11 @@ from splat_metal_method.bench import step_ledger
 from splat_metal_method.ops import metal, rasterization
 
 W, H = 40, 24  # non-square
-K = 16  # SH coefficients stored (degree 3), fewer in use below degree 3
+K = 25  # SH coefficients stored (degree 4), fewer in use below degree 4
 
 
 def _params(C: int, seed: int, poison: str):
-    s = random_scene(n=70, C=C, width=W, height=H, seed=seed, sh_degree=3)
+    s = random_scene(n=70, C=C, width=W, height=H, seed=seed, sh_degree=4)
     coeffs = s.colors.float()
     params = {
         "means": s.means.float(),
@@ -34,7 +34,7 @@ def _params(C: int, seed: int, poison: str):
     viewmats, Ks = s.viewmats.float(), s.Ks.float()
     if poison == "gaussians":
         params["logit_opacities"][3, 0] = float("nan")
-        params["features_rest"][5, 14, 1] = float("inf")  # beyond degree 1's bands: still culled
+        params["features_rest"][5, 20, 1] = float("inf")  # band 4, beyond degree 1's bands: still culled
         params["log_scales"][7, 2] = float("nan")
         params["features_dc"][9, 0] = float("-inf")
     elif poison == "camera" and C > 1:
@@ -73,7 +73,8 @@ def _render(params, viewmats, Ks, degree, raw, antialiased, fused, monkeypatch):
 @pytest.mark.parametrize(
     "C,degree,raw,antialiased,poison",
     [(1, 3, True, False, "none"), (2, 1, True, True, "gaussians"), (2, 3, False, False, "camera"),
-     (1, 0, True, True, "gaussians"), (3, 2, False, True, "none")],
+     (1, 0, True, True, "gaussians"), (3, 2, False, True, "none"), (2, 4, True, True, "gaussians"),
+     (1, 4, False, False, "none")],
 )  # fmt: skip
 def test_fused_preparation_matches_the_unfused_path(C, degree, raw, antialiased, poison, monkeypatch):
     params, viewmats, Ks = _params(C, seed=C * 10 + degree, poison=poison)
@@ -99,7 +100,7 @@ def test_fused_preparation_matches_the_unfused_path(C, degree, raw, antialiased,
         g = torch.where(bad, 0.0, g)
         scale = g.abs().max().clamp_min(1e-6)
         torch.testing.assert_close(g1[key] / scale, g / scale, rtol=1e-4, atol=1e-5, msg=key)
-    if degree < 3:  # bands beyond the degree in use: zero
+    if degree < 4:  # bands beyond the degree in use: zero
         assert g1["features_rest"][:, (degree + 1) ** 2 - 1 :].abs().max() == 0
     if poison == "gaussians":
         for key in ("means", "quats", "log_scales", "logit_opacities", "features_dc", "features_rest"):
@@ -108,12 +109,12 @@ def test_fused_preparation_matches_the_unfused_path(C, degree, raw, antialiased,
 
 def test_fused_preparation_matches_the_reference_backend(monkeypatch):
     params, viewmats, Ks = _params(2, seed=4, poison="gaussians")
-    c1, a1, m1, g1 = _render(params, viewmats, Ks, 3, True, False, True, monkeypatch)
+    c1, a1, m1, g1 = _render(params, viewmats, Ks, 4, True, False, True, monkeypatch)
     leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
     Kr = Ks.clone().requires_grad_()
     colors, alphas, meta = rasterization(
         leaves["means"], leaves["quats"], torch.exp(leaves["log_scales"]), torch.sigmoid(leaves["logit_opacities"])[:, 0],
-        torch.cat((leaves["features_dc"][:, None], leaves["features_rest"]), dim=1), viewmats, Kr, W, H, sh_degree=3,
+        torch.cat((leaves["features_dc"][:, None], leaves["features_rest"]), dim=1), viewmats, Kr, W, H, sh_degree=4,
         backend="reference", absgrad=True, render_mode="RGB+ED",
     )  # fmt: skip
     g = torch.Generator().manual_seed(11)
@@ -152,7 +153,7 @@ def test_a_viewmat_gradient_keeps_the_unfused_path():
     assert viewmats.grad is not None and viewmats.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("degree,mode", [(3, "classic"), (1, "antialiased"), (0, "classic")])
+@pytest.mark.parametrize("degree,mode", [(3, "classic"), (1, "antialiased"), (0, "classic"), (4, "antialiased")])
 def test_self_check_of_the_fused_preparation_passes(degree, mode):
     """verify/kernel_checks.prepare_checks (the self-check's, stage outputs weighted directly: also the
     gradient of the composited opacity of a gaussian projection culled, which the rasterizer never gives)."""
