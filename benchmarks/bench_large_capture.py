@@ -17,7 +17,8 @@ the first step, nerfstudio's way) or --stream-gb ("streamed": images decoded in 
 training asks for them). The default budget, 2 GB, caches 100 of these photos and streams 1,000. Per
 run: the peak RSS and the seconds from the start of the pipeline set-up to the end of the first step.
 The cached run then builds a streamed pipeline beside its own and alternates steps between the two
-(machine noise hits both alike) for the steady step of each (median after --warmup steps). Printed:
+(machine noise hits both alike) for the steady step of each (median after --warmup steps; also the
+process's CPU time over a step, all threads, which shows the decoding's cost apart from load). Printed:
 the ratios streamed / cached, and the peak-RSS growth from the smallest to the largest capture with
 the default budget and streamed at both sizes. Goal: growth at most 300 MB, steady step streamed
 within 10% of cached. Writes benchmarks/results/large_capture_<device>.json.
