@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bad_input_table import record
 from cli_helpers import run_cli, snapshot
 from PIL import Image
 
@@ -376,6 +377,7 @@ def test_dataparser_names_the_file_and_the_fix(case, scene_copy, tmp_path):
     assert str(named) in message, f"message does not name {named}:\n{message}"
     for word in words:
         assert word in message, f"{word!r} not in message:\n{message}"
+    record(f"capture/{case}", f"capture: {case.replace('-', ' ')}", message, data=data, named=named)
 
 
 @pytest.mark.parametrize("case", list(CLI_CASES))
