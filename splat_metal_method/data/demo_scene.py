@@ -359,25 +359,40 @@ def lens_rays(camera_model: str, lens: dict, pixels: np.ndarray, fx: float, fy: 
     return rays.reshape(pixels.shape)
 
 
-def shoot_through_lens(gaussians, viewmats: torch.Tensor, camera_model: str, cameras: list) -> torch.Tensor:
-    """The images [V, H, W, 3] in [0, 1] cameras with these lenses see (``cameras``: one (intrinsics, lens)
-    per view of ``viewmats`` [V, 4, 4]): each pixel the mean of SUPERSAMPLE^2 sub-pixel rays, each looked
-    up (bilinear) in a pinhole render of its view that holds every ray (all views rendered in batches
-    on one canvas, each with its own pinhole intrinsics)."""
+def subpixel_rays(camera_model: str, intrinsics: dict, lens: dict, s: int = SUPERSAMPLE) -> np.ndarray:
+    """lens_rays of the s x s sub-pixel centres of every pixel of a ``intrinsics["w"] x intrinsics["h"]``
+    image: [H*s, W*s, 2]."""
+    W, H = intrinsics["w"], intrinsics["h"]
+    u, v = np.meshgrid((np.arange(W * s) + 0.5) / s, (np.arange(H * s) + 0.5) / s)
+    fx, fy, cx, cy = (float(intrinsics[k]) for k in ("fl_x", "fl_y", "cx", "cy"))
+    return lens_rays(camera_model, lens, np.stack([u, v], -1), fx, fy, cx, cy)
+
+
+def through_lens(pinhole: np.ndarray, K: np.ndarray, rays: np.ndarray, s: int = SUPERSAMPLE) -> np.ndarray:
+    """The image [H, W, C] a lens sees, from a pinhole image [h, w, C] (float) with intrinsics K [3, 3] (pixel
+    centres at i + 0.5) that holds every ray of ``rays`` [H*s, W*s, 2] (subpixel_rays): each ray looked up
+    bilinearly, each pixel the mean of its s x s rays."""
     import cv2
 
+    map_x = (rays[..., 0] * K[0, 0] + K[0, 2] - 0.5).astype(np.float32)  # cv2.remap: pixel centres at integers
+    map_y = (rays[..., 1] * K[1, 1] + K[1, 2] - 0.5).astype(np.float32)
+    image = cv2.remap(pinhole, map_x, map_y, interpolation=cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
+    H, W = rays.shape[0] // s, rays.shape[1] // s
+    return image.reshape(H, s, W, s, -1).mean(axis=(1, 3))
+
+
+def shoot_through_lens(gaussians, viewmats: torch.Tensor, camera_model: str, cameras: list) -> torch.Tensor:
+    """The images [V, H, W, 3] in [0, 1] cameras with these lenses see (``cameras``: one (intrinsics, lens)
+    per view of ``viewmats`` [V, 4, 4]): through_lens of a pinhole render of each view at SUPERSAMPLE times
+    the lens' central pixel density, just holding every ray (1 px margin); all views rendered in batches on
+    one canvas, each with its own pinhole intrinsics."""
     s = SUPERSAMPLE
     W, H = cameras[0][0]["w"], cameras[0][0]["h"]
-    u, v = np.meshgrid((np.arange(W * s) + 0.5) / s, (np.arange(H * s) + 0.5) / s)  # sub-pixel centres
-    views = []  # per view: rays [H*s, W*s, 2] and its pinhole K
+    views = []  # per view: rays [H*s, W*s, 2] and its pinhole K [3, 3]
     for intrinsics, lens in cameras:
-        fx, fy, cx, cy = (float(intrinsics[k]) for k in ("fl_x", "fl_y", "cx", "cy"))
-        rays = lens_rays(camera_model, lens, np.stack([u, v], -1), fx, fy, cx, cy)
-        # A pinhole camera at s times the lens' central density whose image just holds every ray (1 px margin).
-        lo = rays.reshape(-1, 2).min(0)
-        views.append(
-            (rays, np.array([[s * fx, 0.0, 1.0 - lo[0] * s * fx], [0.0, s * fy, 1.0 - lo[1] * s * fy], [0, 0, 1]]))
-        )
+        rays = subpixel_rays(camera_model, intrinsics, lens)
+        fx, fy, lo = s * float(intrinsics["fl_x"]), s * float(intrinsics["fl_y"]), rays.reshape(-1, 2).min(0)
+        views.append((rays, np.array([[fx, 0.0, 1.0 - lo[0] * fx], [0.0, fy, 1.0 - lo[1] * fy], [0.0, 0.0, 1.0]])))
     pw = max(math.ceil(rays[..., 0].max() * K[0, 0] + K[0, 2]) + 1 for rays, K in views)
     ph = max(math.ceil(rays[..., 1].max() * K[1, 1] + K[1, 2]) + 1 for rays, K in views)
     if pw * ph > MAX_PINHOLE_PIXELS * W * H:
@@ -387,13 +402,7 @@ def shoot_through_lens(gaussians, viewmats: torch.Tensor, camera_model: str, cam
         )
     Ks = torch.from_numpy(np.stack([K for _, K in views])).float()  # [V, 3, 3]
     pinholes = render(gaussians, viewmats, Ks, pw, ph).numpy()  # [V, ph, pw, 3]
-    images = []
-    for pinhole, (rays, K) in zip(pinholes, views):
-        map_x = (rays[..., 0] * K[0, 0] + K[0, 2] - 0.5).astype(np.float32)  # cv2.remap: pixel centres at integers
-        map_y = (rays[..., 1] * K[1, 1] + K[1, 2] - 0.5).astype(np.float32)
-        image = cv2.remap(pinhole, map_x, map_y, interpolation=cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
-        images.append(torch.from_numpy(image.reshape(H, s, W, s, 3).mean(axis=(1, 3))))
-    return torch.stack(images)  # [V, H, W, 3]
+    return torch.stack([torch.from_numpy(through_lens(p, K, rays)) for p, (rays, K) in zip(pinholes, views)])
 
 
 def frame_intrinsics(intrinsics: dict, lens: dict, n_views: int, seed: int) -> list[tuple[dict, dict]]:

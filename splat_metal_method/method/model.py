@@ -13,12 +13,14 @@ Only what must differ from SplatfactoModel is overridden:
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Literal, Tuple, Type, Union
+from typing import Dict, List, Literal, Optional, Tuple, Type, Union
 
 import torch
+import torch.nn.functional as F
 from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.model_components.lib_bilagrid import total_variation_loss
 from nerfstudio.models.splatfacto import RGB2SH, SplatfactoModel, SplatfactoModelConfig
@@ -58,6 +60,40 @@ def intrinsics(camera: Cameras, scale: int = 1) -> torch.Tensor:  # [C, 3, 3] on
         fx, fy, cx, cy = fx * (1 / scale), fy * (1 / scale), cx * (1 / scale), cy * (1 / scale)
     zero, one = torch.zeros_like(fx), torch.ones_like(fx)
     return torch.cat([fx, zero, cx, zero, fy, cy, zero, zero, one], dim=-1).view(-1, 3, 3)
+
+
+class BilateralGridUnavailable(SystemExit):
+    """--pipeline.model.use-bilateral-grid on a device whose torch lacks grid_sample on 5-D tensors. A
+    SystemExit, so that ns-train prints only the message and exits with status 1."""
+
+
+@functools.lru_cache(maxsize=None)
+def _grid_sample_5d_missing(device: str) -> Optional[str]:
+    """None where ``F.grid_sample`` runs on 5-D tensors (forward and backward) on ``device``, else torch's
+    NotImplementedError. A probe as nerfstudio's BilateralGrid calls it, on a 2x2x2 grid; once per device."""
+    try:
+        grid = torch.zeros(1, 12, 2, 2, 2, device=device, requires_grad=True)  # [N, 12, L, H, W]
+        xyz = torch.zeros(1, 1, 2, 3, 3, device=device)  # [N, m, h, w, 3]
+        F.grid_sample(grid, xyz, mode="bilinear", align_corners=True, padding_mode="border").sum().backward()
+    except NotImplementedError as e:
+        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return None
+
+
+def check_bilateral_grid(config: "SplatMetalModelConfig", device: Union[str, torch.device]) -> None:
+    """Refuses (BilateralGridUnavailable, one line) the bilateral grid where torch cannot slice it: splatfacto's
+    BilateralGrid runs grid_sample on 5-D tensors, which MPS got only in recent torch releases
+    (pytorch#160541). Checked before ns-train writes anything (configs.py) and before the first step."""
+    if not config.use_bilateral_grid:
+        return
+    device = str(torch.device(device))
+    missing = _grid_sample_5d_missing(device)
+    if missing is not None:
+        raise BilateralGridUnavailable(
+            f"splat-metal: --pipeline.model.use-bilateral-grid needs grid_sample on 5-D tensors, which torch "
+            f"{torch.__version__} does not have on {device} ({missing}); train without it "
+            "(--pipeline.model.use-bilateral-grid False) or with a newer torch (pytorch#160541)"
+        )
 
 
 # torchvision's AlexNet weights, which torchmetrics' LPIPS loads at construction.
@@ -214,6 +250,7 @@ class SplatMetalModel(SplatfactoModel):
             # Kept, not read: the datamanager undistorts (and crops) the images and rewrites these cameras'
             # sizes only when it first hands out a batch (DESIGN.md §3); _train_camera_size reads them then.
             self.__dict__["_host_train_cameras"] = cameras
+        check_bilateral_grid(self.config, self.device)
         self_check.ensure_verified(self, self.device, self.config.backend)  # before the first step
         # The NaN/Inf check goes last: after the strategy's densification and the memory hooks.
         self.nonfinite_guard = reliability.NonFiniteGuard(
