@@ -114,7 +114,7 @@ def lens_scene(tmp_path_factory, camera_model: str = "OPENCV", per_frame_intrins
 
 def distorted_run(tmp_path_factory) -> Path:
     """10 steps (SH degree 1 from step 4) on lens_scene's OPENCV scene with per-frame intrinsics and
-    coefficients: nerfstudio undistorts and crops every image to its own size."""
+    coefficients: nerfstudio undistorts every image and crops it (64x48 to 63x47)."""
     scene = lens_scene(tmp_path_factory)
     return finished_run(tmp_path_factory, "distorted", 10, ["--pipeline.model.sh-degree-interval", "4"], scene=scene)
 

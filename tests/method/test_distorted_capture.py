@@ -2,8 +2,8 @@
 distorted) and written as ns-process-data writes a COLMAP capture, through every tool a user runs on it.
 
 nerfstudio's datamanager undistorts OPENCV/OPENCV_FISHEYE images only when it first hands out a batch,
-cropping each to its valid area and rewriting its camera (64x48 becomes e.g. 62x46, each frame its own
-size with per-frame intrinsics); every size the model uses must be that one.
+cropping each to its valid area and rewriting its camera (this OPENCV lens: 64x48 becomes 63x47; the
+old code rendered 64x48 and crashed at step 0); every size the model uses must be that one.
 
 - One ns-train run (demo_runs.distorted_run: OPENCV k1 k2 k3 p1 p2, per-frame intrinsics, cpu backend),
   shared by: resume with --load-dir, ns-eval, ns-render, the viewer (nerfstudio's Viewer in process, as
@@ -48,22 +48,23 @@ def _sizes(cameras) -> list:
     return list(zip(cameras.width[:, 0].tolist(), cameras.height[:, 0].tolist()))
 
 
-def test_nerfstudio_undistorts_to_per_frame_sizes(pipeline):
+def test_nerfstudio_undistorts_to_smaller_sizes(pipeline):
     """The premise of the tests below: the eval images, once undistorted, are smaller than the photos
-    and not all of one size (so a size taken before undistortion, or from another frame, would show)."""
+    (so a size taken before undistortion would show). Each frame has its own intrinsics and
+    coefficients, but nerfstudio's crop (cv2.getOptimalNewCameraMatrix, alpha 0) gives them one size."""
     dm = pipeline.datamanager
     assert set(_sizes(dm.eval_dataset.cameras)) == {(demo_runs.WIDTH, demo_runs.HEIGHT)}  # as written
     data = dm.cached_eval  # undistorts, crops and rewrites the cameras
     sizes = _sizes(dm.eval_dataset.cameras)
     assert [tuple(d["image"].shape[1::-1]) for d in data] == sizes
-    assert all(w < demo_runs.WIDTH and h < demo_runs.HEIGHT for w, h in sizes) and len(set(sizes)) > 1, sizes
+    assert all(w < demo_runs.WIDTH and h < demo_runs.HEIGHT for w, h in sizes), sizes
 
 
 def test_resume_with_load_dir(run, tmp_path_factory, tmp_path):
-    """ns-train --load-dir on the distorted run's checkpoint continues to the new step count."""
+    """ns-train --load-dir on the distorted run's last checkpoint (step 9) trains 3 more steps."""
     scene = demo_runs.lens_scene(tmp_path_factory)
     result = run_cli("ns-train", "splat-metal", *demo_runs.demo_args(), "--data", scene, "--output-dir", tmp_path,
-                     "--timestamp", "resumed", "--max-num-iterations", 13, "--steps-per-save", 100000,
+                     "--timestamp", "resumed", "--max-num-iterations", 3, "--steps-per-save", 100000,
                      "--steps-per-eval-image", 100000, "--steps-per-eval-all-images", 100000,
                      "--pipeline.model.sh-degree-interval", 4, "--load-dir", run.parent / "nerfstudio_models",
                      timeout=600)  # fmt: skip
@@ -183,8 +184,7 @@ def test_training_steps_render_the_undistorted_sizes(tmp_path_factory, camera_mo
     pipeline, optimizers, callbacks = _pipeline(scene, backend, bilateral_grid)
     model, dm = pipeline.model, pipeline.datamanager
     grids = model.bil_grids.grids.detach().clone() if bilateral_grid else None
-    n = len(dm.train_dataset)
-    for step in range(n):  # every training image once (nerfstudio samples them without replacement)
+    for step in range(4):
         idx = dm.train_unseen_cameras[0]
         loss = train_step(pipeline, optimizers, callbacks, step)
         assert torch.isfinite(loss), step
@@ -193,7 +193,7 @@ def test_training_steps_render_the_undistorted_sizes(tmp_path_factory, camera_mo
         assert model._train_sizes[idx][2] == tuple(image.shape[1::-1])
     sizes = _sizes(dm.train_dataset.cameras)
     if camera_model == "OPENCV":
-        assert len(set(sizes)) > 1 and all(w < demo_runs.WIDTH for w, _ in sizes), sizes
+        assert all(w < demo_runs.WIDTH and h < demo_runs.HEIGHT for w, h in sizes), sizes
     if bilateral_grid:
         assert not torch.equal(grids, model.bil_grids.grids), "the bilateral grid did not train"
 
