@@ -76,7 +76,8 @@ def _grid_sample_5d_missing(device: str) -> Optional[str]:
         xyz = torch.zeros(1, 1, 2, 3, 3, device=device)  # [N, m, h, w, 3]
         F.grid_sample(grid, xyz, mode="bilinear", align_corners=True, padding_mode="border").sum().backward()
     except NotImplementedError as e:
-        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first_sentence = str(e).strip().split(". ")[0].strip()
+        return first_sentence.splitlines()[0] if first_sentence else type(e).__name__
     return None
 
 
