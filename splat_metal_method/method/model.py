@@ -181,6 +181,17 @@ def max_downscale(width: int, height: int, min_size: int) -> int:
     return factor
 
 
+def _check_render_size(render: torch.Tensor, image: torch.Tensor) -> None:  # [H, W, 3] each
+    """One clear line where a training render and its image differ in size (shapes are host metadata: no
+    device read), instead of torch's broadcasting error deep in the loss."""
+    if render.shape[:2] != image.shape[:2]:
+        raise RuntimeError(
+            f"splat-metal: the render is {render.shape[1]}x{render.shape[0]} but its training image is "
+            f"{image.shape[1]}x{image.shape[0]}: the camera handed to the model does not have its image's size "
+            "(a datamanager that undistorts, crops or resizes images must rewrite the cameras to match)"
+        )
+
+
 class SplatMetalModel(SplatfactoModel):
     config: SplatMetalModelConfig
     _downscale_limit: int = 1 << 30  # max_downscale of the current training camera (get_outputs)
@@ -280,9 +291,8 @@ class SplatMetalModel(SplatfactoModel):
             return entry[2]
         host = self.__dict__.get("_host_train_cameras")
         if host is not None and idx is not None and idx < host.shape[0]:
-            if (
-                not self._train_sizes
-            ):  # the first training step: every image this datamanager undistorts up front is done
+            # The first training step: every image this datamanager undistorts up front is done.
+            if not self._train_sizes:
                 self._note_min_train_size(host)
             size = (int(host.width[idx, 0]), int(host.height[idx, 0]))
         else:
@@ -429,6 +439,8 @@ class SplatMetalModel(SplatfactoModel):
         """splatfacto's; a training step's PSNR as -10 log10(MSE) (3 ops: mse_loss, log10, mul) instead of
         torchmetrics' stateful metric (about 25 ops and copies of its state every step). Eval metrics are
         splatfacto's."""
+        if self.training:
+            _check_render_size(outputs["rgb"], self.get_gt_img(batch["image"]))
         if not self.training or self.config.color_corrected_metrics:
             return super().get_metrics_dict(outputs, batch)
         gt_rgb = self.composite_with_background(self.get_gt_img(batch["image"]), outputs["background"])
@@ -444,12 +456,7 @@ class SplatMetalModel(SplatfactoModel):
         zero scale_reg is made on the device (splatfacto copies a host zero there: a host sync on a Mac)."""
         gt_img = self.composite_with_background(self.get_gt_img(batch["image"]), outputs["background"])
         pred_img = outputs["rgb"]  # [H, W, 3]
-        if pred_img.shape != gt_img.shape:  # shapes are host metadata: no device read
-            raise RuntimeError(
-                f"splat-metal: the render is {pred_img.shape[1]}x{pred_img.shape[0]} but its training image is "
-                f"{gt_img.shape[1]}x{gt_img.shape[0]}: the camera handed to the model does not have its image's "
-                "size (a datamanager that undistorts, crops or resizes images must rewrite the cameras to match)"
-            )
+        _check_render_size(pred_img, gt_img)
         if "mask" in batch:  # as splatfacto: masked pixels black in both images
             mask = self._downscale_if_required(batch["mask"]).to(self.device)  # [H, W, 1]
             assert mask.shape[:2] == gt_img.shape[:2] == pred_img.shape[:2]

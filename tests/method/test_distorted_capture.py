@@ -191,6 +191,9 @@ def test_training_steps_render_the_undistorted_sizes(tmp_path_factory, camera_mo
         image = dm.cached_train[idx]["image"]
         assert model.last_size == tuple(image.shape[:2]), (step, idx, model.last_size, image.shape)
         assert model._train_sizes[idx][2] == tuple(image.shape[1::-1])
+    # A render of another size than its image (what the model made before this was fixed): one clear line.
+    with pytest.raises(RuntimeError, match=r"render is 64x48 but its training image is \d+x\d+: the camera"):
+        model.get_metrics_dict({"rgb": torch.zeros(demo_runs.HEIGHT, demo_runs.WIDTH, 3)}, {"image": image[:-1]})
     sizes = _sizes(dm.train_dataset.cameras)
     if camera_model == "OPENCV":
         assert all(w < demo_runs.WIDTH and h < demo_runs.HEIGHT for w, h in sizes), sizes
