@@ -89,10 +89,42 @@ def demo_scene(tmp_path_factory) -> Path:
     return _cache["scene"]
 
 
-def finished_run(tmp_path_factory, name: str, steps: int, extra: Sequence[str] = ()) -> Path:
-    """config.yml of a finished `ns-train splat-metal` run on the demo scene (demo preset + extra)."""
+# A phone-like lens with every OPENCV coefficient nerfstudio undistorts (k1 k2 k3 p1 p2), and a fisheye's k1..k4.
+LENSES = {
+    "OPENCV": {"k1": -0.12, "k2": 0.03, "k3": -0.004, "p1": 0.0015, "p2": -0.001},
+    "OPENCV_FISHEYE": {"k1": 0.05, "k2": -0.01, "k3": 0.002, "k4": -0.0005},
+}
+
+
+def lens_scene(tmp_path_factory, camera_model: str = "OPENCV", per_frame_intrinsics: bool = True) -> Path:
+    """The demo scene (same size, views and seed) shot through LENSES[camera_model], its intrinsics and
+    coefficients per frame or shared, made once per session."""
+    key = f"lens_{camera_model}_{'per_frame' if per_frame_intrinsics else 'shared'}"
+    if key not in _cache:
+        from splat_metal_method.data import demo_scene as generator
+
+        out = shared_temp(tmp_path_factory) / "demo_runs" / key
+        with exclusive(out):
+            if not (out / "transforms.json").is_file():
+                generator.generate(out, width=WIDTH, height=HEIGHT, views=VIEWS, seed=SEED, camera_model=camera_model,
+                                   lens=LENSES[camera_model], per_frame_intrinsics=per_frame_intrinsics)  # fmt: skip
+        _cache[key] = out
+    return _cache[key]
+
+
+def distorted_run(tmp_path_factory) -> Path:
+    """10 steps (SH degree 1 from step 4) on lens_scene's OPENCV scene with per-frame intrinsics and
+    coefficients: nerfstudio undistorts every image and crops it (64x48 to 63x47)."""
+    scene = lens_scene(tmp_path_factory)
+    return finished_run(tmp_path_factory, "distorted", 10, ["--pipeline.model.sh-degree-interval", "4"], scene=scene)
+
+
+def finished_run(
+    tmp_path_factory, name: str, steps: int, extra: Sequence[str] = (), scene: Optional[Path] = None
+) -> Path:
+    """config.yml of a finished `ns-train splat-metal` run on the demo scene, or ``scene`` (demo preset + extra)."""
     if name not in _cache:
-        scene = demo_scene(tmp_path_factory)
+        scene = scene or demo_scene(tmp_path_factory)
         root = shared_temp(tmp_path_factory) / "demo_runs" / name
         config = root / "outputs" / scene.name / "splat-metal" / "run" / "config.yml"
         with exclusive(root):

@@ -15,12 +15,23 @@ for a given ``--seed`` and takes a few seconds on a CPU.
 Written to ``--out``:
   images/frame_00000.png ...  uint8 RGB
   transforms.json             nerfstudio format: camera_model "OPENCV", fl_x, fl_y, cx, cy, w, h,
-                              k1..p2 = 0, frames[{file_path, transform_matrix}] with camera-to-world
+                              k1..p2 = 0 (unless a lens is given), frames[{file_path, transform_matrix}] with camera-to-world
                               in nerfstudio/OpenGL convention (camera looks down -z, +y up), and
                               "ply_file_path": "sparse_pc.ply". The "splat_metal_demo" key records
                               how the scene was made (nerfstudio ignores it).
   sparse_pc.ply               seed points, SfM-like: a noisy subset of the gt means (1,500 points)
                               with slightly noisy colours; binary PLY, x,y,z float + red,green,blue uchar.
+
+Lens distortion (``--camera-model`` OPENCV or OPENCV_FISHEYE with ``--k1 .. --k4 --p1 --p2``, and
+``--per-frame-intrinsics``): the images are shot through the lens, not just labelled with it. Each
+pixel of the distorted image is the mean of 3x3 sub-pixel rays; each ray is the lens model inverted at
+that sub-pixel (OpenCV's undistortPoints, checked by distorting back), looked up in a pinhole render
+wide enough to hold every ray at 3x the lens' central pixel density. So undistorting an image as
+nerfstudio does (cv2.undistort / cv2.fisheye, the pixel centre at i + 0.5 shifted to OpenCV's i)
+gives back the pinhole view of the scene; tests/data/test_distorted_scene.py checks that. The
+coefficients are written as ns-process-data writes them (top level, or per frame with
+``--per-frame-intrinsics``, where every frame gets its own focal length, principal point and
+coefficients, within a few percent of the given ones).
 
 Held-out views: nerfstudio-data's default split (eval_mode="fraction", train_split_fraction=0.9)
 keeps ceil(0.9 * views) images for training and holds out the rest, evenly spaced: with 32 views
@@ -61,6 +72,11 @@ IMAGE_DIR = "images"
 TRANSFORMS = "transforms.json"
 PLY_NAME = "sparse_pc.ply"
 TRAIN_SPLIT_FRACTION = 0.9  # nerfstudio-data's default
+# The lens models nerfstudio's datamanager undistorts, and the coefficients each one takes (as transforms.json
+# names them). OPENCV's k4 is left out: nerfstudio 1.1.5's undistortion refuses it (OpenCV's k4 is a rational term).
+LENS_COEFFICIENTS = {"OPENCV": ("k1", "k2", "k3", "p1", "p2"), "OPENCV_FISHEYE": ("k1", "k2", "k3", "k4")}
+SUPERSAMPLE = 3  # sub-pixels per side when an image is shot through a lens
+MAX_PINHOLE_PIXELS = 100  # the pinhole render behind a lens holds at most this many times the image's pixels
 
 
 def frame_name(i: int) -> str:
@@ -305,6 +321,104 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
     return (images * 255.0).round().to(torch.uint8).numpy()
 
 
+# ----------------------------------------------------------------------------- lens
+
+
+def opencv_coefficients(camera_model: str, lens: dict) -> np.ndarray:
+    """The coefficients in OpenCV's order: (k1, k2, p1, p2, k3) for cv2's OPENCV model, (k1..k4) for
+    cv2.fisheye; absent ones are 0."""
+    order = ("k1", "k2", "p1", "p2", "k3") if camera_model == "OPENCV" else ("k1", "k2", "k3", "k4")
+    return np.array([float(lens.get(k, 0.0)) for k in order])
+
+
+def lens_rays(camera_model: str, lens: dict, pixels: np.ndarray, fx: float, fy: float, cx: float, cy: float):
+    """The pinhole direction (x/z, y/z) [..., 2] each point of ``pixels`` [..., 2] sees through the lens.
+
+    Pixels in nerfstudio's convention (pixel i spans [i, i + 1], its centre at i + 0.5, and cx, cy in the
+    same units), the convention gsplat renders in. The lens model is OpenCV's (nerfstudio undistorts with
+    it), inverted iteratively and checked by distorting the result back."""
+    import cv2
+
+    D = opencv_coefficients(camera_model, lens)
+    distorted = ((pixels - [cx, cy]) / [fx, fy]).reshape(-1, 1, 2)  # normalised image coordinates
+    criteria = (cv2.TERM_CRITERIA_COUNT | cv2.TERM_CRITERIA_EPS, 200, 1e-12)
+    if camera_model == "OPENCV":
+        rays = cv2.undistortPointsIter(distorted, np.eye(3), D, None, None, criteria)
+        back = cv2.projectPoints(
+            np.concatenate([rays, np.ones_like(rays[..., :1])], -1), np.zeros(3), np.zeros(3), np.eye(3), D
+        )[0]
+    else:
+        rays = cv2.fisheye.undistortPoints(distorted, np.eye(3), D, criteria=criteria)
+        back = cv2.fisheye.distortPoints(rays, np.eye(3), D)
+    error = float(np.abs(back - distorted).max())
+    if not error < 1e-6:
+        raise ValueError(
+            f"[demo_scene] the {camera_model} lens {dict(lens)} cannot be inverted over the image (off by {error:.2g}): "
+            "coefficients this strong fold the image over; use smaller ones"
+        )
+    return rays.reshape(pixels.shape)
+
+
+def subpixel_rays(camera_model: str, intrinsics: dict, lens: dict, s: int = SUPERSAMPLE) -> np.ndarray:
+    """lens_rays of the s x s sub-pixel centres of every pixel of a ``intrinsics["w"] x intrinsics["h"]``
+    image: [H*s, W*s, 2]."""
+    W, H = intrinsics["w"], intrinsics["h"]
+    u, v = np.meshgrid((np.arange(W * s) + 0.5) / s, (np.arange(H * s) + 0.5) / s)
+    fx, fy, cx, cy = (float(intrinsics[k]) for k in ("fl_x", "fl_y", "cx", "cy"))
+    return lens_rays(camera_model, lens, np.stack([u, v], -1), fx, fy, cx, cy)
+
+
+def through_lens(pinhole: np.ndarray, K: np.ndarray, rays: np.ndarray, s: int = SUPERSAMPLE) -> np.ndarray:
+    """The image [H, W, C] a lens sees, from a pinhole image [h, w, C] (float) with intrinsics K [3, 3] (pixel
+    centres at i + 0.5) that holds every ray of ``rays`` [H*s, W*s, 2] (subpixel_rays): each ray looked up
+    bilinearly, each pixel the mean of its s x s rays."""
+    import cv2
+
+    map_x = (rays[..., 0] * K[0, 0] + K[0, 2] - 0.5).astype(np.float32)  # cv2.remap: pixel centres at integers
+    map_y = (rays[..., 1] * K[1, 1] + K[1, 2] - 0.5).astype(np.float32)
+    image = cv2.remap(pinhole, map_x, map_y, interpolation=cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
+    H, W = rays.shape[0] // s, rays.shape[1] // s
+    return image.reshape(H, s, W, s, -1).mean(axis=(1, 3))
+
+
+def shoot_through_lens(gaussians, viewmats: torch.Tensor, camera_model: str, cameras: list) -> torch.Tensor:
+    """The images [V, H, W, 3] in [0, 1] cameras with these lenses see (``cameras``: one (intrinsics, lens)
+    per view of ``viewmats`` [V, 4, 4]): through_lens of a pinhole render of each view at SUPERSAMPLE times
+    the lens' central pixel density, just holding every ray (1 px margin); all views rendered in batches on
+    one canvas, each with its own pinhole intrinsics."""
+    s = SUPERSAMPLE
+    W, H = cameras[0][0]["w"], cameras[0][0]["h"]
+    views = []  # per view: rays [H*s, W*s, 2] and its pinhole K [3, 3]
+    for intrinsics, lens in cameras:
+        rays = subpixel_rays(camera_model, intrinsics, lens)
+        fx, fy, lo = s * float(intrinsics["fl_x"]), s * float(intrinsics["fl_y"]), rays.reshape(-1, 2).min(0)
+        views.append((rays, np.array([[fx, 0.0, 1.0 - lo[0] * fx], [0.0, fy, 1.0 - lo[1] * fy], [0.0, 0.0, 1.0]])))
+    pw = max(math.ceil(rays[..., 0].max() * K[0, 0] + K[0, 2]) + 1 for rays, K in views)
+    ph = max(math.ceil(rays[..., 1].max() * K[1, 1] + K[1, 2]) + 1 for rays, K in views)
+    if pw * ph > MAX_PINHOLE_PIXELS * W * H:
+        raise ValueError(
+            f"[demo_scene] the {camera_model} lens {dict(cameras[0][1])} sees too wide a field for a pinhole render "
+            f"({pw}x{ph} for a {W}x{H} image); use smaller coefficients"
+        )
+    Ks = torch.from_numpy(np.stack([K for _, K in views])).float()  # [V, 3, 3]
+    pinholes = render(gaussians, viewmats, Ks, pw, ph).numpy()  # [V, ph, pw, 3]
+    return torch.stack([torch.from_numpy(through_lens(p, K, rays)) for p, (rays, K) in zip(pinholes, views)])
+
+
+def frame_intrinsics(intrinsics: dict, lens: dict, n_views: int, seed: int) -> list[tuple[dict, dict]]:
+    """Per-frame intrinsics and coefficients for --per-frame-intrinsics: focal lengths within 3 %, the
+    principal point within 1.5 px and each coefficient within 15 % of the given ones, per frame."""
+    rng = np.random.default_rng([seed, 3])
+    frames = []
+    for _ in range(n_views):
+        f = rng.uniform(0.97, 1.03)
+        own = dict(intrinsics, fl_x=round(intrinsics["fl_x"] * f, 4), fl_y=round(intrinsics["fl_y"] * f, 4))
+        own["cx"] = round(intrinsics["cx"] + rng.uniform(-1.5, 1.5), 4)
+        own["cy"] = round(intrinsics["cy"] + rng.uniform(-1.5, 1.5), 4)
+        frames.append((own, {k: round(c * rng.uniform(0.85, 1.15), 6) for k, c in lens.items()}))
+    return frames
+
+
 # ----------------------------------------------------------------------------- files
 
 
@@ -398,12 +512,27 @@ def generate(
     height: int = DEFAULT_HEIGHT,
     views: int = DEFAULT_VIEWS,
     seed: int = DEFAULT_SEED,
+    camera_model: str = "OPENCV",
+    lens: dict | None = None,
+    per_frame_intrinsics: bool = False,
 ) -> SceneStats:
-    """Writes the demo scene to ``out`` (see the module docstring) and returns its stats."""
+    """Writes the demo scene to ``out`` (see the module docstring) and returns its stats. ``lens``: the
+    coefficients of ``camera_model`` (LENS_COEFFICIENTS names them; absent ones are 0); the images
+    are then shot through that lens. ``per_frame_intrinsics``: every frame its own intrinsics and
+    coefficients (frame_intrinsics), written per frame."""
     start = time.perf_counter()
     out = Path(out)
     if width < 16 or height < 16:
         raise ValueError(f"[demo_scene] width and height must be >= 16, got {width}x{height}")
+    if camera_model not in LENS_COEFFICIENTS:
+        raise ValueError(f"[demo_scene] camera model {camera_model!r} is not one of {', '.join(LENS_COEFFICIENTS)}")
+    lens = {k: float(v) for k, v in (lens or {}).items()}
+    unknown = sorted(set(lens) - set(LENS_COEFFICIENTS[camera_model]))
+    if unknown:
+        raise ValueError(
+            f"[demo_scene] {camera_model} takes the coefficients {', '.join(LENS_COEFFICIENTS[camera_model])}, "
+            f"not {', '.join(unknown)}"
+        )
     held_out = eval_indices(views)
     if len(held_out) == 0:
         raise ValueError(
@@ -415,18 +544,26 @@ def generate(
     gaussians = make_gaussians(seed)
     c2w, intrinsics = make_cameras(views, width, height, seed)
     viewmats = viewmats_from_c2w(torch.from_numpy(c2w))
-    Ks = intrinsics_matrix(intrinsics).expand(views, 3, 3)
-    images = to_uint8(render(gaussians, viewmats, Ks, width, height))
+    cameras = frame_intrinsics(intrinsics, lens, views, seed) if per_frame_intrinsics else [(intrinsics, lens)] * views
+    if camera_model == "OPENCV" and not any(lens.values()) and not per_frame_intrinsics:  # a pinhole camera
+        images = to_uint8(render(gaussians, viewmats, intrinsics_matrix(intrinsics).expand(views, 3, 3), width, height))
+    else:
+        images = to_uint8(shoot_through_lens(gaussians, viewmats, camera_model, cameras))
     for i, image in enumerate(images):
         Image.fromarray(image, mode="RGB").save(out / frame_name(i), format="PNG", optimize=False)
 
     xyz, rgb = seed_points(gaussians, seed)
     write_ply(out / PLY_NAME, xyz, rgb)
 
+    def coefficients(lens: dict) -> dict:  # as ns-process-data writes them
+        names = ("k1", "k2", "p1", "p2") + (("k3",) if "k3" in lens else ())
+        return {k: lens.get(k, 0.0) for k in (names if camera_model == "OPENCV" else LENS_COEFFICIENTS[camera_model])}
+
+    shared = {} if per_frame_intrinsics else {**intrinsics, **coefficients(lens)}
+    per_frame = [{**own, **coefficients(own_lens)} if per_frame_intrinsics else {} for own, own_lens in cameras]
     transforms = {
-        "camera_model": "OPENCV",
-        **intrinsics,
-        "k1": 0.0, "k2": 0.0, "p1": 0.0, "p2": 0.0,
+        "camera_model": camera_model,
+        **shared,
         "ply_file_path": PLY_NAME,
         MARKER_KEY: {
             "generator": GENERATOR,
@@ -435,9 +572,11 @@ def generate(
             "n_gaussians": int(gaussians["means"].shape[0]),
             "background": list(BACKGROUND),
             "world_up": [0.0, 0.0, 1.0],
+            **({"lens": lens, "per_frame_intrinsics": per_frame_intrinsics} if lens or camera_model != "OPENCV"
+               or per_frame_intrinsics else {}),
         },
         "frames": [
-            {"file_path": frame_name(i), "transform_matrix": c2w[i].tolist()} for i in range(views)
+            {"file_path": frame_name(i), "transform_matrix": c2w[i].tolist(), **per_frame[i]} for i in range(views)
         ],
     }  # fmt: skip
     (out / TRANSFORMS).write_text(json.dumps(transforms, indent=2) + "\n")
@@ -464,9 +603,18 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--height", type=int, default=DEFAULT_HEIGHT, help=f"image height (default {DEFAULT_HEIGHT})")
     parser.add_argument("--views", type=int, default=DEFAULT_VIEWS, help=f"number of cameras (default {DEFAULT_VIEWS})")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"random seed (default {DEFAULT_SEED})")
+    parser.add_argument("--camera-model", choices=list(LENS_COEFFICIENTS), default="OPENCV",
+                        help="lens model the images are shot through (default OPENCV, pinhole unless coefficients are given)")  # fmt: skip
+    for name in ("k1", "k2", "k3", "k4", "p1", "p2"):
+        models = " and ".join(m for m, names in LENS_COEFFICIENTS.items() if name in names)
+        parser.add_argument(f"--{name}", type=float, default=None, help=f"lens coefficient {name} ({models})")
+    parser.add_argument("--per-frame-intrinsics", action="store_true",
+                        help="every frame its own focal length, principal point and coefficients, written per frame")  # fmt: skip
     args = parser.parse_args(argv)
+    lens = {k: getattr(args, k) for k in ("k1", "k2", "k3", "k4", "p1", "p2") if getattr(args, k) is not None}
     try:
-        stats = generate(args.out, width=args.width, height=args.height, views=args.views, seed=args.seed)
+        stats = generate(args.out, width=args.width, height=args.height, views=args.views, seed=args.seed,
+                         camera_model=args.camera_model, lens=lens, per_frame_intrinsics=args.per_frame_intrinsics)  # fmt: skip
     except (FileExistsError, ValueError) as e:
         print(e, file=sys.stderr)
         return 2

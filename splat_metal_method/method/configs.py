@@ -25,7 +25,7 @@ from ..patches import checkpoints
 from ..patches import startup as startup_fix
 from ..patches import viewer as viewer_fixes
 from .mcmc import SplatMetalMCMCModelConfig, apply_schedule_scale
-from .model import SplatMetalModelConfig
+from .model import SplatMetalModelConfig, check_bilateral_grid
 
 viewer_fixes.apply()  # before any Viewer exists: Ctrl-C could hang after a browser left (viewer_fixes.py)
 startup_fix.apply()  # before nerfstudio builds its external-method stand-ins: a third of start-up (startup_fix.py)
@@ -77,6 +77,8 @@ class SplatMetalTrainerConfig(TrainerConfig):
         if isinstance(dataparser, SplatMetalDataParserConfig):  # not when the user picked another dataparser
             data = datamanager.data if datamanager.data is not None else dataparser.data
             check_dataset(data, config=dataparser)  # its downscale factor, split and seed-point options too
+        if isinstance(self.pipeline.model, SplatMetalModelConfig):  # a one-line refusal before any write
+            check_bilateral_grid(self.pipeline.model, self.machine.device_type)
         super().save_config()
 
 

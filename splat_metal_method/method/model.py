@@ -13,12 +13,14 @@ Only what must differ from SplatfactoModel is overridden:
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Literal, Tuple, Type, Union
+from typing import Dict, List, Literal, Optional, Tuple, Type, Union
 
 import torch
+import torch.nn.functional as F
 from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.model_components.lib_bilagrid import total_variation_loss
 from nerfstudio.models.splatfacto import RGB2SH, SplatfactoModel, SplatfactoModelConfig
@@ -59,6 +61,41 @@ def intrinsics(camera: Cameras, scale: int = 1) -> torch.Tensor:  # [C, 3, 3] on
         fx, fy, cx, cy = fx * (1 / scale), fy * (1 / scale), cx * (1 / scale), cy * (1 / scale)
     zero, one = torch.zeros_like(fx), torch.ones_like(fx)
     return torch.cat([fx, zero, cx, zero, fy, cy, zero, zero, one], dim=-1).view(-1, 3, 3)
+
+
+class BilateralGridUnavailable(SystemExit):
+    """--pipeline.model.use-bilateral-grid on a device whose torch lacks grid_sample on 5-D tensors. A
+    SystemExit, so that ns-train prints only the message and exits with status 1."""
+
+
+@functools.lru_cache(maxsize=None)
+def _grid_sample_5d_missing(device: str) -> Optional[str]:
+    """None where ``F.grid_sample`` runs on 5-D tensors (forward and backward) on ``device``, else torch's
+    NotImplementedError. A probe as nerfstudio's BilateralGrid calls it, on a 2x2x2 grid; once per device."""
+    try:
+        grid = torch.zeros(1, 12, 2, 2, 2, device=device, requires_grad=True)  # [N, 12, L, H, W]
+        xyz = torch.zeros(1, 1, 2, 3, 3, device=device)  # [N, m, h, w, 3]
+        F.grid_sample(grid, xyz, mode="bilinear", align_corners=True, padding_mode="border").sum().backward()
+    except NotImplementedError as e:
+        first_sentence = str(e).strip().split(". ")[0].strip()
+        return first_sentence.splitlines()[0] if first_sentence else type(e).__name__
+    return None
+
+
+def check_bilateral_grid(config: "SplatMetalModelConfig", device: Union[str, torch.device]) -> None:
+    """Refuses (BilateralGridUnavailable, one line) the bilateral grid where torch cannot slice it: splatfacto's
+    BilateralGrid runs grid_sample on 5-D tensors, which MPS got only in recent torch releases
+    (pytorch#160541). Checked before ns-train writes anything (configs.py) and before the first step."""
+    if not config.use_bilateral_grid:
+        return
+    device = str(torch.device(device))
+    missing = _grid_sample_5d_missing(device)
+    if missing is not None:
+        raise BilateralGridUnavailable(
+            f"splat-metal: --pipeline.model.use-bilateral-grid needs grid_sample on 5-D tensors, which torch "
+            f"{torch.__version__} does not have on {device} ({missing}); train without it "
+            "(--pipeline.model.use-bilateral-grid False) or with a newer torch (pytorch#160541)"
+        )
 
 
 # torchvision's AlexNet weights, which torchmetrics' LPIPS loads at construction.
@@ -155,10 +192,21 @@ def max_downscale(width: int, height: int, min_size: int) -> int:
     return factor
 
 
+def _check_render_size(render: torch.Tensor, image: torch.Tensor) -> None:  # [H, W, 3] each
+    """One clear line where a training render and its image differ in size (shapes are host metadata: no
+    device read), instead of torch's broadcasting error deep in the loss."""
+    if render.shape[:2] != image.shape[:2]:
+        raise RuntimeError(
+            f"splat-metal: the render is {render.shape[1]}x{render.shape[0]} but its training image is "
+            f"{image.shape[1]}x{image.shape[0]}: the camera handed to the model does not have its image's size "
+            "(a datamanager that undistorts, crops or resizes images must rewrite the cameras to match)"
+        )
+
+
 class SplatMetalModel(SplatfactoModel):
     config: SplatMetalModelConfig
     _downscale_limit: int = 1 << 30  # max_downscale of the current training camera (get_outputs)
-    _train_sizes: Dict[int, Tuple[int, int]]  # cam_idx -> (width, height) of training cameras (get_outputs)
+    _train_sizes: Dict[int, tuple]  # cam_idx -> (camera.width, camera.height, (width, height)) (_train_camera_size)
     _camera_matrices: Dict[int, tuple]  # cam_idx -> viewmat and K of a training camera (_train_camera_matrices)
     gathered_params = None  # distributed runs, rank 0: every shard's gaussians, for the viewer and eval
 
@@ -206,8 +254,8 @@ class SplatMetalModel(SplatfactoModel):
         """splatfacto's resolution schedule, never below min_train_size."""
         return min(super()._get_downscale_factor(), self._downscale_limit)
 
-    def _note_min_train_size(self, pipeline) -> None:
-        cameras = pipeline.datamanager.train_dataset.cameras
+    def _note_min_train_size(self, cameras: Cameras) -> None:
+        """Says once, at the first training step, when min_train_size clamps the resolution schedule."""
         W, H = int(cameras.width.max()), int(cameras.height.max())
         start, limit = 2**self.config.num_downscales, max_downscale(W, H, self.config.min_train_size)
         if start > limit:
@@ -219,20 +267,14 @@ class SplatMetalModel(SplatfactoModel):
                 soft_wrap=True,
             )
 
-    def _note_train_sizes(self, pipeline) -> None:
-        """Every training camera's (width, height), read once from the dataset's cameras (host tensors;
-        the datamanager's copies may be on the device), so that no training step reads a size from the
-        device, the first pass over the cameras included. Keyed by the "cam_idx" the datamanager sets."""
-        cameras = getattr(getattr(pipeline.datamanager, "train_dataset", None), "cameras", None)
-        if cameras is None or len(cameras.shape) != 1:
-            return
-        widths, heights = cameras.width.reshape(-1).tolist(), cameras.height.reshape(-1).tolist()
-        self._train_sizes.update({i: (int(w), int(h)) for i, (w, h) in enumerate(zip(widths, heights))})
-
     def get_training_callbacks(self, training_callback_attributes):
-        if training_callback_attributes.pipeline is not None:
-            self._note_min_train_size(training_callback_attributes.pipeline)
-            self._note_train_sizes(training_callback_attributes.pipeline)
+        pipeline = training_callback_attributes.pipeline
+        cameras = getattr(getattr(getattr(pipeline, "datamanager", None), "train_dataset", None), "cameras", None)
+        if cameras is not None and len(cameras.shape) == 1 and cameras.width.device.type == "cpu":
+            # Kept, not read: the datamanager undistorts (and crops) the images and rewrites these cameras'
+            # sizes only when it first hands out a batch (DESIGN.md §3); _train_camera_size reads them then.
+            self.__dict__["_host_train_cameras"] = cameras
+        check_bilateral_grid(self.config, self.device)
         self_check.ensure_verified(self, self.device, self.config.backend)  # before the first step
         # The NaN/Inf check goes last: after the strategy's densification and the memory hooks.
         self.nonfinite_guard = reliability.NonFiniteGuard(
@@ -245,17 +287,30 @@ class SplatMetalModel(SplatfactoModel):
         )
 
     def _train_camera_size(self, camera: Cameras) -> Tuple[int, int]:
-        """(width, height) of a training camera at full resolution, as ints: noted from the dataset's host
-        cameras before training (_note_train_sizes), else read from the device the first time each camera
-        of the training set (metadata "cam_idx", which nerfstudio's datamanagers set) is seen, then cached;
-        a camera without an index is read every time."""
+        """(width, height) of a training camera at full resolution, as ints, without reading the device.
+
+        Read from the training dataset's host cameras (kept by get_training_callbacks) when the camera of
+        image "cam_idx" (which the datamanager sets) is first seen, or is a new object: by the time the
+        datamanager hands out a camera it has undistorted that image and rewritten the dataset camera's
+        size (nerfstudio crops an undistorted image to its valid area: 96 px wide may become 95), so the
+        sizes are the undistorted ones whether the images were all cached up front or are loaded on
+        demand. Cached per camera object (the datamanager hands out one per image), so steady steps read
+        nothing. Without host cameras or an index, the camera's own size is read (a device read on a GPU)."""
         idx = (camera.metadata or {}).get("cam_idx")
         idx = idx if isinstance(idx, int) else None
-        size = self._train_sizes.get(idx) if idx is not None else None
-        if size is None:
+        entry = self._train_sizes.get(idx) if idx is not None else None
+        if entry is not None and entry[0] is camera.width and entry[1] is camera.height:
+            return entry[2]
+        host = self.__dict__.get("_host_train_cameras")
+        if host is not None and idx is not None and idx < host.shape[0]:
+            # The first training step: every image this datamanager undistorts up front is done.
+            if not self._train_sizes:
+                self._note_min_train_size(host)
+            size = (int(host.width[idx, 0]), int(host.height[idx, 0]))
+        else:
             size = (int(camera.width.max()), int(camera.height.max()))
-            if idx is not None:
-                self._train_sizes[idx] = size
+        if idx is not None:
+            self._train_sizes[idx] = (camera.width, camera.height, size)
         return size
 
     def _train_camera_matrices(self, camera: Cameras, camera_to_world: torch.Tensor, scale: int, device):
@@ -396,6 +451,8 @@ class SplatMetalModel(SplatfactoModel):
         """splatfacto's; a training step's PSNR as -10 log10(MSE) (3 ops: mse_loss, log10, mul) instead of
         torchmetrics' stateful metric (about 25 ops and copies of its state every step). Eval metrics are
         splatfacto's."""
+        if self.training:
+            _check_render_size(outputs["rgb"], self.get_gt_img(batch["image"]))
         if not self.training or self.config.color_corrected_metrics:
             return super().get_metrics_dict(outputs, batch)
         gt_rgb = self.composite_with_background(self.get_gt_img(batch["image"]), outputs["background"])
@@ -411,6 +468,7 @@ class SplatMetalModel(SplatfactoModel):
         zero scale_reg is made on the device (splatfacto copies a host zero there: a host sync on a Mac)."""
         gt_img = self.composite_with_background(self.get_gt_img(batch["image"]), outputs["background"])
         pred_img = outputs["rgb"]  # [H, W, 3]
+        _check_render_size(pred_img, gt_img)
         if "mask" in batch:  # as splatfacto: masked pixels black in both images
             mask = self._downscale_if_required(batch["mask"]).to(self.device)  # [H, W, 1]
             assert mask.shape[:2] == gt_img.shape[:2] == pred_img.shape[:2]
