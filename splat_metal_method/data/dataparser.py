@@ -290,6 +290,14 @@ def check_dataset(
         for key in DISTORTION_KEYS:
             if key in owner:
                 check_value(key, owner[key], where)
+        k4 = _number(owner.get("k4", 0))
+        perspective = isinstance(camera_model, str) and CAMERA_MODEL_TO_TYPE.get(camera_model) == CameraType.PERSPECTIVE
+        if k4 and perspective:
+            problems.append(  # nerfstudio's undistortion asserts on it at the first step
+                f"{where}k4 = {owner['k4']} in {transforms} with camera_model {camera_model}: nerfstudio undistorts k4 "
+                "only for OPENCV_FISHEYE; set k4 to 0 (COLMAP's OPENCV has no k4) or camera_model to OPENCV_FISHEYE "
+                "for a fisheye lens"
+            )
         params = owner.get("distortion_params")
         if params is not None and not (
             isinstance(params, list) and len(params) == 6 and all(_number(x) is not None for x in params)

@@ -172,6 +172,12 @@ def _distortion_invalid(scene_copy, tmp):
     return scene, path, ["frame 2", "k1 = None", "finite number"], {}
 
 
+def _opencv_k4(scene_copy, tmp):
+    scene = scene_copy()
+    path = _edit_transforms(scene, lambda m: m.update(camera_model="OPENCV", k1=-0.05, k4=0.01))
+    return scene, path, ["k4 = 0.01", "OPENCV_FISHEYE"], {}
+
+
 def _no_file_path(scene_copy, tmp):
     scene = scene_copy()
     path = _edit_transforms(scene, lambda m: m["frames"][4].pop("file_path"))
@@ -340,6 +346,7 @@ PARSER_CASES = {
     "per-frame-intrinsic-missing": _per_frame_intrinsic_missing,
     "per-frame-intrinsic-invalid": _per_frame_intrinsic_invalid,
     "distortion-invalid": _distortion_invalid,
+    "opencv-k4": _opencv_k4,
     "no-file-path": _no_file_path,
     "size-differs-from-frame": _size_differs_from_frame,
     "rotated-image": _rotated_image,
