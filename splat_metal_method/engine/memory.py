@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
+import functools
 import gc
 import os
 import threading
@@ -44,6 +45,15 @@ GiB = 1024**3
 # gradients and two Adam moments (944 B) plus per-view projection / SH activations and strategy
 # state (about 1 KB more).
 BYTES_PER_GAUSSIAN = 2048
+# Each SH coefficient above degree 3's 16: 3 floats of parameter, gradient and two Adam moments.
+BYTES_PER_EXTRA_SH_COEFFICIENT = 3 * 4 * 4
+
+
+def bytes_per_gaussian(sh_degree: int = 3) -> int:
+    """Training bytes of one gaussian at ``sh_degree`` (degree 4's 25 coefficients: 2,480 B)."""
+    return BYTES_PER_GAUSSIAN + ((sh_degree + 1) ** 2 - 16) * BYTES_PER_EXTRA_SH_COEFFICIENT
+
+
 GAUSSIAN_MEMORY_FRACTION = 0.5  # the rest: images, per-pixel buffers, intersections, the framework
 # Bytes one tile intersection costs: keys and ids, their sort buffers, and the per-intersection
 # gathers of the compositing that is recomputed in backward.
@@ -187,15 +197,16 @@ def device_memory(device: DeviceLike) -> Optional[int]:
 # ------------------------------------------------------------------------------------------------
 # Budgets
 # ------------------------------------------------------------------------------------------------
-def default_max_gaussians(device: DeviceLike) -> Tuple[Optional[int], str]:
+def default_max_gaussians(device: DeviceLike, sh_degree: int = 3) -> Tuple[Optional[int], str]:
     """(cap, how it was derived) for training on ``device``; (None, why) when memory is unknown."""
     total = device_memory(device)
     if total is None:
         return None, f"no cap: the memory of {device} is unknown"
-    cap = int(total * GAUSSIAN_MEMORY_FRACTION) // BYTES_PER_GAUSSIAN
+    per_gaussian = bytes_per_gaussian(sh_degree)
+    cap = int(total * GAUSSIAN_MEMORY_FRACTION) // per_gaussian
     return cap, (
         f"{GAUSSIAN_MEMORY_FRACTION:.0%} of {total / GiB:.1f} GiB ({_memory_source(device)}) "
-        f"at ~{BYTES_PER_GAUSSIAN} B per gaussian"
+        f"at ~{per_gaussian} B per gaussian"
     )
 
 
@@ -650,7 +661,8 @@ def setup_model_memory(model, max_gaussians: Optional[Tuple[int, str]] = None) -
     device = torch.device(model.kwargs.get("device") or "cpu")
     max_isects, i_source = resolve_budget(config.max_intersections, default_max_intersections, device)
     if max_gaussians is None:
-        max_gaussians, g_source = resolve_budget(config.max_gaussians, default_max_gaussians, device)
+        per_device = functools.partial(default_max_gaussians, sh_degree=config.sh_degree)
+        max_gaussians, g_source = resolve_budget(config.max_gaussians, per_device, device)
         model.strategy = BudgetedStrategy.from_strategy(model.strategy, max_gaussians)
         try:
             model.strategy.rows_on_device = resolve_backend(config.backend, device) == "metal"

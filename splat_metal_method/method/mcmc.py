@@ -193,11 +193,11 @@ def apply_schedule_scale(trainer_config) -> Optional[str]:
             + ", ".join(changed))  # fmt: skip
 
 
-def resolve_cap_max(value: int, device) -> Tuple[int, str]:
+def resolve_cap_max(value: int, device, sh_degree: int = 3) -> Tuple[int, str]:
     """cap_max config value -> (cap, how it was chosen). -1: from the device's memory (gsplat's
     1,000,000 where that is unknown); positive: as given."""
     if value is None or value == -1:
-        cap, source = memory.default_max_gaussians(device)
+        cap, source = memory.default_max_gaussians(device, sh_degree)
         if cap is None:
             return GSPLAT_CAP_MAX, f"gsplat's default ({source})"
         return cap, source
@@ -219,7 +219,7 @@ class SplatMetalMCMCModel(SplatMetalModel):
             )
         super().populate_modules()  # splatfacto's gaussians (seed points or random init), on our ops
         device = torch.device(self.kwargs.get("device") or "cpu")
-        cap, source = resolve_cap_max(cfg.cap_max, device)
+        cap, source = resolve_cap_max(cfg.cap_max, device, cfg.sh_degree)
         n = self.num_points
         with torch.no_grad():
             if n > cap:  # MCMC never grows past the cap, so start within it

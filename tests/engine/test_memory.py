@@ -128,6 +128,18 @@ def test_default_budgets_come_from_device_memory():
     assert budget == int(total * memory.INTERSECTION_MEMORY_FRACTION) // memory.BYTES_PER_INTERSECTION
     assert memory.resolve_budget(-1, memory.default_max_gaussians, "cpu")[0] == cap
     assert memory.resolve_budget(0, memory.default_max_gaussians, "cpu")[0] is None
+
+
+def test_the_gaussian_cap_counts_the_sh_degree():
+    """A degree-4 gaussian holds 25 SH coefficients, not 16: 9 x 3 floats more of parameter, gradient
+    and two Adam moments, so the derived cap is lower (it was degree 3's, ~20% too high)."""
+    assert memory.bytes_per_gaussian(3) == memory.BYTES_PER_GAUSSIAN
+    assert memory.bytes_per_gaussian(4) == memory.BYTES_PER_GAUSSIAN + 9 * 3 * 4 * 4
+    assert memory.bytes_per_gaussian(0) < memory.bytes_per_gaussian(3)
+    total = memory.device_memory("cpu")
+    cap4, why = memory.default_max_gaussians("cpu", sh_degree=4)
+    assert cap4 == int(total * memory.GAUSSIAN_MEMORY_FRACTION) // memory.bytes_per_gaussian(4)
+    assert cap4 < memory.default_max_gaussians("cpu")[0] and str(memory.bytes_per_gaussian(4)) in why
     assert memory.resolve_budget(1234, memory.default_max_gaussians, "cpu")[0] == 1234
 
 
