@@ -204,10 +204,8 @@ def _write_one(g, fmt: str, path: Path, device=None) -> Tuple[int, str]:
 
         return write_playcanvas(g, fmt, path, device)
     if fmt == "ply":
-        from nerfstudio.scripts.exporter import ExportGaussianSplat
+        from .ply_file import write_ply
 
-        write_ply = ExportGaussianSplat.write_ply
-        write_ply = getattr(write_ply, "__wrapped__", write_ply)  # ours writes atomically itself
         write_ply(str(path), g.count, g.ply_columns())
         return path.stat().st_size, ""
     if fmt == "splat":
