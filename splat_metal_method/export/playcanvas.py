@@ -29,12 +29,12 @@ def kmeans_device(model_device=None) -> torch.device:
     return device
 
 
-def write_playcanvas(g: ExportGaussians, fmt: str, path: Path, device=None) -> Tuple[int, str]:
+def write_playcanvas(g: ExportGaussians, fmt: str, path: Path, device=None, report=None) -> Tuple[int, str]:
     notes = []
     if fmt == "sog":
         from .sog_file import encode_sog
 
-        enc = encode_sog(g, device=kmeans_device(device))
+        enc = encode_sog(g, device=kmeans_device(device), report=report)
         data = enc.data
         if enc.palette:
             notes.append(f"SH palette of {enc.palette:,} entries")

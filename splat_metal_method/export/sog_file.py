@@ -44,6 +44,7 @@ import numpy as np
 
 from .compressed_ply_file import ply_arrays, unit_quats
 from .gaussians import ExportGaussians
+from .progress import or_none
 from .quantize import codebook_1d, kmeans, morton_order, palette_size
 
 VERSION = 2
@@ -84,7 +85,9 @@ def _u8(x: np.ndarray) -> np.ndarray:
     return np.clip(np.floor(np.asarray(x, np.float64) + 0.5), 0, 255).astype(np.uint8)
 
 
-def encode_sog(g: ExportGaussians, device=None, generator: str = "splat-metal") -> SogEncoding:
+def encode_sog(g: ExportGaussians, device=None, generator: str = "splat-metal", report=None) -> SogEncoding:
+    """``report(step, done, total)``: progress (progress.py)."""
+    report = or_none(report)
     n = g.count
     a = ply_arrays(g)
     degree = a["sh_degree"]
@@ -140,7 +143,7 @@ def encode_sog(g: ExportGaussians, device=None, generator: str = "splat-metal") 
     if degree > 0:
         coeffs = (degree + 1) ** 2 - 1
         vectors = a["sh_rest"][order].reshape(n, 3 * coeffs)  # f_rest_0.. (channel-major)
-        centroids, labels = kmeans(vectors, palette_size(n), KMEANS_ITERATIONS, device=device)
+        centroids, labels = kmeans(vectors, palette_size(n), KMEANS_ITERATIONS, device=device, progress=report)
         palette = len(centroids)
         sh_book, sh_idx = codebook_1d(centroids)  # [P, 3*coeffs] uint8
         rows = -(-palette // 64)
@@ -153,7 +156,10 @@ def encode_sog(g: ExportGaussians, device=None, generator: str = "splat-metal") 
         meta["shN"] = {"count": palette, "bands": degree, "codebook": [float(v) for v in sh_book],
                        "files": ["shN_centroids.webp", "shN_labels.webp"]}  # fmt: skip
 
-    encoded = {name: _webp(img) for name, img in images.items()}
+    encoded = {}
+    for i, (name, img) in enumerate(images.items()):
+        report("WebP images", i, len(images))
+        encoded[name] = _webp(img)
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
         for name, blob in [("meta.json", json.dumps(meta, separators=(",", ":")).encode()), *encoded.items()]:
