@@ -7,8 +7,8 @@ The run is loaded as ``ns-export`` loads it (nerfstudio's ``eval_setup``: the sa
 cuda if available else cpu, and the same checkpoint, the latest; splat-metal's checkpoint allow-list
 applies because importing this package installs it). Any splatfacto run works, not only splat-metal.
 
-``.ply`` is byte for byte what ``ns-export gaussian-splat`` writes (nerfstudio's own ``write_ply``
-over the same columns); ``.splat``, ``.spz``, ``.sog`` and ``.compressed.ply`` are described in
+``.ply`` is byte for byte what ``ns-export gaussian-splat`` writes (nerfstudio's ``write_ply`` bytes
+over the same columns, written a block at a time: ply_file.py); ``.splat``, ``.spz``, ``.sog`` and ``.compressed.ply`` are described in
 splat_file.py, spz_file.py, sog_file.py and compressed_ply_file.py (the .sog's SH palette is k-means
 on the device the run trains on: playcanvas.py).
 Every requested file is first written to a hidden temporary file in the output folder; only when

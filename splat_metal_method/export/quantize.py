@@ -222,7 +222,8 @@ def two_level(x: np.ndarray, k: int, iterations: int, device: torch.device, seed
     rng = np.random.default_rng(seed)
     sample = x[np.sort(rng.permutation(n)[: COARSE_SAMPLE * cells])]
     coarse = lloyd(sample, cells, iterations, device, rng)[0]
-    cell = nearest(x, coarse, device)[0]
+    probes = nearest(x, coarse, device, min(PROBES, cells))[0]  # [N, P] each point's nearest cells, nearest first
+    cell = probes[:, 0]
     sizes = np.bincount(cell, minlength=cells)
     share = np.diff(np.r_[0, np.cumsum(sizes) * k // n])  # entries per cell, summing to k, <= its points
     first = np.r_[0, np.cumsum(share)]  # cell c owns entries first[c]..first[c+1]
@@ -240,7 +241,6 @@ def two_level(x: np.ndarray, k: int, iterations: int, device: torch.device, seed
         if progress is not None and done[0] % 64 == 0:
             progress("SH palette, per cell", done[0], cells)
 
-    probes = nearest(x, coarse, device, min(PROBES, cells))[0]  # [N, P] each point's nearest cells, nearest first
     p = probes.shape[1]
     pairs = np.argsort(probes.reshape(-1), kind="stable")  # (point, probe) pairs grouped by cell
     pairs = np.split(pairs, np.cumsum(np.bincount(probes.reshape(-1), minlength=cells))[:-1])
