@@ -128,24 +128,34 @@ def decoded(path: Path) -> dict:
     name = path.name
     if name.endswith(".splat"):
         d = read_splat(path)
-        return {"means": d["means"], "rgb": d["rgba"][:, :3], "sh": None}
+        return {"means": d["means"], "rgb": d["rgba"][:, :3], "sh": None, "order": False}
     if name.endswith(".spz"):
         d = read_spz(path)
         rest = d["sh_rest"].transpose(0, 2, 1)  # [N, D, 3] coefficient-major -> [N, 3, D]
     else:
         d = read_sog(path) if name.endswith(".sog") else read_compressed_ply(path)
         rest = d["sh_rest"]  # [N, 3, D]
-    return {"means": d["means"], "rgb": 0.5 + SH_C0 * d["sh_dc"], "sh": rest.reshape(len(rest), -1)}
+    return {
+        "means": d["means"],
+        "rgb": 0.5 + SH_C0 * d["sh_dc"],
+        "sh": rest.reshape(len(rest), -1),
+        "order": name.endswith(".spz"),
+    }
 
 
-def errors(model: dict, d: dict):
+def errors(model: dict, d: dict, sh: bool = True):
     """(SH relative RMS error or None, DC colour RMS error) of a decoded file against the model,
-    each model gaussian matched to the decoded one nearest its position."""
+    each model gaussian matched to the decoded one nearest its position; .spz keeps the .ply's order
+    and is matched by it (splat-transform's .spz is in another frame: y and z negated, which also
+    changes the SH's signs, hence sh=False for it)."""
     from scipy.spatial import cKDTree
 
-    _, idx = cKDTree(d["means"]).query(model["means"], k=1)
+    if d["order"]:
+        idx = np.arange(len(model["means"]))
+    else:
+        _, idx = cKDTree(d["means"]).query(model["means"], k=1)
     colour = float(np.sqrt(((d["rgb"][idx] - model["rgb"]) ** 2).mean()))
-    if d["sh"] is None:
+    if d["sh"] is None or not sh:
         return None, colour
     sh = d["sh"][idx]
     return float(np.sqrt(((sh - model["sh"]) ** 2).sum() / (model["sh"] ** 2).sum())), colour
@@ -205,7 +215,7 @@ def main() -> None:
                 if wall is not None:
                     row["ratio"] = round(row["ours_s"] / wall, 2)
                     if fmt != "ply":
-                        sh, colour = errors(model, decoded(theirs))
+                        sh, colour = errors(model, decoded(theirs), sh=fmt != "spz")
                         row.update(st_sh_err=sh, st_colour_err=colour)
             rows.append(row)
             print(row, flush=True)
