@@ -252,7 +252,8 @@ def two_level(x: np.ndarray, k: int, iterations: int, device: torch.device, seed
             arg, dist = nearest(x[pairs[c] // p], centroids[first[c] : first[c + 1]], device)
             pair_dist[pairs[c]], pair_label[pairs[c]] = dist, arg + first[c]
 
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # numpy releases the GIL
+    workers = (os.cpu_count() or 1) if device.type == "cpu" else 1  # numpy releases the GIL; one GPU queue
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(fine, range(cells)))
         for it in range(REFINE_ITERATIONS + 1):
             list(pool.map(assign, range(cells)))
