@@ -35,8 +35,9 @@ Two mechanisms, each small:
   file where the user's previous export was. When a SplatMetalModel is built in a process that has
   loaded nerfstudio's exporter (that is, in ``ns-export``), ``ExportGaussianSplat.write_ply`` is
   wrapped to write the same bytes to a hidden temporary file in the same folder and rename it over
-  the target. Nothing else of the exporter changes; the patch is idempotent and only active in that
-  process. (Our package is imported by ns-export before the exporter's classes exist, hence the
+  the target, through splat-metal's block writer (export/ply_file.py: the same bytes, tested against
+  nerfstudio's; 1.5M gaussians in seconds instead of minutes). Nothing else of the exporter changes;
+  the patch is idempotent and only active in that process. (Our package is imported by ns-export before the exporter's classes exist, hence the
   model-construction hook instead of an import-time patch.) A SIGKILL can leave a hidden
   ``.NAME.partial-PID`` file behind, never a partial ``NAME``.
 
@@ -484,9 +485,11 @@ def atomic_ply_writer(write_ply: Callable) -> Callable:
     return write
 
 
-def install_atomic_ply_export() -> bool:
-    """Wraps nerfstudio's ExportGaussianSplat.write_ply if the exporter is loaded in this process.
-    Returns whether it is (now) wrapped."""
+def install_atomic_ply_export(writer: Optional[Callable] = None) -> bool:
+    """Wraps nerfstudio's ExportGaussianSplat.write_ply if the exporter is loaded in this process;
+    ``writer``, a function with its signature that writes the same bytes, then writes instead
+    (the method passes export.ply_file's, which writes a block of rows at a time; nerfstudio's own
+    stays on the wrapper as ``nerfstudio_write_ply``). Returns whether it is (now) wrapped."""
     exporter = sys.modules.get("nerfstudio.scripts.exporter")
     cls = getattr(exporter, "ExportGaussianSplat", None)
     if cls is None:
@@ -496,5 +499,7 @@ def install_atomic_ply_export() -> bool:
     if func is None:
         return False
     if not getattr(func, _ATOMIC_MARK, False):
-        cls.write_ply = staticmethod(atomic_ply_writer(func))
+        write = atomic_ply_writer(writer or func)
+        write.nerfstudio_write_ply = func  # type: ignore[attr-defined]
+        cls.write_ply = staticmethod(write)
     return True

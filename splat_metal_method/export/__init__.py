@@ -6,7 +6,11 @@
 - ``spz_file``: Niantic's ``.spz`` version 3 (gzip, quantised, keeps SH).
 - ``sog_file``: PlayCanvas's ``.sog`` (SuperSplat's format: WebP images, codebooks, SH palette).
 - ``compressed_ply_file``: PlayCanvas's ``.compressed.ply`` (chunks of 256, packed fields, 8-bit SH).
-- ``quantize``: Morton order, 256-entry 1-D codebooks and the k-means SH palette they share.
+- ``ply_file``: the .ply bytes of nerfstudio's ``write_ply``, a block of rows at a time (also what
+  ``ns-export gaussian-splat`` writes with, through engine/reliability.py's patch).
+- ``quantize``: Morton order, 256-entry 1-D codebooks and the k-means SH palette they share (exact,
+  or a two-level codebook beyond 2^28 distances per iteration).
+- ``progress``: the rich progress bars and per-file times of the command.
 - ``playcanvas``: writes either PlayCanvas format for the command.
-- ``cli``: the tyro command; ``.ply`` bytes come from nerfstudio's own writer.
+- ``cli``: the tyro command.
 """

@@ -7,8 +7,8 @@ The run is loaded as ``ns-export`` loads it (nerfstudio's ``eval_setup``: the sa
 cuda if available else cpu, and the same checkpoint, the latest; splat-metal's checkpoint allow-list
 applies because importing this package installs it). Any splatfacto run works, not only splat-metal.
 
-``.ply`` is byte for byte what ``ns-export gaussian-splat`` writes (nerfstudio's own ``write_ply``
-over the same columns); ``.splat``, ``.spz``, ``.sog`` and ``.compressed.ply`` are described in
+``.ply`` is byte for byte what ``ns-export gaussian-splat`` writes (nerfstudio's ``write_ply`` bytes
+over the same columns, written a block at a time: ply_file.py); ``.splat``, ``.spz``, ``.sog`` and ``.compressed.ply`` are described in
 splat_file.py, spz_file.py, sog_file.py and compressed_ply_file.py (the .sog's SH palette is k-means
 on the device the run trains on: playcanvas.py).
 Every requested file is first written to a hidden temporary file in the output folder; only when
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Literal, Optional, Tuple
@@ -88,7 +89,9 @@ class ExportSplats:
 
         from .gaussians import export_gaussians
 
+        started = time.perf_counter()
         _, pipeline, checkpoint, step = eval_setup(self.load_config, test_mode="inference")
+        loaded = time.perf_counter() - started
         model = pipeline.model
         if not isinstance(model, SplatfactoModel):  # _check_run read the config; the checkpoint may differ
             raise ExportError(f"{self.load_config} loads a {type(model).__name__}, not a gaussian-splatting model")
@@ -107,15 +110,15 @@ class ExportSplats:
 
         CONSOLE.print(
             f"[bold]{PROG}[/bold]: {g.count:,} gaussians (of {g.n_model:,}{'; ' + dropped if dropped else ''}), "
-            f"SH degree {g.sh_degree}, step {step}, from {checkpoint}",
+            f"SH degree {g.sh_degree}, step {step}, from {checkpoint} (loaded in {loaded:.1f} s)",
             soft_wrap=True,
         )
         ply = sizes.get("ply")
         for fmt, target in zip(formats, targets):
-            size, note = sizes[fmt]
+            size, note, seconds = sizes[fmt]
             ratio = f", {ply[0] / size:.1f}x smaller than .ply" if ply and fmt != "ply" else ""
             CONSOLE.print(
-                f"  {target}  {size:,} bytes  {size / g.count:.1f} bytes/gaussian{ratio}{note}",
+                f"  {target}  {size:,} bytes  {size / g.count:.1f} bytes/gaussian{ratio}{note}  ({seconds:.1f} s)",
                 highlight=False, soft_wrap=True,
             )  # fmt: skip
         return targets
@@ -196,15 +199,19 @@ def _check_run(config_path: Path) -> None:
 
 def _write_all(g, formats: List[str], targets: List[Path], device=None) -> dict:
     """Writes every format to a temporary file, then renames them all into place.
-    Returns {format: (bytes, note)}."""
+    Returns {format: (bytes, note, seconds)}."""
     from ..engine.reliability import atomic_path
+    from .progress import export_progress
 
     sizes = {}
     try:
         with contextlib.ExitStack() as stack:
+            bar = stack.enter_context(export_progress())
             for fmt, target in zip(formats, targets):
                 tmp = stack.enter_context(atomic_path(target))
-                sizes[fmt] = _write_one(g, fmt, tmp, device)
+                started = time.perf_counter()
+                size, note = _write_one(g, fmt, tmp, device, bar(target.name))
+                sizes[fmt] = (size, note, time.perf_counter() - started)
     except KeyboardInterrupt:
         raise ExportError("interrupted; nothing was written (files already there are untouched).") from None
     except ValueError as e:  # the model holds values a format cannot represent
@@ -216,17 +223,22 @@ def _write_all(g, formats: List[str], targets: List[Path], device=None) -> dict:
     return sizes
 
 
-def _write_one(g, fmt: str, path: Path, device=None) -> Tuple[int, str]:
+def _write_one(g, fmt: str, path: Path, device=None, report=None) -> Tuple[int, str]:
     if fmt in ("sog", "compressed-ply"):
         from .playcanvas import write_playcanvas
 
-        return write_playcanvas(g, fmt, path, device)
+        return write_playcanvas(g, fmt, path, device, report)
     if fmt == "ply":
-        from nerfstudio.scripts.exporter import ExportGaussianSplat
+        from .ply_file import write_ply
 
-        write_ply = ExportGaussianSplat.write_ply
-        write_ply = getattr(write_ply, "__wrapped__", write_ply)  # ours writes atomically itself
-        write_ply(str(path), g.count, g.ply_columns())
+        rows = [0]
+
+        def block(n: int) -> None:
+            rows[0] += n
+            if report is not None:
+                report("rows", rows[0], g.count)
+
+        write_ply(str(path), g.count, g.ply_columns(), block)
         return path.stat().st_size, ""
     if fmt == "splat":
         from .splat_file import encode_splat

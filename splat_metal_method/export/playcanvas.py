@@ -1,7 +1,7 @@
 """The PlayCanvas formats for ``splat-metal-export --format sog compressed-ply``: writes one to a
 (temporary) path and returns its size and the note the command prints after it.
 
-The .sog's SH palette (k-means, the costly part: N x palette x 3(K-1) per iteration) runs on the
+The .sog's SH palette (k-means, the costly part; quantize.kmeans) runs on the
 device the run trains on: nerfstudio's loader puts the model on "cuda if available else cpu", never
 mps, so a model on the CPU clusters on mps > cuda > cpu (the order ``ns-train splat-metal`` picks),
 one on a GPU on that GPU. The same machine gives the same bytes; another device may round a
@@ -29,12 +29,12 @@ def kmeans_device(model_device=None) -> torch.device:
     return device
 
 
-def write_playcanvas(g: ExportGaussians, fmt: str, path: Path, device=None) -> Tuple[int, str]:
+def write_playcanvas(g: ExportGaussians, fmt: str, path: Path, device=None, report=None) -> Tuple[int, str]:
     notes = []
     if fmt == "sog":
         from .sog_file import encode_sog
 
-        enc = encode_sog(g, device=kmeans_device(device))
+        enc = encode_sog(g, device=kmeans_device(device), report=report)
         data = enc.data
         if enc.palette:
             notes.append(f"SH palette of {enc.palette:,} entries")

@@ -22,8 +22,9 @@ W = ceil(sqrt(N) / 4) * 4, H = ceil(N / W / 4) * 4; unused texels are zero.
 
 The codebooks are k-means (quantize.py): 1-D into 256 entries for log scales, DC colour and the
 palette's values; the palette itself is k-means of the [N, 3(K-1)] SH vectors into
-splat-transform's palette size (quantize.palette_size: 65,536 from 65,536 gaussians on), run on the
-device the model is on. Bytes that splat-transform truncates are rounded here (positions,
+splat-transform's palette size (quantize.palette_size: 65,536 from 65,536 gaussians on): exact up to
+2^28 point-entry distances per iteration, a two-level codebook refined by inverted-file Lloyd
+iterations beyond (quantize.kmeans; 1.5M gaussians in seconds of CPU), on the device the model is on. Bytes that splat-transform truncates are rounded here (positions,
 quaternions, opacity), which halves their worst error; every reader decodes them the same way.
 SH degree 4 models keep bands 1-3 (meta.shN.bands is at most 3).
 
@@ -44,6 +45,7 @@ import numpy as np
 
 from .compressed_ply_file import ply_arrays, unit_quats
 from .gaussians import ExportGaussians
+from .progress import or_none
 from .quantize import codebook_1d, kmeans, morton_order, palette_size
 
 VERSION = 2
@@ -84,7 +86,9 @@ def _u8(x: np.ndarray) -> np.ndarray:
     return np.clip(np.floor(np.asarray(x, np.float64) + 0.5), 0, 255).astype(np.uint8)
 
 
-def encode_sog(g: ExportGaussians, device=None, generator: str = "splat-metal") -> SogEncoding:
+def encode_sog(g: ExportGaussians, device=None, generator: str = "splat-metal", report=None) -> SogEncoding:
+    """``report(step, done, total)``: progress (progress.py)."""
+    report = or_none(report)
     n = g.count
     a = ply_arrays(g)
     degree = a["sh_degree"]
@@ -140,7 +144,7 @@ def encode_sog(g: ExportGaussians, device=None, generator: str = "splat-metal") 
     if degree > 0:
         coeffs = (degree + 1) ** 2 - 1
         vectors = a["sh_rest"][order].reshape(n, 3 * coeffs)  # f_rest_0.. (channel-major)
-        centroids, labels = kmeans(vectors, palette_size(n), KMEANS_ITERATIONS, device=device)
+        centroids, labels = kmeans(vectors, palette_size(n), KMEANS_ITERATIONS, device=device, progress=report)
         palette = len(centroids)
         sh_book, sh_idx = codebook_1d(centroids)  # [P, 3*coeffs] uint8
         rows = -(-palette // 64)
@@ -153,7 +157,10 @@ def encode_sog(g: ExportGaussians, device=None, generator: str = "splat-metal") 
         meta["shN"] = {"count": palette, "bands": degree, "codebook": [float(v) for v in sh_book],
                        "files": ["shN_centroids.webp", "shN_labels.webp"]}  # fmt: skip
 
-    encoded = {name: _webp(img) for name, img in images.items()}
+    encoded = {}
+    for i, (name, img) in enumerate(images.items()):
+        report("WebP images", i, len(images))
+        encoded[name] = _webp(img)
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
         for name, blob in [("meta.json", json.dumps(meta, separators=(",", ":")).encode()), *encoded.items()]:

@@ -30,8 +30,10 @@ same with its default "unspecified" coordinate system).
 
 from __future__ import annotations
 
-import gzip
+import os
 import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict
 
@@ -46,6 +48,10 @@ FRACTIONAL_BITS = 12  # Niantic's packer always uses 12; fewer only when positio
 COLOR_SCALE = 0.15
 SH1_BITS, SH_REST_BITS = 5, 4
 HEADER = struct.Struct("<IIIBBBB")
+GZIP_LEVEL = 6  # zlib's default, as the reference packer
+GZIP_BLOCK = 1 << 22  # bytes deflated per task
+BLOCK = 1 << 16  # rows of SH packed at a time
+WINDOW = 1 << 15  # deflate's window: each block is primed with the 32 KiB before it
 _F = np.float32
 
 
@@ -86,13 +92,17 @@ def _pack_quats(quats_wxyz: np.ndarray) -> np.ndarray:  # [N, 4] -> [N, 4] uint8
 
 
 def _pack_sh(sh_rest: np.ndarray, clamped: Dict[str, int]) -> np.ndarray:  # [N, D, 3] -> [N*D*3] uint8
-    q = _round(sh_rest.astype(_F) * _F(128)) + 128  # [N, D, 3]
     bucket = np.full(sh_rest.shape[1], 1 << (8 - SH_REST_BITS), np.int64)
     bucket[:3] = 1 << (8 - SH1_BITS)  # band 1: coefficients 0..2
-    q = q.astype(np.int64)
-    q = (q + bucket[None, :, None] // 2) // bucket[None, :, None] * bucket[None, :, None]
-    clamped["sh"] = int(((q < 0) | (q > 255)).sum())
-    return np.clip(q, 0, 255).astype(np.uint8).reshape(-1)
+    bucket = bucket[None, :, None]
+    out = np.empty(sh_rest.shape, np.uint8)
+    clamped["sh"] = 0
+    for s in range(0, len(sh_rest), BLOCK):  # in blocks of rows: temporaries of a few MB
+        q = (_round(sh_rest[s : s + BLOCK].astype(_F) * _F(128)) + 128).astype(np.int64)  # [B, D, 3]
+        q = (q + bucket // 2) // bucket * bucket
+        clamped["sh"] += int(((q < 0) | (q > 255)).sum())
+        out[s : s + BLOCK] = np.clip(q, 0, 255)
+    return out.reshape(-1)
 
 
 @dataclass
@@ -101,6 +111,26 @@ class SpzEncoding:
     fractional_bits: int
     payload_bytes: int  # size before gzip
     clamped: Dict[str, int] = field(default_factory=dict)  # values outside a field's range, per field
+
+
+def gzip_blocks(payload: bytes) -> bytes:
+    """One gzip member of ``payload``, deflated in 4 MiB blocks on every core, as pigz does: each
+    block primed with the 32 KiB before it (so matches reach back across blocks as in one stream)
+    and ended with a sync flush, the last with the final block. Any gzip reader reads it as one
+    stream; the bytes do not depend on the number of cores; within 0.1% of gzip.compress's size."""
+    view = memoryview(payload)
+    starts = range(0, max(len(payload), 1), GZIP_BLOCK)
+
+    def deflate(start: int) -> bytes:
+        dictionary = bytes(view[max(0, start - WINDOW) : start])
+        z = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, -15, **({"zdict": dictionary} if dictionary else {}))
+        last = start + GZIP_BLOCK >= len(payload)
+        return z.compress(view[start : start + GZIP_BLOCK]) + z.flush(zlib.Z_FINISH if last else zlib.Z_SYNC_FLUSH)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # zlib releases the GIL
+        body = b"".join(pool.map(deflate, starts))
+    header = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"  # gzip, deflate, no flags, mtime 0, unknown OS
+    return header + body + struct.pack("<II", zlib.crc32(payload), len(payload) & 0xFFFFFFFF)
 
 
 def encode_spz(g: ExportGaussians) -> SpzEncoding:
@@ -122,5 +152,5 @@ def encode_spz(g: ExportGaussians) -> SpzEncoding:
         positions.tobytes(), alphas.tobytes(), colors.tobytes(), scales.tobytes(),
         _pack_quats(g.quats).tobytes(), _pack_sh(g.sh_rest, clamped).tobytes(),
     ])  # fmt: skip
-    data = gzip.compress(payload, compresslevel=6, mtime=0)  # zlib's default level, as the reference
+    data = gzip_blocks(payload)
     return SpzEncoding(data, bits, len(payload), {k: v for k, v in clamped.items() if v})

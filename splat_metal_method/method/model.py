@@ -27,6 +27,7 @@ from nerfstudio.models.splatfacto import RGB2SH, SplatfactoModel, SplatfactoMode
 from nerfstudio.utils.rich_utils import CONSOLE
 
 from ..engine import distributed, memory, reliability
+from ..export.ply_file import write_ply
 from ..ops import IntersectionCapacities, rasterization
 from ..ops.composite import composite_background
 from ..ops.constants import SH_MAX_DEGREE
@@ -233,7 +234,7 @@ class SplatMetalModel(SplatfactoModel):
         self._camera_matrices = {}
         self.isect_capacities = IntersectionCapacities()  # of the training steps' padded lists (ops/metal/isect.py)
         self.memory = memory.setup_model_memory(self)  # caps self.strategy; hooks via get_training_callbacks
-        reliability.install_atomic_ply_export()  # in ns-export only: the .ply is written, then renamed
+        reliability.install_atomic_ply_export(write_ply)  # in ns-export only: same bytes, fast, then renamed
 
     def load_state_dict(self, dict, **kwargs):  # type: ignore[override]
         """Resizes the gaussians to the checkpoint's count IN PLACE, then loads.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -130,10 +131,18 @@ def cli_exports(edited_run, tmp_path_factory):
     result = run_cli([_console_script()], "--load-config", edited_run, "--output-dir", out / "ours",
                      "--format", "ply", "splat", "spz", timeout=600)  # fmt: skip
     assert result.returncode == 0, result.tail()
-    # nerfstudio's own exporter, in this process (its command line is tested in test_export_roundtrip.py)
+    # nerfstudio's own exporter, in this process (its command line is tested in test_export_roundtrip.py),
+    # without splat-metal's patch: its own writer, value by value
     from nerfstudio.scripts.exporter import ExportGaussianSplat
 
-    ExportGaussianSplat(load_config=edited_run, output_dir=out / "ns").main()
+    from splat_metal_method.engine import reliability
+
+    current = ExportGaussianSplat.__dict__["write_ply"].__func__  # patched if a model was built here before
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ExportGaussianSplat, "write_ply", staticmethod(getattr(current, "nerfstudio_write_ply", current)))
+        m.setattr(reliability, "install_atomic_ply_export", lambda *args: False)
+        ExportGaussianSplat(load_config=edited_run, output_dir=out / "ns").main()
+        assert not hasattr(ExportGaussianSplat.write_ply, "nerfstudio_write_ply")  # nerfstudio's own wrote it
     pipeline, _, _ = demo_runs.load_pipeline(edited_run)
     return out, result, pipeline
 
@@ -151,6 +160,52 @@ def test_cli_ply_is_byte_identical_to_ns_export_and_prints_sizes(cli_exports):
     for name in ("splat.ply", "splat.splat", "splat.spz"):
         size = (out / "ours" / name).stat().st_size
         assert f"{name} {size:,} bytes {size / n:.1f} bytes/gaussian" in text, f"no size line for {name}:\n{text}"
+        assert re.search(rf"{name} {size:,} bytes [^(]* \(\d+\.\d s\)", text), f"no time for {name}:\n{text}"
+    assert re.search(r"\(loaded in \d+\.\d s\)", text), text
+
+
+def test_ply_writer_is_nerfstudios_bytes(cli_exports, tmp_path):
+    """export/ply_file.write_ply against nerfstudio 1.1.5's own write_ply (value by value): the
+    demo run's columns as ns-export builds them, and the other columns nerfstudio's writer accepts
+    (float64, float16, [N, 1], uint8); its errors with its messages. And ns-export writes with it."""
+    from nerfstudio.scripts.exporter import ExportGaussianSplat
+
+    from splat_metal_method.engine import reliability
+    from splat_metal_method.export import ply_file
+    from splat_metal_method.export.gaussians import export_gaussians
+
+    _, _, pipeline = cli_exports
+    with pytest.MonkeyPatch.context() as m:
+        current = ExportGaussianSplat.__dict__["write_ply"].__func__
+        m.setattr(ExportGaussianSplat, "write_ply", staticmethod(getattr(current, "nerfstudio_write_ply", current)))
+        assert reliability.install_atomic_ply_export(ply_file.write_ply)  # what the model does in ns-export
+        wrapper = ExportGaussianSplat.write_ply
+        theirs = wrapper.nerfstudio_write_ply
+    assert wrapper.__wrapped__ is ply_file.write_ply and theirs.__module__ == "nerfstudio.scripts.exporter"
+
+    g = export_gaussians(pipeline.model)
+    rng = np.random.default_rng(0)
+    odd = g.ply_columns()
+    odd["x"] = odd["x"].astype(np.float64)[:, None]
+    odd["f16"] = rng.normal(size=g.count).astype(np.float16)
+    odd["red"] = rng.integers(0, 256, g.count).astype(np.uint8)
+    odd["big"] = rng.normal(size=g.count) * 1e39  # float64 beyond float32's range: inf, as np.float32 makes it
+    for name, cols, count in (("demo", g.ply_columns(), g.count), ("odd", odd, np.int64(g.count))):
+        theirs(str(tmp_path / f"{name}_ns.ply"), count, cols)
+        ply_file.write_ply(str(tmp_path / f"{name}_ours.ply"), count, cols)
+        assert (tmp_path / f"{name}_ours.ply").read_bytes() == (tmp_path / f"{name}_ns.ply").read_bytes(), name
+    one_block = ply_file.BLOCK_ROWS
+    assert g.count < one_block  # the block boundary: a scene of more rows than a block
+    big = {k: np.resize(v, one_block + 3) for k, v in g.ply_columns().items()}
+    theirs(str(tmp_path / "big_ns.ply"), one_block + 3, big)
+    ply_file.write_ply(str(tmp_path / "big_ours.ply"), one_block + 3, big)
+    assert (tmp_path / "big_ours.ply").read_bytes() == (tmp_path / "big_ns.ply").read_bytes()
+    for cols, count in (({"x": np.zeros(3, np.float32)}, 4), ({"x": np.zeros(3, np.int32)}, 3)):
+        with pytest.raises(ValueError) as e_ns:
+            theirs(str(tmp_path / "bad.ply"), count, cols)
+        with pytest.raises(ValueError) as e_ours:
+            ply_file.write_ply(str(tmp_path / "bad.ply"), count, cols)
+        assert str(e_ours.value) == str(e_ns.value)
 
 
 def test_splat_fields_order_and_size(cli_exports):

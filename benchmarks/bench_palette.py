@@ -1,0 +1,61 @@
+"""The .sog's SH palette (export/quantize.py ``kmeans``): the two-level palette against exact k-means
+on the same SH vectors, relative RMS error and CPU seconds (of the process: the load of a shared
+machine does not change them; wall seconds are printed too).
+
+    python benchmarks/bench_palette.py 30000:4096 40000:32768 1500000:65536 [--no-exact-above 100000]
+
+The SH vectors: bands 1-3 (45 values, channel-major) as bench_export_scale.py makes them (4,096
+shared "materials", Laplace, per band 0.12 / 0.06 / 0.03, the channels alike, times a per-gaussian
+gain, plus a per-gaussian Laplace part at 0.3 of that scale), --seed 0 (docs/export.md's 30,000-point
+row: --seed 3). Exact k-means at 1.5M is ~10^14 operations: skipped above --no-exact-above points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+SH_SCALE = np.array([0.12] * 3 + [0.06] * 5 + [0.03] * 7)  # per coefficient of bands 1-3
+
+
+def sh_vectors(n: int, seed: int) -> np.ndarray:  # [N, 45] channel-major
+    rng = np.random.default_rng(seed)
+    rng.normal(size=(max(1, n // 2000), 3))  # (the positions the generator draws first)
+    rng.integers(0, max(1, n // 2000), n)
+    rng.normal(size=(n, 3))
+    materials = rng.laplace(size=(4096, 15, 1)) * SH_SCALE[:, None]
+    rest = materials[rng.integers(0, 4096, n)] * (1 + 0.2 * rng.normal(size=(n, 1, 3)))
+    rest = rest + rng.laplace(size=(n, 15, 3)) * 0.3 * SH_SCALE[:, None]  # [N, 15, 3]
+    return rest.transpose(0, 2, 1).reshape(n, -1).astype(np.float32)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sizes", nargs="+", help="points:palette, e.g. 40000:32768")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-exact-above", type=int, default=100_000)
+    args = parser.parse_args()
+    from splat_metal_method.export import quantize
+
+    print("| points → palette | exact k-means | two-level palette |\n|---|---:|---:|")
+    for size in args.sizes:
+        n, k = map(int, size.split(":"))
+        x = sh_vectors(n, args.seed)
+        cells = []
+        for mode, limit in (("exact", 1 << 62), ("two-level", 0)):
+            if mode == "exact" and n > args.no_exact_above:
+                cells.append("not run")
+                continue
+            quantize.EXACT_LIMIT = limit
+            wall, cpu = time.perf_counter(), time.process_time()
+            centroids, labels = quantize.kmeans(x, k, 10)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            rel = float(np.sqrt(((centroids[labels] - x) ** 2).sum() / (x**2).sum()))
+            cells.append(f"{rel:.4f} ({cpu:.1f} s CPU, {wall:.1f} s wall)")
+        print(f"| {n:,} → {k:,} | {cells[0]} | {cells[1]} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
