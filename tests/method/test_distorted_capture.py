@@ -51,13 +51,14 @@ def _sizes(cameras) -> list:
 def test_nerfstudio_undistorts_to_smaller_sizes(pipeline):
     """The premise of the tests below: the eval images, once undistorted, are smaller than the photos
     (so a size taken before undistortion would show). Each frame has its own intrinsics and
-    coefficients, but nerfstudio's crop (cv2.getOptimalNewCameraMatrix, alpha 0) gives them one size."""
+    coefficients, but nerfstudio's crop (cv2.getOptimalNewCameraMatrix, alpha 0) gives them one size.
+    Our datamanager rewrites the cameras when it is built (data/image_stream.py undistort_cameras), so
+    they hold the cropped sizes before any image is decoded, and the decoded images agree."""
     dm = pipeline.datamanager
-    assert set(_sizes(dm.eval_dataset.cameras)) == {(demo_runs.WIDTH, demo_runs.HEIGHT)}  # as written
-    data = dm.cached_eval  # undistorts, crops and rewrites the cameras
     sizes = _sizes(dm.eval_dataset.cameras)
-    assert [tuple(d["image"].shape[1::-1]) for d in data] == sizes
     assert all(w < demo_runs.WIDTH and h < demo_runs.HEIGHT for w, h in sizes), sizes
+    data = dm.cached_eval  # decodes and undistorts the held-out photos
+    assert [tuple(d["image"].shape[1::-1]) for d in data] == sizes == _sizes(dm.eval_dataset.cameras)
 
 
 def test_resume_with_load_dir(run, tmp_path_factory, tmp_path):
@@ -88,9 +89,10 @@ def test_ns_eval_scores_undistorted_views_at_their_sizes(run, pipeline, tmp_path
             assert im.size == (2 * w, h), (path.name, im.size, (w, h))
 
 
-def test_ns_render_dataset(run, tmp_path):
-    """`ns-render dataset` renders every held-out camera of the distorted dataset (as written: nerfstudio
-    renders dataset cameras without undistorting, splatfacto's behaviour too)."""
+def test_ns_render_dataset(run, pipeline, tmp_path):
+    """`ns-render dataset` renders every held-out camera of the distorted dataset at its undistorted
+    size: our datamanager, which ns-render builds, gives its cameras the undistorted intrinsics and crop
+    when it is built, so the renders line up with the undistorted photos they are compared with."""
     if shutil.which("ffmpeg") is None:
         pytest.skip("ns-render refuses to run without ffmpeg")
     out = tmp_path / "render"
@@ -99,9 +101,12 @@ def test_ns_render_dataset(run, tmp_path):
                        tmp_path, "ns-render")  # fmt: skip
     frames = sorted(out.rglob("*.png"))
     assert len(frames) == demo_runs.N_EVAL, frames
+    sizes = set(_sizes(pipeline.datamanager.eval_dataset.cameras))
+    assert len(sizes) == 1 and all(w < demo_runs.WIDTH and h < demo_runs.HEIGHT for w, h in sizes), sizes
+    (w, h) = sizes.pop()
     for frame in frames:
         image = np.asarray(Image.open(frame).convert("RGB"))
-        assert image.shape == (demo_runs.HEIGHT, demo_runs.WIDTH, 3) and image.std() > 5
+        assert image.shape == (h, w, 3) and image.std() > 5, (frame.name, image.shape)
 
 
 def test_viewer_on_the_distorted_run(run, tmp_path):
