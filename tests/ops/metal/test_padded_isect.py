@@ -95,20 +95,34 @@ def test_padded_lists_at_other_tile_sizes(tile_size, monkeypatch, caps):
     assert_gradients_close(got[3], exact[3])
 
 
-def test_multi_pass_plan_without_lengths(monkeypatch, caps):
-    """Tiles longer than a pass's chunk: passes planned from the capacity bound (no read of the lengths)
-    give the exact render."""
-    from splat_metal_method.ops.metal import rasterize
+@pytest.mark.parametrize("C", [1, 2])
+def test_bands_planned_from_rows_seen_a_step_late(monkeypatch, caps, C):
+    """A render whose work passes the command-buffer budget is cut into bands of tile rows planned from the
+    intersections per row the device reported at an earlier call (read without waiting): no read of the
+    device, each band's first row a kernel argument (no copy of means2d, no slice per band), exact."""
+    from splat_metal_method.bench import step_ledger
 
-    monkeypatch.setattr(rasterize, "RASTER_CHUNK", 16)
-    *params, viewmats = scene(n=400, seed=3)
-    exact = render(params, viewmats, 64, 48)
-    monkeypatch.setattr(rasterize, "RASTER_CHUNK", 16)
-    render(params, viewmats, 64, 48, caps=caps)  # sizes the capacity
+    *params, viewmats = scene(n=400, C=C, seed=3)
+    exact = render(params, viewmats, 70, 45)
+    render(params, viewmats, 70, 45, caps=caps)  # sizes the capacity
+    render(params, viewmats, 70, 45, caps=caps)  # reads the rows of the first (CPU: at once)
+    state = next(iter(caps._grids.values()))
+    assert state.rows is not None and sum(state.rows) == exact[2]["flatten_ids"].numel()  # M of the exact lists
+    total_work = 16 * 16 * sum(state.rows)
+    with step_ledger.count("one dispatch") as whole:
+        render(params, viewmats, 70, 45, caps=caps)
+    monkeypatch.setattr(runtime, "COMMAND_BUFFER_BUDGET", total_work * runtime.BWD_WORK_FACTOR // 3)
     reads = []
     monkeypatch.setattr(runtime, "host_read", lambda t: reads.append(t) or t.cpu())
-    got = render(params, viewmats, 64, 48, caps=caps)
-    assert reads == [], "a padded render read the device"
+    runtime.reset_launch_counts()
+    runtime.reset_command_buffers()
+    with step_ledger.count("bands") as led:
+        got = render(params, viewmats, 70, 45, caps=caps)
+    assert reads == [] and led.host_syncs == 0, "a padded render read the device"
+    launches = runtime.launch_counts()
+    assert 3 <= launches["rasterize_fwd"] <= 3 + 2 * C and launches["rasterize_bwd"] == launches["rasterize_fwd"]
+    assert led.aten_dispatches == whole.aten_dispatches, (dict(led.aten_ops), dict(whole.aten_ops))  # none per band
+    assert len([b for b in runtime.command_buffers() if b.closed_by == "commit"]) >= 2
     assert torch.equal(got[0], exact[0]) and torch.equal(got[1], exact[1])
     assert_gradients_close(got[3], exact[3])
 
