@@ -174,7 +174,9 @@ def calibrated_table(ledger: Ledger) -> str:
 # - aten kernels: the step ledger's plus what the scale ledger's render step at the target size issues
 #   beyond its 20k render (`base20k`, of the tree the step ledger was measured on);
 # - our kernels' bound bytes and threads: the scale ledger's at the target size (per intersection, per
-#   gaussian: scaled by the model's own scene from there, not from 20k);
+#   gaussian: scaled by the model's own scene from there, not from 20k); the rasterizer's bytes are one
+#   launch's (each pass or band binds every buffer whole but reads its share: the bound bytes of all its
+#   launches would count the per-gaussian and per-pixel buffers once per launch);
 # - Adam's bytes as accesses: a fused Adam reads parameter, gradient and two moments and writes three of
 #   them (7 accesses of a parameter's size; msplat's are counted so in peers.py); the step ledger counts
 #   each tensor argument once (4), so the optimizer's aten bytes are taken x 7/4.
@@ -205,7 +207,10 @@ def at_scale(step: dict, scale: dict, base20k: dict) -> dict:
             )  # bytes and threads as the scale ledger counted them, rescaled by peers
             (k,) = ref[kernel_grows(name)]
             f = step[k] / max(scale[k], 1)
-            w["buffer_bytes"] = sw.get("buffer_bytes", 0) * f
+            bound = sw.get("buffer_bytes", 0)
+            if name.startswith("rasterize"):  # passes and bands each bind every buffer whole, read their share
+                bound /= max(sw.get("launches", 1), 1)
+            w["buffer_bytes"] = bound * f
             w["threads"] = sw.get("threads", 0) * f
     out["part_bytes"] = dict(step["part_bytes"])
     if "optimizer" in out["part_bytes"]:
@@ -225,7 +230,9 @@ def scale_compare_table(step: dict, before: dict, after: dict) -> str:
     ]
     for s in peers.COMPARE_SCENES:
         k = f"{int(s.gaussians)} {s.width}x{s.height}"
-        base = before[f"20000 {s.width}x{s.height}"]
+        base = before.get(f"20000 {s.width}x{s.height}")
+        if base is None:  # no scale ledger of the step ledger's tree at this image
+            continue
         ref = peers.MSPLAT.step(s, "M4 Max", peers.CALIBRATED).step_ms
         for when, rows in (("before", before), ("after", after)):
             if k not in rows:
@@ -236,3 +243,31 @@ def scale_compare_table(step: dict, before: dict, after: dict) -> str:
             lines.append(f"| {s.name} | {when} | {launches:,} / {row['aten_kernels']:,} | {ours:.1f} | {ref:.1f} "
                          f"| {ours / ref:.2f} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    """python -m splat_metal_method.bench.step_model --step STEP.json --before A.json [..] --after B.json [..]"""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="ours / msplat at 500k-3M gaussians from a step ledger and scale ledgers")
+    ap.add_argument("--step", required=True, help="step ledgers (benchmarks/bench_model.py --write-ledger)")
+    ap.add_argument("--label", default="garden-points 20k 1/4", help="which ledger of --step")
+    ap.add_argument("--before", nargs="+", required=True, help="scale ledgers (scale_ledger --json) of --step's tree")
+    ap.add_argument("--after", nargs="+", required=True, help="scale ledgers of this tree")
+    args = ap.parse_args(argv)
+
+    def load(paths):
+        out = {}
+        for p in paths:
+            out.update(json.loads(open(p).read()))
+        return out
+
+    step = json.loads(open(args.step).read())[args.label]
+    print("MODEL, not a measurement (bench/step_model.py at_scale, calibrated as bench/peers.py), M4 Max; "
+          f"ours from the {args.label} step ledger with the render's counts of the scale ledger:\n")  # fmt: skip
+    print(scale_compare_table(step, load(args.before), load(args.after)))
+
+
+if __name__ == "__main__":
+    main()

@@ -41,7 +41,7 @@ def test_count_only_equals_executed(n, width, height):
 
 # What one steady render step (render, composite, fused loss, backward) may issue at any scene size at
 # 1024x664 (measured, issue 36: 50 / 51 / 53 / 57 launches and 55 / 56 / 56 / 56 aten dispatches at 20k /
-# 500k / 1.5M / 3M; before: 55 / 176 / 3,038 / 6,065 launches). The launches that grow are the
+# 500k / 1.5M / 3M; before: 55 / 176 / 2,268 launches at 20k / 500k / 1.5M). The launches that grow are the
 # command-buffer bands of the rasterizer (one each way per ~4e9 backward-weighted evaluations: the
 # watchdog budget, from the work) and one more prefix-sum dispatch past 131,072 gaussians.
 BUDGETS = {"kernel_launches": 58, "aten_dispatches": 57, "host_syncs": 0}

@@ -232,7 +232,7 @@ def rasterize_to_pixels_fwd(
     if M == 0:  # kernels bind every buffer; give flatten_ids one (never read) element
         flatten_ids = torch.zeros((1,), dtype=torch.int32, device=device)
     # Buffers the kernel neither reads nor writes here are bound to tensors at hand of its dtype and of
-    # at most 2 dims (band.rows leaves them whole): no placeholder allocation (each one an aten op). With
+    # any shape: no placeholder allocation (each one an aten op). With
     # one pass and no resume, pixel_done is never touched; trans_in / stopped_in only when resuming; the
     # background table only with backgrounds.
     if not resume:

@@ -79,8 +79,8 @@ def rasterize_to_pixels_bwd(
         plan = plan_passes(isect_offsets, M, tile_size, chunk or RASTER_CHUNK, N, (C, tile_height, tile_width))
     n_passes = plan.n_passes
     multi = n_passes > 1
-    # Buffers the kernel neither reads nor writes here are bound to a float32 tensor at hand of 2 dims
-    # (band.rows leaves it whole): no placeholder allocation (each one an aten op). pix_T / pix_buf are
+    # Buffers the kernel neither reads nor writes here are bound to a float32 tensor at hand: no
+    # placeholder allocation (each one an aten op). pix_T / pix_buf are
     # touched only between passes, the background table only with backgrounds, absgrad only when asked.
     placeholder = v_opacities  # [C, N]
     pix_T = torch.empty((C, height, width), dtype=torch.float32, device=device) if multi else placeholder
