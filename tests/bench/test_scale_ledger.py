@@ -74,3 +74,23 @@ def test_dispatches_do_not_grow_with_the_scene(rows):
     assert rows[SIZES[-1]].command_buffers <= 2 * bands + 1
     # the intersections grow with the scene (the ledger measured a real load, not an empty image)
     assert rows[SIZES[-1]].intersections > 100 * rows[SIZES[0]].intersections
+
+
+def test_step_model_takes_the_render_counts_from_the_scale_ledger():
+    """bench/step_model.at_scale: the render's launches from the scale ledger, aten kernels grown by the
+    scale ledger's growth over its 20k render, the rasterizer's bytes one launch's, Adam's as accesses."""
+    from splat_metal_method.bench import step_model
+
+    step = {"aten_kernels": 28, "n_gaussians": 20_000, "intersections": 1_000, "pixels": 100,
+            "part_bytes": {"optimizer": 400, "model, loss, camera opt": 10},
+            "kernels": {"rasterize_fwd": {"launches": 3, "buffer_bytes": 300}, "densify_stats": {"launches": 1}}}  # fmt: skip
+    scale = {"aten_kernels": 50, "n_gaussians": 1_000_000, "intersections": 5_000_000, "pixels": 10_000,
+             "kernels": {"rasterize_fwd": {"launches": 4, "buffer_bytes": 4e9, "threads": 8e6}}}  # fmt: skip
+    base = {"aten_kernels": 7, "kernels": {}}
+    out = step_model.at_scale(step, scale, base)
+    assert out["aten_kernels"] == 28 + 50 - 7
+    assert out["kernels"]["rasterize_fwd"]["launches"] == 4 and out["kernels"]["densify_stats"]["launches"] == 1
+    # one launch's bytes, rescaled so that peers' scaling by intersections lands on the scale ledger's
+    assert out["kernels"]["rasterize_fwd"]["buffer_bytes"] == pytest.approx(4e9 / 4 * 1_000 / 5_000_000)
+    assert out["part_bytes"] == {"optimizer": 700, "model, loss, camera opt": 10}
+    assert step["kernels"]["rasterize_fwd"]["launches"] == 3  # the step ledger is left as it was
