@@ -220,3 +220,44 @@ def test_without_capacities_the_lists_are_exact():
     first, second = IntersectionCapacities(), IntersectionCapacities()
     render(params, viewmats, 64, 48, caps=first)
     assert first.entries(4, 3, 1) is not None and second.entries(4, 3, 1) is None
+
+
+def test_a_tile_of_ten_thousand_gaussians_is_composited_whole():
+    """One pass of whole tiles (rasterize.plan_from_rows): a tile listing 10,500 gaussians, more than a
+    RASTER_CHUNK, is composited to its end by one threadgroup each way, nothing left out: the same pixels
+    and gradients as the reference backend (ops/reference.py), non-square image."""
+    from splat_metal_method.ops.metal import rasterize
+
+    n, width, height = 10_500, 40, 24
+    gen = torch.Generator().manual_seed(11)
+    # small gaussians (~0.5 px) spread over the pixels of tile (1, 0): each pixel sees a few hundred, faint,
+    # so its pixels do not reach the transmittance floor and the whole list, deepest included, shows in the image
+    f, z = 0.9 * width, 5.0 + 2.0 * torch.rand(n, generator=gen)
+    u, v = 17.0 + 14.0 * torch.rand(n, generator=gen), 1.0 + 14.0 * torch.rand(n, generator=gen)
+    means = torch.stack([(u - width / 2) / f * z, (v - height / 2) / f * z, z], -1)
+    quats = torch.randn(n, 4, generator=gen)
+    scales = (0.5 * z / f)[:, None] * (0.2 * torch.randn(n, 3, generator=gen)).exp()
+    opacities = torch.rand(n, generator=gen) * 0.03 + 0.01
+    colors = torch.rand(n, 3, generator=gen)
+    params, viewmats = (means, quats, scales, opacities, colors), torch.eye(4)[None]
+    caps = IntersectionCapacities()
+    for _ in range(2):  # the capacity, then the rows, as a training run learns them
+        render(params, viewmats, width, height, caps=caps)
+    runtime.reset_launch_counts()
+    got = render(params, viewmats, width, height, caps=caps)
+    offsets = got[2]["isect_offsets"].reshape(-1).long()
+    ends = torch.cat([offsets[1:], got[2]["n_intersections"].long()])
+    assert int((ends - offsets).max()) >= 10_000 > rasterize.RASTER_CHUNK
+    assert runtime.launch_counts()["rasterize_fwd"] == runtime.launch_counts()["rasterize_bwd"] == 1
+    assert float((got[1][0, :16, 16:32] < 0.999).float().mean()) > 0.9  # the tile's pixels did not stop early
+    leaves = [p.clone().requires_grad_(True) for p in params]
+    Ks = intrinsics(1, width, height)
+    colors_ref, alphas_ref, meta = rasterization(*leaves, viewmats, Ks, width, height, backend="reference",
+                                                 absgrad=True)  # fmt: skip
+    weights = torch.linspace(0.5, 1.5, colors_ref.numel()).view(colors_ref.shape)
+    ((colors_ref * weights).sum() + alphas_ref.sum()).backward()
+    torch.testing.assert_close(got[0], colors_ref.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1], alphas_ref.detach(), rtol=1e-4, atol=1e-5)
+    for g, w in zip(got[3] + [got[4]], [p.grad for p in leaves] + [meta["means2d"].absgrad]):
+        scale = w.abs().max().item() or 1.0
+        assert (g - w).abs().max().item() <= 1e-3 * scale, (g - w).abs().max().item() / scale
