@@ -207,10 +207,12 @@ class _Counting:
 
     # -- kernels
     def launch(self, name, kernel, args, launch):
+        from ..ops.metal import runtime
+
         lib = getattr(kernel, "_lib", None)
         counters = getattr(lib, "work_counters", None)
         before = counters() if counters else {}
-        out = kernel(*args, **launch)
+        out = kernel(*args, **launch) if runtime.executing() else None  # count-only: counted, not run
         after = counters() if counters else {}
         work = KernelWork(launches=1, threadgroup_bytes=int(getattr(kernel, "threadgroup_memory", 0) or 0))
         for k, v in after.items():

@@ -160,3 +160,114 @@ def calibrated_table(ledger: Ledger) -> str:
     for (scene, _), (ours, ref) in peers.compare({"ledger": peers.ledger_dict(ledger)}).items():
         lines.append(f"| {scene} | {ours:.1f} | {ref:.1f} | {ours / ref:.2f} |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# At the sizes people train (issue 36): counts from the scale ledger, not scaled from 20k
+# ------------------------------------------------------------------------------------------------
+# The calibrated model (peers.OursFromLedger) takes a 20k step ledger's launch and aten counts as they are
+# and scales its kernels' bytes by gaussians or intersections. At 1.5M gaussians the step that ran before
+# issue 36 issued 4,112 launches and 71,094 aten ops per render (bench/scale_ledger.py), which that
+# reading could not see. ``at_scale`` corrects a step ledger with the scale ledger of the same tree:
+# - launches of the render's kernels (projection to loss, forward and backward): the scale ledger's at the
+#   target size; the rest of the step's (train.metal) the step ledger's;
+# - aten kernels: the step ledger's plus what the scale ledger's render step at the target size issues
+#   beyond its 20k render (`base20k`, of the tree the step ledger was measured on);
+# - our kernels' bound bytes and threads: the scale ledger's at the target size (per intersection, per
+#   gaussian: scaled by the model's own scene from there, not from 20k); the rasterizer's bytes are one
+#   launch's (each pass or band binds every buffer whole but reads its share: the bound bytes of all its
+#   launches would count the per-gaussian and per-pixel buffers once per launch);
+# - Adam's bytes as accesses: a fused Adam reads parameter, gradient and two moments and writes three of
+#   them (7 accesses of a parameter's size; msplat's are counted so in peers.py); the step ledger counts
+#   each tensor argument once (4), so the optimizer's aten bytes are taken x 7/4.
+ADAM_ACCESSES = 7 / 4
+# msplat's exactness at these sizes (its source, rayanht/msplat core/metal/msplat_metal.mm and
+# msplat_metal.metal MAX_TILE_ELEMS): a 16x16 tile holds at most 2,048 entries; past that, entries are
+# dropped in the order its atomics scattered them. The model prices msplat's step as it runs, drops included.
+MSPLAT_TILE_CAP = 2048
+
+
+def at_scale(step: dict, scale: dict, base20k: dict) -> dict:
+    """``step`` (a peers.ledger_dict of a 20k step ledger) with launch counts, aten kernels and kernel bytes
+    from ``scale`` (a scale-ledger row of the target size, bench/scale_ledger.py as_dict), relative to
+    ``base20k`` (the scale-ledger row at 20k gaussians, same image, of the tree ``step`` was measured on)."""
+    import copy
+
+    from .peers import kernel_grows
+
+    out = copy.deepcopy(step)
+    out["aten_kernels"] = step["aten_kernels"] + scale["aten_kernels"] - base20k["aten_kernels"]
+    ref = {"G": ("n_gaussians",), "M": ("intersections",), "P": ("pixels",), "A": ("intersections",)}
+    for name in set(out["kernels"]) | set(scale["kernels"]):
+        w = out["kernels"].setdefault(name, {})
+        sw = scale["kernels"].get(name, {})
+        if name in scale["kernels"]:
+            w["launches"] = sw.get(
+                "launches", 0
+            )  # bytes and threads as the scale ledger counted them, rescaled by peers
+            (k,) = ref[kernel_grows(name)]
+            f = step[k] / max(scale[k], 1)
+            bound = sw.get("buffer_bytes", 0)
+            if name.startswith("rasterize"):  # passes and bands each bind every buffer whole, read their share
+                bound /= max(sw.get("launches", 1), 1)
+            w["buffer_bytes"] = bound * f
+            w["threads"] = sw.get("threads", 0) * f
+    out["part_bytes"] = dict(step["part_bytes"])
+    if "optimizer" in out["part_bytes"]:
+        out["part_bytes"]["optimizer"] *= ADAM_ACCESSES
+    return out
+
+
+def scale_compare_table(step: dict, before: dict, after: dict) -> str:
+    """Markdown: ours / msplat at issue 30's scenes (peers.COMPARE_SCENES), from the 20k step ledger
+    ``step`` corrected by the scale ledgers ``before`` and ``after`` (scale_ledger.key -> as_dict row;
+    ``before`` is of the tree ``step`` was measured on)."""
+    from . import peers
+
+    lines = [
+        "| scene (M4 Max) | scale ledger | launches / aten kernels per render | ours ms | msplat ms | ours / msplat |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in peers.COMPARE_SCENES:
+        k = f"{int(s.gaussians)} {s.width}x{s.height}"
+        base = before.get(f"20000 {s.width}x{s.height}")
+        if base is None:  # no scale ledger of the step ledger's tree at this image
+            continue
+        ref = peers.MSPLAT.step(s, "M4 Max", peers.CALIBRATED).step_ms
+        for when, rows in (("before", before), ("after", after)):
+            if k not in rows:
+                continue
+            row = rows[k]
+            ours = peers.OursFromLedger(at_scale(step, row, base)).step(s, "M4 Max", peers.CALIBRATED).step_ms
+            launches = sum(w.get("launches", 0) for w in row["kernels"].values())
+            lines.append(f"| {s.name} | {when} | {launches:,} / {row['aten_kernels']:,} | {ours:.1f} | {ref:.1f} "
+                         f"| {ours / ref:.2f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    """python -m splat_metal_method.bench.step_model --step STEP.json --before A.json [..] --after B.json [..]"""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="ours / msplat at 500k-3M gaussians from a step ledger and scale ledgers")
+    ap.add_argument("--step", required=True, help="step ledgers (benchmarks/bench_model.py --write-ledger)")
+    ap.add_argument("--label", default="garden-points 20k 1/4", help="which ledger of --step")
+    ap.add_argument("--before", nargs="+", required=True, help="scale ledgers (scale_ledger --json) of --step's tree")
+    ap.add_argument("--after", nargs="+", required=True, help="scale ledgers of this tree")
+    args = ap.parse_args(argv)
+
+    def load(paths):
+        out = {}
+        for p in paths:
+            out.update(json.loads(open(p).read()))
+        return out
+
+    step = json.loads(open(args.step).read())[args.label]
+    print("MODEL, not a measurement (bench/step_model.py at_scale, calibrated as bench/peers.py), M4 Max; "
+          f"ours from the {args.label} step ledger with the render's counts of the scale ledger:\n")  # fmt: skip
+    print(scale_compare_table(step, load(args.before), load(args.after)))
+
+
+if __name__ == "__main__":
+    main()

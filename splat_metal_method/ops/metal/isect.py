@@ -136,7 +136,18 @@ class _Capacity:
         self.owner = owner
         self.entries = entries  # length of the buffers
         self.per_item = per_item  # most intersections per (camera, gaussian) seen
-        self.pending: list = []  # (C*N, capacity, host count or int, event or None), oldest first
+        # (C*N, capacity, count, tile row starts, event or None), oldest first; host tensors or Python values
+        self.pending: list = []
+        self.rows: Optional[list] = None  # intersections per tile row [C * tile_height], latest seen
+        self.rows_total = 0  # the C*N of the render they were counted in
+
+    def observe_rows(self, total: int, rows) -> None:
+        """Intersections per tile row ([C * tile_height] numbers) counted in a render of C*N = `total`."""
+        if rows is not None:
+            self.rows, self.rows_total = (
+                [int(r) for r in (rows.reshape(-1).tolist() if isinstance(rows, Tensor) else rows)],
+                total,
+            )
 
     def observe(self, total: int, capacity: int, count: int) -> None:
         self.per_item = max(self.per_item, count / max(total, 1))
@@ -147,11 +158,21 @@ class _Capacity:
     def resolve(self) -> None:
         """Reads the counts the device has finished, without waiting for the others."""
         while self.pending:
-            total, capacity, host, event = self.pending[0]
+            total, capacity, host, starts, event = self.pending[0]
             if event is not None and not event.query():
                 break
             self.pending.pop(0)
             self.observe(total, capacity, host if isinstance(host, int) else int(host))
+            starts = starts if isinstance(starts, list) else starts.tolist()  # a host tensor: no device read
+            self.observe_rows(total, [b - a for a, b in zip(starts[:-1], starts[1:])])
+
+    def row_estimate(self, total: int, n_rows: int) -> list:
+        """Intersections per tile row expected at this call's C*N `total` (with HEADROOM): the latest rows the
+        device reported, scaled by the gaussians since; without any yet, the count spread evenly."""
+        if self.rows is None or len(self.rows) != n_rows:
+            return [math.ceil(self.per_item * total * HEADROOM / n_rows)] * n_rows
+        scale = HEADROOM * total / max(self.rows_total, 1)
+        return [math.ceil(r * scale) for r in self.rows]
 
     def size_for(self, total: int) -> int:
         need = math.ceil(self.per_item * total * HEADROOM)
@@ -191,12 +212,33 @@ class IntersectionCapacities:
             )
 
     def pending_host_counts(self) -> list:
-        return [host for state in self._grids.values() for _, _, host, _ in state.pending if isinstance(host, Tensor)]
+        return [t for state in self._grids.values() for _, _, host, starts, _ in state.pending
+                for t in (host, starts) if isinstance(t, Tensor)]  # fmt: skip
 
     def entries(self, tile_width: int, tile_height: int, C: int, device="cpu", tile_size: int = 16) -> Optional[int]:
         """The capacity of one tile grid (None before its first render)."""
         state = self._grids.get(_grid_key(torch.device(device), C, tile_size, tile_width, tile_height))
         return None if state is None else state.entries
+
+    def expect(self, tile_width: int, tile_height: int, C: int, n_gaussians: int, count: int, rows=None,
+               device="cpu", tile_size: int = 16) -> None:  # fmt: skip
+        """Sets one tile grid's state to what renders of `count` intersections of C x `n_gaussians` would have
+        taught it (`rows`: their count per tile row, [C, tile_height]), as if the device had said so
+        (bench/scale_ledger.py's count-only mode, where no kernel runs)."""
+        key = _grid_key(torch.device(device), C, tile_size, tile_width, tile_height)
+        total = int(C) * int(n_gaussians)
+        state = self._grids[key] = _Capacity(self, 0, count / max(total, 1))
+        state.size_for(total)
+        state.observe_rows(total, rows)
+        self.last_count = int(count)
+
+    def seed_like(self, other: "IntersectionCapacities") -> None:
+        """This renderer's state becomes a copy of `other`'s (nothing pending): what its renders taught it."""
+        self._grids = {}
+        for key, state in other._grids.items():
+            copy = self._grids[key] = _Capacity(self, state.entries, state.per_item)
+            copy.rows, copy.rows_total = state.rows, state.rows_total
+        self.last_count = other.last_count
 
     def force(self, tile_width: int, tile_height: int, C: int, entries: int, device="cpu", tile_size: int = 16):
         """Sets the capacity of one tile grid and forgets what was seen of it (tests: a small capacity makes
@@ -257,18 +299,6 @@ def isect_tiles_padded_fwd(
     else:
         state.resolve()
     cap = state.size_for(total)
-    # The count, on its way to the host without waiting: read at a later call, once its event is done.
-    count = cum[-1:].to("cpu", non_blocking=True)
-    event = None
-    if device.type == "mps":
-        event = torch.mps.Event()
-        event.record()
-    elif device.type == "cuda":
-        event = torch.cuda.Event()
-        event.record()
-    else:  # a CPU tensor: the "copy" is the workspace itself, which the next call overwrites
-        count = int(count)
-    state.pending.append((total, cap, count, event))
 
     tile_keys = ws.get("isect.tile_keys", cap, torch.int32, device)
     flat_ids = ws.get("isect.flat_ids", cap, torch.int32, device)
@@ -282,4 +312,23 @@ def isect_tiles_padded_fwd(
     lib.isect_finalize(tile_keys, flat_ids, depths, isect_ids, flatten_ids, cap, **grid_1d(cap))
     offsets = torch.empty((C * n_tiles + 1,), dtype=torch.int32, device=device)
     lib.isect_offsets(isect_ids, offsets, cap, n_tiles, C * n_tiles, tile_bits, 1, **grid_1d(cap))
+    # What the rasterizer plans its dispatches from: this grid's latest intersections per tile row, seen a
+    # step or more ago, scaled to this call's C*N (rasterize.plan_from_rows). Until the device has said
+    # (the first call of a grid): its count spread evenly over the rows.
+    offsets.row_entries = state.row_estimate(total, C * int(tile_height))
+    # The count and the start of each tile row (offsets[::tile_width], the end slot last), on their way to
+    # the host without waiting: read at a later call, once the event is done.
+    count = cum[-1:].to("cpu", non_blocking=True)
+    row_starts = offsets[:: int(tile_width)].to("cpu", non_blocking=True)  # [C * tile_height + 1]
+    event = None
+    if device.type == "mps":
+        event = torch.mps.Event()
+        event.record()
+    elif device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+    else:  # CPU tensors: the "copies" are the buffers themselves, which later calls overwrite
+        count, row_starts = int(count), row_starts.tolist()
+    if runtime.executing():  # in count-only mode (bench/scale_ledger.py) the device says nothing
+        state.pending.append((total, cap, count, row_starts, event))
     return tiles_per_gauss, isect_ids, flatten_ids, offsets

@@ -67,6 +67,7 @@ kernel void rasterize_fwd(
     const device float* trans_in [[buffer(21)]],     // [C, H, W] or [1] placeholder
     const device int* stopped_in [[buffer(22)]],     // [C, H, W] or [1] placeholder
     constant long& has_resume [[buffer(23)]],
+    constant long& row0 [[buffer(24)]],              // first tile row of this dispatch, of [C * tile_height]
     uint3 tgp [[threadgroup_position_in_grid]],
     uint3 lid [[thread_position_in_threadgroup]],
     uint tid [[thread_index_in_threadgroup]],
@@ -78,9 +79,14 @@ kernel void rasterize_fwd(
   threadgroup float4 s_conic_opac[SPLAT_RASTER_THREADS];
   threadgroup int s_sg_done[(SPLAT_RASTER_THREADS + 7) / 8];  // one per simdgroup (room for 8-wide ones)
 
-  const long cam = (long)tgp.z;
-  const long tile_y = (long)tgp.y / (SPLAT_TILE_SIZE / SPLAT_GROUP_ROWS);  // a group covers GROUP_ROWS rows
-  const long tile_flat = (cam * tile_height + tile_y) * tile_width + (long)tgp.x;
+  // A dispatch covers the flat tile rows [row0, row0 + grid rows) of [C * tile_height] (a band of rows:
+  // row0 is an argument, every buffer is bound whole, nothing is copied per band); tgp.z counts cameras
+  // when a dispatch covers all of them (row0 = 0). A group covers GROUP_ROWS pixel rows of its tile.
+  const long groups_per_tile = SPLAT_TILE_SIZE / SPLAT_GROUP_ROWS;
+  const long flat_row = row0 + (long)tgp.z * tile_height + (long)tgp.y / groups_per_tile;
+  const long cam = flat_row / tile_height;
+  const long tile_y = flat_row - cam * tile_height;
+  const long tile_flat = flat_row * tile_width + (long)tgp.x;
   const long range_start = tile_offsets[tile_flat];
   const long range_end = (tile_flat + 1 < total_tiles) ? (long)tile_offsets[tile_flat + 1] : n_isects;
   const long lo = range_start + pass_index * chunk;
@@ -91,7 +97,7 @@ kernel void rasterize_fwd(
   const bool final_pass = hi == range_end;
 
   const long pix_x = (long)tgp.x * SPLAT_TILE_SIZE + (long)lid.x;
-  const long pix_y = (long)tgp.y * SPLAT_GROUP_ROWS + (long)lid.y;
+  const long pix_y = tile_y * SPLAT_TILE_SIZE + ((long)tgp.y % groups_per_tile) * SPLAT_GROUP_ROWS + (long)lid.y;
   const bool inside = pix_x < width && pix_y < height;
   const long pix = (cam * height + pix_y) * width + pix_x;  // meaningful only if inside
   const float px = (float)pix_x + 0.5f;

@@ -19,6 +19,8 @@ from .kernels import tile_library
 # dispatch each), and the dispatch loops reserve each dispatch's work with runtime.reserve_work,
 # which commits between dispatches when the current command buffer would pass the budget.
 RASTER_CHUNK = 8192
+# The chunk of a plan whose single pass composites every tile's whole list (padded lists: plan_from_rows).
+WHOLE_TILE = 2**31 - 1
 MAX_CHANNELS = 64  # per-pixel accumulators live in registers; one library per channel count
 
 
@@ -73,26 +75,29 @@ def plan_from_lengths(tile_lengths: Tensor, tile_pixels: int, chunk: int, budget
     return PassPlan(chunk, tuple(dispatches))
 
 
-def plan_from_bound(n_isects: int, longest: int, C: int, tile_height: int, tile_width: int, tile_pixels: int,
-                    chunk: int, budget: int) -> PassPlan:  # fmt: skip
-    """The dispatches for lists whose lengths only the device knows: at most `n_isects` entries in all
-    and at most `longest` in one tile. ceil(longest / chunk) passes over every tile (a tile whose list
-    ended in an earlier pass returns at once). Pass p composites at most min(n_isects, tiles x chunk)
-    entries; where that bound's backward does not fit `budget`, each camera's tile rows go in bands of
-    r rows, each bounded by min(n_isects, r x tile_width x chunk) entries (a single row goes alone)."""
+def plan_from_rows(row_entries, C: int, tile_height: int, tile_pixels: int, budget: int) -> PassPlan:
+    """The dispatches for padded lists (isect.py), whose lengths only the device knows, from an estimate of
+    the intersections in each tile row (`row_entries`: C * tile_height numbers, camera-major; what the
+    device counted at an earlier step, read without waiting, scaled to this step's gaussians). One pass
+    composites every tile's whole list (chunk WHOLE_TILE: a threadgroup loops over its tile however long
+    it is, so nothing is left out whatever the estimate); the watchdog bound is per command buffer, so a
+    render whose backward work passes `budget` is cut into bands of tile rows by the same greedy rule as
+    plan_from_lengths. The number of dispatches follows the work, not the gaussian count or the capacity."""
+    work = [tile_pixels * int(e) for e in row_entries]
+    total = sum(work)
+    if total * runtime.BWD_WORK_FACTOR <= budget:
+        return PassPlan(WHOLE_TILE, (Dispatch(0, None, (0, tile_height), total),))
     dispatches = []
-    for p in range(max(1, math.ceil(longest / chunk))):
-        entries = min(n_isects, C * tile_height * tile_width * chunk)
-        if tile_pixels * entries * runtime.BWD_WORK_FACTOR <= budget:
-            dispatches.append(Dispatch(p, None, (0, tile_height), tile_pixels * entries))
-            continue
-        row_entries = tile_width * chunk
-        rows = max(1, budget // (runtime.BWD_WORK_FACTOR * tile_pixels * row_entries))
-        for c in range(C):
-            for r0 in range(0, tile_height, rows):
-                r1 = min(tile_height, r0 + rows)
-                dispatches.append(Dispatch(p, c, (r0, r1), tile_pixels * min(n_isects, (r1 - r0) * row_entries)))
-    return PassPlan(chunk, tuple(dispatches))
+    for c in range(C):
+        start, band_work = 0, 0
+        for r in range(tile_height):
+            w = work[c * tile_height + r]
+            if r > start and (band_work + w) * runtime.BWD_WORK_FACTOR > budget:
+                dispatches.append(Dispatch(0, c, (start, r), band_work))
+                start, band_work = r, 0
+            band_work += w
+        dispatches.append(Dispatch(0, c, (start, tile_height), band_work))
+    return PassPlan(WHOLE_TILE, tuple(dispatches))
 
 
 def plan_passes(isect_offsets: Tensor, n_isects: int, tile_size: int, chunk: Optional[int] = None,
@@ -102,16 +107,20 @@ def plan_passes(isect_offsets: Tensor, n_isects: int, tile_size: int, chunk: Opt
     bound is <= chunk and the dispatch's backward fits runtime.COMMAND_BUFFER_BUDGET; otherwise one
     host read of the tile list lengths ([C, tile_height, tile_width] int32) and plan_from_lengths.
     Padded lists (isect_offsets [C * tile_height * tile_width + 1] with the end slot, `n_isects` their
-    capacity, `grid` = (C, tile_height, tile_width)) are never read: plan_from_bound."""
+    capacity, `grid` = (C, tile_height, tile_width)) are never read: plan_from_rows, from the estimate of
+    intersections per tile row isect.py attaches to them (``isect_offsets.row_entries``; without one, the
+    capacity spread evenly over the rows)."""
     chunk = int(chunk or RASTER_CHUNK)
     tile_pixels = int(tile_size) ** 2
     longest_bound = min(n_isects, n_isects if n_gaussians is None else n_gaussians)
     if isect_offsets.dim() == 1:
         if grid is None:
             raise ValueError("[plan_passes] padded lists (1-D isect_offsets with the end slot) need grid=(C, th, tw)")
-        C, tile_height, tile_width = grid
-        return plan_from_bound(n_isects, longest_bound, C, tile_height, tile_width, tile_pixels, chunk,
-                               runtime.COMMAND_BUFFER_BUDGET)  # fmt: skip
+        C, tile_height, _ = grid
+        rows = getattr(isect_offsets, "row_entries", None)
+        if rows is None or len(rows) != C * tile_height:
+            rows = [-(-n_isects // (C * tile_height))] * (C * tile_height)
+        return plan_from_rows(rows, C, tile_height, tile_pixels, runtime.COMMAND_BUFFER_BUDGET)
     if longest_bound <= chunk and tile_pixels * n_isects * runtime.BWD_WORK_FACTOR <= runtime.COMMAND_BUFFER_BUDGET:
         return PassPlan(chunk, (Dispatch(0, None, (0, isect_offsets.shape[1]), tile_pixels * n_isects),))
     starts = isect_offsets.reshape(-1).long()
@@ -134,52 +143,22 @@ def check_offsets(op: str, isect_offsets: Tensor, C: int, tile_height: int, tile
 
 
 class Band(NamedTuple):
-    """What the kernels see of one dispatch: an image of `height` pixel rows and `tile_rows` tile rows
-    starting at pixel row `y0` of camera `camera` (all cameras when None), its first tile at flat index
-    `first_tile` of [C, tile_height, tile_width], and the launch grid."""
+    """What the kernels see of one dispatch: its first tile row `row0` (a flat row of [C * tile_height],
+    a kernel argument: every buffer is bound whole, nothing is copied or sliced per band) and the launch
+    grid (all cameras in z when the dispatch covers them all)."""
 
-    camera: Optional[int]
-    y0: int
-    height: int
-    tile_rows: int
-    first_tile: int
+    row0: int
     grid: dict
 
-    def rows(self, t: Tensor) -> Tensor:
-        """The band's part of a per-pixel [C, H, ...] tensor, a contiguous view (Metal binds a tensor at
-        its storage offset); anything else (a [1] placeholder, a [C, D] table) unchanged."""
-        if self.camera is None or t.dim() < 3:
-            return t
-        return t[self.camera, self.y0 : self.y0 + self.height]
 
-    def means(self, means2d: Tensor) -> Tensor:
-        """means2d [C, N, 2] in the band's pixel rows (y - y0): the kernels place a pixel by its row in
-        the band. Bit-exact: y0 is an integer, so my - y0 is exact, and (my - y0) - (row + 0.5) rounds
-        the same real number as my - (y0 + row + 0.5)."""
-        if self.y0 == 0:
-            return means2d
-        shifted = means2d.clone()
-        shifted[..., 1] -= float(self.y0)
-        return shifted
-
-    def table(self, t: Tensor) -> Tensor:
-        """A per-camera [C, ...] table (backgrounds) from the band's camera on."""
-        return t if self.camera is None or t.dim() < 2 else t[self.camera :]
-
-
-def band(
-    d: Dispatch, C: int, height: int, tile_size: int, tile_width: int, tile_height: int, rows: Optional[int] = None
-) -> Band:
-    """The Band of dispatch `d`. Gaussian and intersection indices stay global."""
+def band(d: Dispatch, C: int, tile_size: int, tile_width: int, tile_height: int, rows: Optional[int] = None) -> Band:
+    """The Band of dispatch `d`. Gaussian, intersection and pixel indices stay global."""
     group = (tile_size, rows or tile_size, 1)  # rows of a tile per group (kernels.tile_library)
     if d.camera is None:
-        grid = (tile_width * tile_size, tile_height * tile_size, C)
-        return Band(None, 0, height, tile_height, 0, {"threads": grid, "group_size": group})
+        return Band(0, {"threads": (tile_width * tile_size, tile_height * tile_size, C), "group_size": group})
     r0, r1 = d.rows
-    y0 = r0 * tile_size
     grid = (tile_width * tile_size, (r1 - r0) * tile_size, 1)
-    return Band(d.camera, y0, min(height, r1 * tile_size) - y0, r1 - r0, (d.camera * tile_height + r0) * tile_width,
-                {"threads": grid, "group_size": group})  # fmt: skip
+    return Band(d.camera * tile_height + r0, {"threads": grid, "group_size": group})
 
 
 def rasterize_to_pixels_fwd(
@@ -253,7 +232,7 @@ def rasterize_to_pixels_fwd(
     if M == 0:  # kernels bind every buffer; give flatten_ids one (never read) element
         flatten_ids = torch.zeros((1,), dtype=torch.int32, device=device)
     # Buffers the kernel neither reads nor writes here are bound to tensors at hand of its dtype and of
-    # at most 2 dims (band.rows leaves them whole): no placeholder allocation (each one an aten op). With
+    # any shape: no placeholder allocation (each one an aten op). With
     # one pass and no resume, pixel_done is never touched; trans_in / stopped_in only when resuming; the
     # background table only with backgrounds.
     if not resume:
@@ -265,16 +244,15 @@ def rasterize_to_pixels_fwd(
     lib, rows = tile_library(
         device, "rasterize.metal", "rasterize_fwd", tile_size, lambda _rows: (("SPLAT_CHANNELS", D),)
     )  # rows: of a tile per group (kernels.py)
-    means2d, others = means2d.contiguous(), (conics.contiguous(), colors.contiguous(), opacities.contiguous())
+    inputs = (means2d.contiguous(), conics.contiguous(), colors.contiguous(), opacities.contiguous(), bg)
     offsets, flatten_ids = isect_offsets.contiguous().view(-1), flatten_ids.contiguous()
     per_pixel = (render_colors, render_alphas, transmittance, last_ids, pixel_done)
     total_tiles = C * tile_width * tile_height + int(padded)  # padded: the last tile ends at the end slot
     for d in plan.dispatches:
-        b = band(d, C, height, tile_size, tile_width, tile_height, rows)
+        b = band(d, C, tile_size, tile_width, tile_height, rows)
         runtime.reserve_work(device, d.work)
         lib.rasterize_fwd(
-            b.means(means2d), *others, b.table(bg), offsets[b.first_tile:], flatten_ids, *map(b.rows, per_pixel),
-            int(width), b.height, tile_width, b.tile_rows, total_tiles - b.first_tile, M, int(backgrounds is not None),
-            d.pass_index, plan.chunk, *map(b.rows, resume_bufs), int(resume), **b.grid,
+            *inputs, offsets, flatten_ids, *per_pixel, int(width), int(height), tile_width, tile_height, total_tiles,
+            M, int(backgrounds is not None), d.pass_index, plan.chunk, *resume_bufs, int(resume), b.row0, **b.grid,
         )  # fmt: skip
     return render_colors, render_alphas, transmittance, last_ids

@@ -93,6 +93,7 @@ kernel void rasterize_bwd(
     constant long& has_absgrad [[buffer(25)]],
     constant long& pass_index [[buffer(26)]],
     constant long& chunk [[buffer(27)]],
+    constant long& row0 [[buffer(28)]],                 // first tile row of this dispatch, of [C * tile_height]
     uint3 tgp [[threadgroup_position_in_grid]],
     uint3 lid [[thread_position_in_threadgroup]],
     uint tid [[thread_index_in_threadgroup]]) {
@@ -101,9 +102,14 @@ kernel void rasterize_bwd(
   threadgroup float4 s_conic_opac[SPLAT_BWD_BATCH];
   threadgroup float s_rgb[SPLAT_BWD_BATCH * SPLAT_CHANNELS];
 
-  const long cam = (long)tgp.z;
-  const long tile_y = (long)tgp.y / (SPLAT_TILE_SIZE / SPLAT_GROUP_ROWS);  // a group covers GROUP_ROWS rows
-  const long tile_flat = (cam * tile_height + tile_y) * tile_width + (long)tgp.x;
+  // A dispatch covers the flat tile rows [row0, row0 + grid rows) of [C * tile_height] (a band of rows:
+  // row0 is an argument, every buffer is bound whole, nothing is copied per band); tgp.z counts cameras
+  // when a dispatch covers all of them (row0 = 0). A group covers GROUP_ROWS pixel rows of its tile.
+  const long groups_per_tile = SPLAT_TILE_SIZE / SPLAT_GROUP_ROWS;
+  const long flat_row = row0 + (long)tgp.z * tile_height + (long)tgp.y / groups_per_tile;
+  const long cam = flat_row / tile_height;
+  const long tile_y = flat_row - cam * tile_height;
+  const long tile_flat = flat_row * tile_width + (long)tgp.x;
   const long range_start = tile_offsets[tile_flat];
   const long range_end = (tile_flat + 1 < total_tiles) ? (long)tile_offsets[tile_flat + 1] : n_isects;
   const long hi = range_end - pass_index * chunk;  // exclusive end of this pass (back to front)
@@ -114,7 +120,7 @@ kernel void rasterize_bwd(
   const bool more_passes = lo > range_start;
 
   const long pix_x = (long)tgp.x * SPLAT_TILE_SIZE + (long)lid.x;
-  const long pix_y = (long)tgp.y * SPLAT_GROUP_ROWS + (long)lid.y;
+  const long pix_y = tile_y * SPLAT_TILE_SIZE + ((long)tgp.y % groups_per_tile) * SPLAT_GROUP_ROWS + (long)lid.y;
   const bool inside = pix_x < width && pix_y < height;
   const long pix = (cam * height + pix_y) * width + pix_x;  // meaningful only if inside
   const float px = (float)pix_x + 0.5f;

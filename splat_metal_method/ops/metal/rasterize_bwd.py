@@ -79,8 +79,8 @@ def rasterize_to_pixels_bwd(
         plan = plan_passes(isect_offsets, M, tile_size, chunk or RASTER_CHUNK, N, (C, tile_height, tile_width))
     n_passes = plan.n_passes
     multi = n_passes > 1
-    # Buffers the kernel neither reads nor writes here are bound to a float32 tensor at hand of 2 dims
-    # (band.rows leaves it whole): no placeholder allocation (each one an aten op). pix_T / pix_buf are
+    # Buffers the kernel neither reads nor writes here are bound to a float32 tensor at hand: no
+    # placeholder allocation (each one an aten op). pix_T / pix_buf are
     # touched only between passes, the background table only with backgrounds, absgrad only when asked.
     placeholder = v_opacities  # [C, N]
     pix_T = torch.empty((C, height, width), dtype=torch.float32, device=device) if multi else placeholder
@@ -95,18 +95,17 @@ def rasterize_to_pixels_bwd(
         tile_size,
         lambda rows: (("SPLAT_CHANNELS", D), ("SPLAT_BWD_BATCH", bwd_batch(tile_size, D, rows))),
     )
-    means2d, others = means2d.contiguous(), (conics.contiguous(), colors.contiguous(), opacities.contiguous())
+    inputs = (means2d.contiguous(), conics.contiguous(), colors.contiguous(), opacities.contiguous(), bg)
     offsets, flatten_ids = isect_offsets.contiguous().view(-1), flatten_ids.contiguous()
     per_pixel = (transmittance.contiguous(), last_ids.contiguous(), v_render_colors.contiguous(),
                  v_render_alphas.contiguous(), pix_T, pix_buf)  # fmt: skip
     total_tiles = C * tile_width * tile_height + int(padded)  # padded: the last tile ends at the end slot
-    for d in plan.dispatches:  # a band's shifted means2d has the same gradients (d/dy of y - y0 is 1)
-        b = band(d, C, height, tile_size, tile_width, tile_height, rows)
+    for d in plan.dispatches:  # a band is its first tile row, a kernel argument (rasterize.band)
+        b = band(d, C, tile_size, tile_width, tile_height, rows)
         runtime.reserve_work(device, d.work * runtime.BWD_WORK_FACTOR)
         lib.rasterize_bwd(
-            b.means(means2d), *others, b.table(bg), offsets[b.first_tile:], flatten_ids, *map(b.rows, per_pixel),
-            v_means2d, v_conics, v_colors, v_opacities, abs_buf,
-            int(width), b.height, tile_width, b.tile_rows, total_tiles - b.first_tile, M,
-            int(backgrounds is not None), int(absgrad_out is not None), d.pass_index, plan.chunk, **b.grid,
+            *inputs, offsets, flatten_ids, *per_pixel, v_means2d, v_conics, v_colors, v_opacities, abs_buf,
+            int(width), int(height), tile_width, tile_height, total_tiles, M, int(backgrounds is not None),
+            int(absgrad_out is not None), d.pass_index, plan.chunk, b.row0, **b.grid,
         )  # fmt: skip
     return v_means2d, v_conics, v_colors, v_opacities, v_backgrounds

@@ -134,6 +134,30 @@ def host_read(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# Count-only mode (bench/scale_ledger.py): launches are checked and counted (ledgers, command buffers)
+# but not run, so a step at millions of gaussians can be counted on a small machine. The host learns
+# nothing from the device then (isect.py keeps no pending count): kernel outputs are left unwritten.
+_executing = True
+
+
+def executing() -> bool:
+    """False inside count_only(): kernels are counted, not run."""
+    return _executing
+
+
+class count_only:
+    """Context: kernel launches are counted (launch_counts, command_buffers, a launch observer) but not run."""
+
+    def __enter__(self):
+        global _executing
+        self._previous, _executing = _executing, False
+        return self
+
+    def __exit__(self, *exc):
+        global _executing
+        _executing = self._previous
+
+
 # Called instead of a plain launch while set: observer(name, kernel, args, launch) must launch
 # kernel(*args, **launch) itself (the step ledger measures around it). None: launch directly.
 _launch_observer = None
@@ -262,9 +286,9 @@ class _CountingLibrary:
                 check_group_size(_name, launch.get("group_size"), limits)
                 _launches[_name] += 1
                 _current.launches[_name] += 1
-                if _launch_observer is not None:
+                if _launch_observer is not None:  # it launches (or, in count-only mode, does not) itself
                     return _launch_observer(_name, _kernel, args, launch)
-                return _kernel(*args, **launch)
+                return _kernel(*args, **launch) if _executing else None
 
             self._kernels[name] = fn
         return fn

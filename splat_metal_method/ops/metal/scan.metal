@@ -9,6 +9,10 @@
 // values; thread t owns the contiguous run [t * SCAN_ITEMS, (t + 1) * SCAN_ITEMS) of its block.
 // scan.py drives it by the number of blocks:
 //   1 block                      scan_blocks alone, carry_mode 0 (one dispatch)
+//   up to SCAN_SINGLE_BLOCKS,    scan_blocks alone, carry_mode 3: each group sums the values of all
+//   out-of-place                 earlier blocks itself (one dispatch; at most SCAN_SINGLE_BLOCKS - 1
+//                                blocks of loads per group; `out` must not alias the values, which
+//                                other groups would be overwriting)
 //   up to SCAN_CARRY_BLOCKS      scan_block_sums, then scan_blocks with carry_mode 1: each group sums
 //                                the totals of all earlier blocks itself (two dispatches)
 //   more                         scan_block_sums, an exclusive scan of the block totals (this scheme,
@@ -74,7 +78,8 @@ kernel void scan_block_sums(
 // scan_blocks: one group per block; out[j] = carry of the block + sum of the block's values before j
 // (exclusive) or up to and including j (inclusive). carry_mode 0: no carry (one block); 1: `carries`
 // holds every block's total and the group sums those of blocks [0, b) (at most
-// ceil(b / SCAN_THREADS) loads per thread); 2: `carries` holds the exclusive scan of the totals.
+// ceil(b / SCAN_THREADS) loads per thread); 2: `carries` holds the exclusive scan of the totals;
+// 3: the group sums the values of blocks [0, b) itself (b * SCAN_ITEMS loads per thread; out-of-place).
 // carry_mode is the same for every thread, so the barriers in its branch are reached by all.
 [[max_total_threads_per_threadgroup(SPLAT_SCAN_THREADS)]]
 kernel void scan_blocks(
@@ -99,6 +104,13 @@ kernel void scan_blocks(
     group_exclusive_scan(part, tid, earlier, carry);
   } else if (carry_mode == 2) {
     carry = carries[blk];
+  } else if (carry_mode == 3) {
+    long earlier = 0;
+    const long first = blk * SPLAT_SCAN_THREADS * SPLAT_SCAN_ITEMS;
+    for (long j = (long)tid; j < first; j += SPLAT_SCAN_THREADS) {
+      earlier += scan_load(in32, in64, wide, j);
+    }
+    group_exclusive_scan(part, tid, earlier, carry);
   }
   const long base = blk * SPLAT_SCAN_THREADS * SPLAT_SCAN_ITEMS + (long)tid * SPLAT_SCAN_ITEMS;
   long run = 0;

@@ -1,7 +1,8 @@
 """Dispatch of scan.metal: int64 prefix sums of int32/int64 values on the device (see scan.metal).
 
 Used instead of torch.cumsum on integers, which has had correctness bugs on MPS. No host sync.
-Dispatches: one for n <= SCAN_BLOCK, two up to SCAN_CARRY_BLOCKS blocks, more beyond (recursive).
+Dispatches: one for n <= SCAN_BLOCK (out-of-place: up to SCAN_SINGLE_BLOCKS blocks), two up to
+SCAN_CARRY_BLOCKS blocks, more beyond (recursive).
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from .kernels import SCAN_BLOCK, SCAN_THREADS, grid_1d, library
 # earlier blocks itself: at most 16 loads per thread, as many as its own values. Beyond, the block
 # totals are scanned first (one more level), so the work stays linear in n.
 SCAN_CARRY_BLOCKS = 4096
+# Up to this many blocks (n <= 131,072 values) an out-of-place scan is one dispatch: each group sums the
+# values before its block itself (at most 31 blocks' worth, 496 loads per thread). The radix sort's
+# digit offsets take this path up to 33M keys, so its launches do not grow with the scene.
+SCAN_SINGLE_BLOCKS = 32
 
 
 _unused: dict = {}  # (device, dtype) -> [1] tensor bound where the kernels' other input goes (never read)
@@ -57,6 +62,9 @@ def prefix_sum(values: Tensor, inclusive: bool = False, out: Optional[Tensor] = 
     grid = {"threads": (n_blocks * SCAN_THREADS,), "group_size": (SCAN_THREADS,)}
     if n_blocks == 1:
         lib.scan_blocks(*inputs, out, out, n, int(wide), int(inclusive), 0, **grid)  # carries unread
+        return out
+    if n_blocks <= SCAN_SINGLE_BLOCKS and out.data_ptr() != values.data_ptr():
+        lib.scan_blocks(*inputs, out, out, n, int(wide), int(inclusive), 3, **grid)  # carries unread
         return out
     block_sums = torch.empty((n_blocks,), dtype=torch.int64, device=device)
     lib.scan_block_sums(*inputs, block_sums, n, int(wide), **grid)

@@ -3,8 +3,8 @@
 Used instead of torch.sort because MPS sort has had int64 and large-size bugs and documents no
 stability; the intersection lists need a stable sort for every backend to agree on per-tile order.
 No host synchronisation: the number of passes follows from `bits`, which the caller knows.
-A pass is radix_hist, our in-place prefix sum of the block histograms (scan.py: one dispatch up to
-2^20 keys, two beyond) and radix_scatter: 3 dispatches (4 beyond 2^20 keys) and no aten op: the
+A pass is radix_hist, our prefix sum of the block histograms into a second buffer (scan.py: one
+dispatch up to 33M keys) and radix_scatter: 3 dispatches and no aten op: the
 histogram and the ping-pong buffers are allocated once per sort (or, with ``scratch``, reused from
 the workspace across sorts), and the first pass of an argsort (values None) writes the indices itself.
 """
@@ -65,7 +65,9 @@ def radix_sort_pairs(
     lib = library(device, "sort.metal")
     n_blocks = (n + RADIX_BLOCK - 1) // RADIX_BLOCK
     grid = {"threads": (n_blocks * RADIX_THREADS,), "group_size": (RADIX_THREADS,)}
-    offsets = buffer("offsets", RADIX_BINS * n_blocks, torch.int64)  # [BINS, n_blocks] digit-major
+    hist = buffer("hist", RADIX_BINS * n_blocks, torch.int64)  # [BINS, n_blocks] digit-major counts
+    offsets = buffer("offsets", RADIX_BINS * n_blocks, torch.int64)  # their exclusive scan (out-of-place: one
+    # dispatch up to scan.SCAN_SINGLE_BLOCKS blocks, 33M keys)
     # ping-pong: pass p reads one pair and writes the other (pass 0 reads the caller's tensors)
     pairs = [(buffer("keys0", n, torch.int32, False), buffer("values0", n, torch.int32, False))]
     if n_passes > 1:
@@ -73,8 +75,8 @@ def radix_sort_pairs(
     for p in range(n_passes):
         shift = p * RADIX_BITS
         k_out, v_out = pairs[p % 2]
-        lib.radix_hist(k_in, offsets, n, shift, n_blocks, **grid)
-        prefix_sum(offsets, inclusive=False, out=offsets)  # histograms -> where each block's digits go
+        lib.radix_hist(k_in, hist, n, shift, n_blocks, **grid)
+        prefix_sum(hist, inclusive=False, out=offsets)  # histograms -> where each block's digits go
         iota = v_in is None  # only on pass 0: later passes read the values written before
         lib.radix_scatter(k_in, k_in if iota else v_in, k_out, v_out, offsets, n, shift, n_blocks, int(iota), **grid)
         k_in, v_in = k_out, v_out

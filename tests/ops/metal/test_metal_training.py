@@ -176,7 +176,13 @@ def test_thirty_training_steps_metal_vs_reference(demo_dir, monkeypatch):
 
     # Host syncs and kernel launches per Metal step (a step without densification, and all steps).
     per_step = [sum(c.values()) for c in syncs]
-    ours = [sum(v for k, v in c.items() if "splat_metal_method/ops" in k) for c in syncs]
+
+    # isect.py's .tolist() of the tile-row starts reads a host copy: on a Mac a non_blocking copy read a
+    # step late, on CPU the tensor itself (the step ledger counts it as a host-local read, not a sync)
+    def op_sync(site: str) -> bool:
+        return "splat_metal_method/ops" in site and not (site.startswith("tolist ") and "isect.py" in site)
+
+    ours = [sum(v for k, v in c.items() if op_sync(k)) for c in syncs]
     quiet = STEPS - 1  # not a refine step
     print(f"host syncs (item/tolist/cpu/numpy) per metal step: min {min(per_step)}, max {max(per_step)}; "
           f"from splat_metal_method.ops: max {max(ours)}")  # fmt: skip

@@ -95,20 +95,34 @@ def test_padded_lists_at_other_tile_sizes(tile_size, monkeypatch, caps):
     assert_gradients_close(got[3], exact[3])
 
 
-def test_multi_pass_plan_without_lengths(monkeypatch, caps):
-    """Tiles longer than a pass's chunk: passes planned from the capacity bound (no read of the lengths)
-    give the exact render."""
-    from splat_metal_method.ops.metal import rasterize
+@pytest.mark.parametrize("C", [1, 2])
+def test_bands_planned_from_rows_seen_a_step_late(monkeypatch, caps, C):
+    """A render whose work passes the command-buffer budget is cut into bands of tile rows planned from the
+    intersections per row the device reported at an earlier call (read without waiting): no read of the
+    device, each band's first row a kernel argument (no copy of means2d, no slice per band), exact."""
+    from splat_metal_method.bench import step_ledger
 
-    monkeypatch.setattr(rasterize, "RASTER_CHUNK", 16)
-    *params, viewmats = scene(n=400, seed=3)
-    exact = render(params, viewmats, 64, 48)
-    monkeypatch.setattr(rasterize, "RASTER_CHUNK", 16)
-    render(params, viewmats, 64, 48, caps=caps)  # sizes the capacity
+    *params, viewmats = scene(n=400, C=C, seed=3)
+    exact = render(params, viewmats, 70, 45)
+    render(params, viewmats, 70, 45, caps=caps)  # sizes the capacity
+    render(params, viewmats, 70, 45, caps=caps)  # reads the rows of the first (CPU: at once)
+    state = next(iter(caps._grids.values()))
+    assert state.rows is not None and sum(state.rows) == exact[2]["flatten_ids"].numel()  # M of the exact lists
+    total_work = 16 * 16 * sum(state.rows)
+    with step_ledger.count("one dispatch") as whole:
+        render(params, viewmats, 70, 45, caps=caps)
+    monkeypatch.setattr(runtime, "COMMAND_BUFFER_BUDGET", total_work * runtime.BWD_WORK_FACTOR // 3)
     reads = []
     monkeypatch.setattr(runtime, "host_read", lambda t: reads.append(t) or t.cpu())
-    got = render(params, viewmats, 64, 48, caps=caps)
-    assert reads == [], "a padded render read the device"
+    runtime.reset_launch_counts()
+    runtime.reset_command_buffers()
+    with step_ledger.count("bands") as led:
+        got = render(params, viewmats, 70, 45, caps=caps)
+    assert reads == [] and led.host_syncs == 0, "a padded render read the device"
+    launches = runtime.launch_counts()
+    assert 3 <= launches["rasterize_fwd"] <= 3 + 2 * C and launches["rasterize_bwd"] == launches["rasterize_fwd"]
+    assert led.aten_dispatches == whole.aten_dispatches, (dict(led.aten_ops), dict(whole.aten_ops))  # none per band
+    assert len([b for b in runtime.command_buffers() if b.closed_by == "commit"]) >= 2
     assert torch.equal(got[0], exact[0]) and torch.equal(got[1], exact[1])
     assert_gradients_close(got[3], exact[3])
 
@@ -206,3 +220,44 @@ def test_without_capacities_the_lists_are_exact():
     first, second = IntersectionCapacities(), IntersectionCapacities()
     render(params, viewmats, 64, 48, caps=first)
     assert first.entries(4, 3, 1) is not None and second.entries(4, 3, 1) is None
+
+
+def test_a_tile_of_ten_thousand_gaussians_is_composited_whole():
+    """One pass of whole tiles (rasterize.plan_from_rows): a tile listing 10,500 gaussians, more than a
+    RASTER_CHUNK, is composited to its end by one threadgroup each way, nothing left out: the same pixels
+    and gradients as the reference backend (ops/reference.py), non-square image."""
+    from splat_metal_method.ops.metal import rasterize
+
+    n, width, height = 10_500, 40, 24
+    gen = torch.Generator().manual_seed(11)
+    # small gaussians (~0.5 px) spread over the pixels of tile (1, 0): each pixel sees a few hundred, faint,
+    # so its pixels do not reach the transmittance floor and the whole list, deepest included, shows in the image
+    f, z = 0.9 * width, 5.0 + 2.0 * torch.rand(n, generator=gen)
+    u, v = 17.0 + 14.0 * torch.rand(n, generator=gen), 1.0 + 14.0 * torch.rand(n, generator=gen)
+    means = torch.stack([(u - width / 2) / f * z, (v - height / 2) / f * z, z], -1)
+    quats = torch.randn(n, 4, generator=gen)
+    scales = (0.5 * z / f)[:, None] * (0.2 * torch.randn(n, 3, generator=gen)).exp()
+    opacities = torch.rand(n, generator=gen) * 0.03 + 0.01
+    colors = torch.rand(n, 3, generator=gen)
+    params, viewmats = (means, quats, scales, opacities, colors), torch.eye(4)[None]
+    caps = IntersectionCapacities()
+    for _ in range(2):  # the capacity, then the rows, as a training run learns them
+        render(params, viewmats, width, height, caps=caps)
+    runtime.reset_launch_counts()
+    got = render(params, viewmats, width, height, caps=caps)
+    offsets = got[2]["isect_offsets"].reshape(-1).long()
+    ends = torch.cat([offsets[1:], got[2]["n_intersections"].long()])
+    assert int((ends - offsets).max()) >= 10_000 > rasterize.RASTER_CHUNK
+    assert runtime.launch_counts()["rasterize_fwd"] == runtime.launch_counts()["rasterize_bwd"] == 1
+    assert float((got[1][0, :16, 16:32] < 0.999).float().mean()) > 0.9  # the tile's pixels did not stop early
+    leaves = [p.clone().requires_grad_(True) for p in params]
+    Ks = intrinsics(1, width, height)
+    colors_ref, alphas_ref, meta = rasterization(*leaves, viewmats, Ks, width, height, backend="reference",
+                                                 absgrad=True)  # fmt: skip
+    weights = torch.linspace(0.5, 1.5, colors_ref.numel()).view(colors_ref.shape)
+    ((colors_ref * weights).sum() + alphas_ref.sum()).backward()
+    torch.testing.assert_close(got[0], colors_ref.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1], alphas_ref.detach(), rtol=1e-4, atol=1e-5)
+    for g, w in zip(got[3] + [got[4]], [p.grad for p in leaves] + [meta["means2d"].absgrad]):
+        scale = w.abs().max().item() or 1.0
+        assert (g - w).abs().max().item() <= 1e-3 * scale, (g - w).abs().max().item() / scale

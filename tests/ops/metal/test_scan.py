@@ -62,11 +62,33 @@ def test_prefix_sum_recursive_level(monkeypatch, n, blocks_then_carry):
     """Past SCAN_CARRY_BLOCKS blocks the block totals are scanned first (one more level, recursively);
     lowered here so that the path runs on small sizes."""
     monkeypatch.setattr(scan, "SCAN_CARRY_BLOCKS", blocks_then_carry)
+    monkeypatch.setattr(scan, "SCAN_SINGLE_BLOCKS", 1)  # not the one-dispatch path
     x = torch.randint(0, 50, (n,), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
     runtime.reset_launch_counts()
     for inclusive in (False, True):
         assert torch.equal(scan.prefix_sum(x, inclusive=inclusive), torch_prefix_sum(x, inclusive))
     assert runtime.launch_counts()["scan_blocks"] >= 2 * 2  # outer + at least one inner level, twice
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_prefix_sum_out_of_place_is_one_dispatch_up_to_single_blocks(dtype):
+    """Out of place, up to SCAN_SINGLE_BLOCKS blocks each group sums the blocks before its own (one
+    dispatch); one block more takes the two-dispatch path; in place always does (other groups would be
+    overwriting the values a group sums)."""
+    n = scan.SCAN_SINGLE_BLOCKS * SCAN_BLOCK
+    x = torch.randint(-1000, 100_000, (n + 1,), generator=torch.Generator().manual_seed(3), dtype=dtype)
+    for size, launches in ((n, 1), (n + 1, 2), (2 * SCAN_BLOCK + 1, 1)):
+        for inclusive in (False, True):
+            runtime.reset_launch_counts()
+            got = scan.prefix_sum(x[:size], inclusive=inclusive)
+            assert sum(runtime.launch_counts().values()) == launches, (size, runtime.launch_counts())
+            assert torch.equal(got, torch_prefix_sum(x[:size], inclusive)), (size, inclusive)
+    y = x[: 2 * SCAN_BLOCK + 1].long()
+    runtime.reset_launch_counts()
+    assert torch.equal(scan.prefix_sum(y.clone(), out=None), torch_prefix_sum(y, False))
+    z = y.clone()
+    scan.prefix_sum(z, out=z)
+    assert torch.equal(z, torch_prefix_sum(y, False)) and runtime.launch_counts()["scan_block_sums"] == 1
 
 
 def test_prefix_sum_refuses_bad_input():
@@ -92,11 +114,12 @@ class _CountAtenOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("n, per_pass", [(3 * RADIX_BLOCK + 5, 3), ((1 << 20) + RADIX_BLOCK, 4)])
+@pytest.mark.parametrize("n, per_pass", [(3 * RADIX_BLOCK + 5, 3), ((1 << 20) + RADIX_BLOCK, 3)])
 def test_radix_sort_pass_dispatches_no_more_than_with_torch_cumsum(n, per_pass):
     """Before (torch.cumsum + subtraction): radix_hist, cumsum, sub, radix_scatter = 4 dispatches per
-    pass at every size. Now: radix_hist, scan_blocks, radix_scatter = 3 up to 2^20 keys (the block
-    histograms fit one scan block), plus scan_block_sums = 4 beyond; no aten kernel at all."""
+    pass at every size. Now: radix_hist, scan_blocks, radix_scatter = 3 up to 33M keys (the block
+    histograms are scanned out of place, one dispatch up to scan.SCAN_SINGLE_BLOCKS blocks; issue 36:
+    the sort's launches do not grow with the scene); no aten kernel at all."""
     gen = torch.Generator().manual_seed(2)
     keys = torch.randint(0, 2**31 - 1, (n,), generator=gen, dtype=torch.int32)
     vals = torch.arange(n, dtype=torch.int32)
