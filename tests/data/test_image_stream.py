@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -227,3 +228,32 @@ def test_streamed_training_is_the_cached_training(capture):
     assert loss_a[-5:].mean() < loss_a[:5].mean()  # it trained
     for name in params_a:
         assert torch.equal(params_a[name], params_b[name]), name
+
+
+@pytest.mark.parametrize("size", [(97, 61), (785, 589), (64, 48)])
+@pytest.mark.parametrize("dtype, channels", [(np.uint8, 3), (np.uint8, 4), (np.float32, 3)])
+def test_undistort_perspective_is_nerfstudios_bit_for_bit(size, dtype, channels):
+    """The map made once per lens gives nerfstudio's _undistort_image's pixels exactly (non-square sizes,
+    k1 k2 k3 p1 p2, 8-bit and float images, RGB and RGBA); a second image of the same lens reuses it."""
+    from nerfstudio.cameras.cameras import Cameras, CameraType
+    from nerfstudio.data.datamanagers.full_images_datamanager import _undistort_image
+
+    from splat_metal_method.data.image_stream import undistort_perspective
+
+    w, h = size
+    rng = np.random.default_rng(w * h)
+    for trial in range(3):
+        distortion = torch.tensor([[-0.12 + 0.05 * trial, 0.03, 0.01 * trial, 0.0, 8e-4, -5e-4]])
+        camera = Cameras(camera_to_worlds=torch.eye(4)[None, :3], fx=0.9 * w, fy=0.92 * w, cx=w / 2 + 1.3,
+                         cy=h / 2 - 0.7, width=w, height=h, distortion_params=distortion,
+                         camera_type=CameraType.PERSPECTIVE)[0]  # fmt: skip
+        K = camera.get_intrinsics_matrices().numpy()
+        for _ in range(2):  # the second image of the lens goes through the cached map
+            image = rng.integers(0, 256, (h, w, channels)).astype(dtype)
+            if dtype == np.float32:
+                image /= 255.0
+            _, expected, _ = _undistort_image(camera, camera.distortion_params.numpy(), {}, image.copy(), K.copy())
+            got = undistort_perspective(K, camera.distortion_params.numpy(), image)
+            assert got.dtype == expected.dtype and got.shape == expected.shape, (got.shape, expected.shape)
+            assert np.array_equal(got, expected)
+            assert got.shape[0] < h and got.shape[1] < w  # cropped to the valid area, as nerfstudio does
