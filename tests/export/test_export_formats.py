@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from bad_input_table import record
 from cli_helpers import run_cli
 from export_readers import read_splat, read_spz
 from nerfstudio.models.splatfacto import RGB2SH
@@ -335,11 +336,14 @@ def test_crop_to_an_oriented_box(tmp_path_factory, tmp_path):
 # Bad input: one clear message, nothing written, nothing there before touched.
 
 
-def _export(config, out, **kw):
+def _export(config, out, case=None, what=None, paths=None, **kw):
+    """The one-line message; with ``case``, also docs/reliability.md's row (tests/bad_input_table.py)."""
     with pytest.raises(SystemExit) as e:
         ExportSplats(load_config=Path(config), output_dir=Path(out), **kw).main()
     message = str(e.value.code)
     assert message.startswith("splat-metal-export: "), message
+    if case:
+        record(f"export/{case}", what, message, config=config, out=out, **(paths or {}))
     return message
 
 
@@ -353,29 +357,36 @@ def test_cli_missing_config_one_line_no_traceback(tmp_path):
 
 def test_wrong_configs(tmp_path, tmp_path_factory):
     out = tmp_path / "out"
-    assert "no such file" in _export(tmp_path / "missing.yml", out)
-    assert "is a folder" in _export(tmp_path, out)
+    assert "no such file" in _export(
+        tmp_path / "missing.yml", out, "config-missing", "--load-config names no file", {"tmp": tmp_path}
+    )
+    assert "is a folder" in _export(
+        tmp_path, out, "config-is-folder", "--load-config names a folder", {"tmp": tmp_path}
+    )
     bad = tmp_path / "bad.yml"
     bad.write_text("pipeline: [unclosed\n")
-    assert "cannot be read as a run's config" in _export(bad, out)
+    assert "cannot be read as a run's config" in _export(bad, out, "config-not-yaml", "config.yml is not YAML")
     bad.write_text("just: a mapping\n")
-    assert "not a run's config.yml" in _export(bad, out)
+    assert "not a run's config.yml" in _export(bad, out, "config-not-a-run", "a YAML file that is not a run's config")
 
     from nerfstudio.configs.method_configs import method_configs
 
     nerfacto = tmp_path / "nerfacto.yml"
     nerfacto.write_text(yaml.dump(method_configs["nerfacto"]))
-    assert "is a nerfacto run; only gaussian-splatting runs" in _export(nerfacto, out)
+    assert "is a nerfacto run; only gaussian-splatting runs" in _export(
+        nerfacto, out, "not-a-splat-run", "a nerfacto run's config"
+    )
 
     run = demo_runs.sh0_run(tmp_path_factory)  # a real run's config whose checkpoints are elsewhere
     cfg = yaml.load(run.read_text(), Loader=yaml.Loader)
     cfg.output_dir = tmp_path / "elsewhere"
     moved = tmp_path / "moved.yml"
     moved.write_text(yaml.dump(cfg))
-    assert "no checkpoint (step-*.ckpt) in" in _export(moved, out)
+    paths = {"tmp": tmp_path}
+    assert "no checkpoint (step-*.ckpt) in" in _export(moved, out, "no-checkpoint", "a run without checkpoints", paths)
     cfg.method_name = "splat-metal-from-the-future"
     moved.write_text(yaml.dump(cfg))
-    assert "a method not installed here" in _export(moved, out)
+    assert "a method not installed here" in _export(moved, out)  # not in the table: it lists the installed methods
     assert not any(out.iterdir())
 
 
@@ -383,10 +394,14 @@ def test_unwritable_output(tmp_path, tmp_path_factory):
     config = demo_runs.sh0_run(tmp_path_factory)
     a_file = tmp_path / "a_file"
     a_file.write_text("keep me")
-    assert "is a file, not a folder" in _export(config, a_file)
-    assert "cannot write there" in _export(config, a_file / "sub")
+    assert "is a file, not a folder" in _export(config, a_file, "output-is-file", "--output-dir is a file")
+    assert "cannot write there" in _export(
+        config, a_file / "sub", "output-unwritable", "--output-dir cannot be made", {"a_file": a_file}
+    )
     (tmp_path / "out" / "splat.spz").mkdir(parents=True)
-    assert "splat.spz is a folder" in _export(config, tmp_path / "out")
+    assert "splat.spz is a folder" in _export(
+        config, tmp_path / "out", "target-is-folder", "an output file's name is a folder"
+    )
     assert a_file.read_text() == "keep me"
 
 
@@ -405,7 +420,11 @@ def test_empty_model_writes_nothing(edit_run, tmp_path):
 
     old = tmp_path / "splat.splat"
     old.write_bytes(b"the previous export")
-    message = _export(edit_run("empty", all_transparent), tmp_path)
+    config = edit_run("empty", all_transparent)
+    ckpt = next((config.parent / "nerfstudio_models").glob("step-*.ckpt"))
+    n = len(torch.load(ckpt, map_location="cpu", weights_only=False)["pipeline"]["_model.gauss_params.means"])
+    paths = {"run": config.parent, "n": f"{n:,}"}  # the table's row holds neither this run's path nor its size
+    message = _export(config, tmp_path, "nothing-to-export", "every gaussian transparent", paths)
     assert "no gaussians to export" in message and "below opacity 1/255" in message and "nothing was written" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["splat.splat"] and old.read_bytes() == b"the previous export"
 
@@ -418,7 +437,8 @@ def test_failure_in_one_format_writes_none(edit_run, tmp_path):
         params["means"][0] = 1e7
 
     (tmp_path / "splat.ply").write_bytes(b"old ply")
-    message = _export(edit_run("far", far_away), tmp_path)
+    config = edit_run("far", far_away)
+    message = _export(config, tmp_path, "spz-out-of-range", "a position beyond .spz's range", {"run": config.parent})
     assert "do not fit the format's 24-bit fixed point" in message and "nothing was written" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["splat.ply"]
     assert (tmp_path / "splat.ply").read_bytes() == b"old ply"
