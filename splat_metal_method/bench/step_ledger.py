@@ -398,14 +398,18 @@ def train_step(trainer, step: int) -> None:
 def host_resident(trainer) -> list:
     """Tensors that live on the host on a Mac: torch Adam's step counters unless the optimizer is
     fused or capturable (torch then keeps them on the parameters' device), and the NaN guard's flags
-    already copied to the host (non_blocking; read once their event completed), and likewise the
-    intersection counts of the Metal backend's padded lists (ops/metal/isect.py)."""
+    already copied to the host (non_blocking; read once their event completed), likewise the
+    intersection counts of the Metal backend's padded lists (ops/metal/isect.py), and the dataset's
+    cameras, which nerfstudio keeps on the host (their sizes, read once per camera by the model)."""
     model = trainer.pipeline.model
     guard = getattr(model, "nonfinite_guard", None)
     out = [host for _, host, _ in guard.pending] if guard is not None else []
     capacities = getattr(model, "isect_capacities", None)
     if capacities is not None:  # intersection counts of padded lists, on their way to the host
         out += capacities.pending_host_counts()
+    cameras = model.__dict__.get("_host_train_cameras")
+    if cameras is not None:  # the dataset's cameras, read once per training camera for its size (model.py)
+        out += [cameras.width, cameras.height]
     for opt in trainer.optimizers.optimizers.values():
         on_device = any(g.get("fused") or g.get("capturable") for g in opt.param_groups)
         for state in opt.state.values():

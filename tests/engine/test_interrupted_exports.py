@@ -50,8 +50,8 @@ def test_export_stopped_by_a_signal_writes_nothing(tmp_path_factory, tmp_path, m
     (out / "splat.splat").write_bytes(b"the previous export")
     write_one = cli._write_one
 
-    def then_signal(g, fmt, path, device=None):  # the signal comes after the .ply is staged
-        result = write_one(g, fmt, path, device)
+    def then_signal(g, fmt, path, *args):  # the signal comes after the .ply is staged
+        result = write_one(g, fmt, path, *args)
         assert path.is_file()
         os.kill(os.getpid(), signum)
         return result
