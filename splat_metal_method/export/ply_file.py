@@ -13,12 +13,15 @@ this.
 
 from __future__ import annotations
 
+import os
+import time
 from collections import OrderedDict
 from importlib.metadata import version
 from typing import Callable, Optional
 
 import numpy as np
 
+WRITE_PAUSE_ENV = "SPLAT_METAL_TEST_WRITE_PAUSE"
 BLOCK_ROWS = 1 << 16  # rows per write: the float32 block is a few MB, whatever N
 
 
@@ -47,6 +50,7 @@ def write_ply(
     columns = [t.reshape(count) for t in map_to_tensors.values()]  # [N] each
     row = np.dtype([(f"c{j}", "<f4" if c.dtype.kind == "f" else "u1") for j, c in enumerate(columns)])  # packed
     block = np.empty(min(count, BLOCK_ROWS), row)
+    pause = float(os.environ.get(WRITE_PAUSE_ENV) or 0)  # seconds after each block; unset outside tests
     with open(filename, "wb") as f:
         f.write("\n".join(header).encode())
         for start in range(0, count, BLOCK_ROWS):
@@ -56,3 +60,5 @@ def write_ply(
             f.write(block[:rows].tobytes())
             if progress is not None:
                 progress(rows)
+            if pause:  # test hook: time for a signal to land mid-write (tests/engine/test_reliability_cli.py)
+                time.sleep(pause)

@@ -22,7 +22,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-from typing import Any, Generator
+from concurrent.futures import Future
+from typing import Any, Callable, Generator
 
 _applied = False
 
@@ -82,6 +83,27 @@ def _viser_atomic_leaks_its_lock(handler_class: type) -> bool:
     return "_atomic_lock" in source and "finally" not in source
 
 
+def _dropped(*args, **kwargs) -> Future:
+    done: Future = Future()
+    done.set_result(None)
+    return done
+
+
+def _stop_dropping_late_messages(stop: Callable) -> Callable:
+    """viser's server stop shuts its thread pool down, but a browser still connected keeps sending
+    (camera moves): each message then ends in websockets' "connection handler failed" traceback
+    (RuntimeError: cannot schedule new futures after shutdown), printed below our end-of-run lines
+    after Ctrl-C. After the stop, such messages are dropped."""
+
+    def stopped(self) -> None:
+        executor = self._thread_executor
+        stop(self)
+        executor.submit = _dropped
+
+    stopped._drops_late_messages = True  # type: ignore[attr-defined]
+    return stopped
+
+
 def apply() -> None:
     """Installs both fixes (once; a no-op where viser or nerfstudio's viewer is not importable)."""
     global _applied
@@ -90,11 +112,13 @@ def apply() -> None:
     _applied = True
     try:
         from nerfstudio.viewer.viewer import Viewer
-        from viser.infra._infra import WebsockMessageHandler
+        from viser.infra._infra import WebsockMessageHandler, WebsockServer
     except ImportError:
         return
     if _viser_atomic_leaks_its_lock(WebsockMessageHandler):
         WebsockMessageHandler.atomic = _atomic  # type: ignore[method-assign]
+    if not getattr(WebsockServer.stop, "_drops_late_messages", False):
+        WebsockServer.stop = _stop_dropping_late_messages(WebsockServer.stop)  # type: ignore[method-assign]
 
     if not isinstance(inspect.getattr_static(Viewer, "render_statemachines", None), property):
         Viewer.render_statemachines = property(_get_machines, _set_machines)  # type: ignore[attr-defined]

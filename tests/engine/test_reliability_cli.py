@@ -338,7 +338,7 @@ def test_ctrl_c_saves_a_loadable_checkpoint_and_exits(interrupted):
 
 
 # ----------------------------------------------------------------------------- after the interrupt
-BIG = 40_000  # gaussians: nerfstudio's per-value writer needs seconds for them, time to interrupt it
+BIG = 40_000  # gaussians: more than a header's worth of rows, so the partial file shows writing has begun
 
 
 def _big_run(interrupted) -> Path:
@@ -371,8 +371,8 @@ def _interrupt_export(config: Path, out_dir: Path, sig: int):
     proc = subprocess.Popen(
         [executable("ns-export"), "gaussian-splat", "--load-config", str(config), "--output-dir", str(out_dir)],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        env=cli_env(config.parent / "torch_home"),
-    )  # fmt: skip
+        env={**cli_env(config.parent / "torch_home"), "SPLAT_METAL_TEST_WRITE_PAUSE": "30"},
+    )  # fmt: skip  # the block writer takes milliseconds: it waits after its block for the signal to land
     try:
         # Writing has begun when the target changed or another file in the folder has grown past a header.
         def writing() -> bool:

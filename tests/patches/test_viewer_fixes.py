@@ -124,3 +124,27 @@ def test_the_fixes_keep_nerfstudio_viewer_behaviour_for_connected_clients(run, t
         assert machine.next_action is not None and machine.next_action.action == "move"
         viewer.handle_disconnect(client)
         assert 3 not in viewer.render_statemachines
+
+
+def test_a_stopped_viser_server_drops_late_browser_messages():
+    """After viser's server stops (the end of a run, Ctrl-C), a still-connected browser's messages are
+    dropped; unpatched viser raises 'cannot schedule new futures after shutdown' for each, which
+    websockets prints as a traceback under our end-of-run lines."""
+    import viser
+
+    from splat_metal_method.patches import viewer as viewer_fixes
+
+    viewer_fixes.apply()
+    server = viser.ViserServer(host="127.0.0.1", port=_free_port())
+    executor = server._websock_server._thread_executor
+    assert executor.submit(lambda: 41 + 1).result(timeout=10) == 42  # running: work is done
+    server.stop()
+    assert executor.submit(lambda: 1 / 0).result(timeout=10) is None  # stopped: dropped, nothing raised
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
