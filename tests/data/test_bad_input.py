@@ -15,32 +15,12 @@ from pathlib import Path
 
 import pytest
 from bad_input_table import record
+from bad_scenes import CLI_TIMEOUT, EXPERIMENT, HEIGHT, TIMESTAMP, VIEWS, WIDTH
 from cli_helpers import run_cli, snapshot
 from PIL import Image
 
 from splat_metal_method.data import demo_scene
 from splat_metal_method.data.dataparser import DatasetError, SplatMetalDataParserConfig, check_dataset
-
-WIDTH, HEIGHT, VIEWS = 32, 24, 10  # smallest demo scene with a held-out view: fast to make and to copy
-CLI_TIMEOUT = 180  # s; a failing start takes ~10-20 s (imports), a hang or a training run takes far longer
-EXPERIMENT, TIMESTAMP = "existing", "2000-01-01_000000"
-
-
-@pytest.fixture(scope="module")
-def good_scene(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("bad_input") / "good"
-    demo_scene.generate(out, width=WIDTH, height=HEIGHT, views=VIEWS)
-    return out
-
-
-@pytest.fixture
-def scene_copy(good_scene, tmp_path):
-    """A fresh copy of the good scene to break."""
-
-    def make(name: str = "scene") -> Path:
-        return Path(shutil.copytree(good_scene, tmp_path / name))
-
-    return make
 
 
 @pytest.fixture

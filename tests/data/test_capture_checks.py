@@ -17,32 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from bad_input_table import record
+from bad_scenes import CLI_TIMEOUT, EXPERIMENT, HEIGHT, TIMESTAMP, WIDTH
 from cli_helpers import run_cli, snapshot
 from PIL import Image
 
 from splat_metal_method.data import demo_scene
 from splat_metal_method.data.dataparser import DatasetError, SplatMetalDataParserConfig, check_dataset
 
-WIDTH, HEIGHT, VIEWS = 32, 24, 10  # non-square; the smallest demo scene with a held-out view
-CLI_TIMEOUT = 180  # s; a failing start takes ~10-20 s (imports)
-EXPERIMENT, TIMESTAMP = "existing", "2000-01-01_000000"
 SEED_FIX = "--load-3D-points False"  # nerfstudio-data's option: random gaussians instead of the PLY
 DOWNSCALE_FIX = "--num-downscales"
-
-
-@pytest.fixture(scope="module")
-def good_scene(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("capture_checks") / "good"
-    demo_scene.generate(out, width=WIDTH, height=HEIGHT, views=VIEWS)
-    return out
-
-
-@pytest.fixture
-def scene_copy(good_scene, tmp_path):
-    def make(name: str = "scene") -> Path:
-        return Path(shutil.copytree(good_scene, tmp_path / name))
-
-    return make
 
 
 def _edit_transforms(scene: Path, edit) -> Path:
