@@ -216,7 +216,8 @@ inline bool bin_entries(const device float* means2d, const device int* radii, co
   if (count <= 0 || first >= end) {
     return false;
   }
-  tile_rect(means2d[2 * g], means2d[2 * g + 1], radii[g], tile_size, tile_width, tile_height, x0, y0, x1, y1);
+  const int radius = radii[g];
+  tile_rect(means2d[2 * g], means2d[2 * g + 1], radius, tile_size, tile_width, tile_height, x0, y0, x1, y1);
   return true;
 }
 
@@ -248,8 +249,8 @@ kernel void bin_count(
     return;
   }
   const long base = ((long)g / N) * tile_width * tile_height;
-  for (int y = y0; y < y1 && out < end; ++y) {
-    for (int x = x0; x < x1 && out < end; ++x, ++out) {
+  for (int y = y0; y < y1 && end > out; ++y) {
+    for (int x = x0; x < x1 && end > out; ++x, ++out) {
       atomic_fetch_add_explicit(&bins[base + (long)y * tile_width + x], 1, memory_order_relaxed);
     }
   }
@@ -289,8 +290,8 @@ kernel void bin_fill(
     return;
   }
   const long base = ((long)g / N) * tile_width * tile_height;
-  for (int y = y0; y < y1 && out < end; ++y) {
-    for (int x = x0; x < x1 && out < end; ++x, ++out) {
+  for (int y = y0; y < y1 && end > out; ++y) {
+    for (int x = x0; x < x1 && end > out; ++x, ++out) {
       const long t = base + (long)y * tile_width + x;
       const int left = atomic_fetch_sub_explicit(&bins[t], 1, memory_order_relaxed);  // 1..count_t
       ranks[ends[t] - left] = p;
