@@ -117,7 +117,15 @@ def isect_offset_encode_fwd(isect_ids: Tensor, C: int, tile_width: int, tile_hei
 # - Sizing: the most intersections per (camera, gaussian) seen for this tile grid, times this call's
 #   C*N (the host knows N: densification cannot outrun the capacity unseen), with HEADROOM; grown by at
 #   least GROWTH when it has to grow, never shrunk. The first call for a tile grid reads M once.
-# - Overflow (more intersections than the capacity): isect_emit writes none past it, so the deepest
+# - Per-tile bins instead of the radix sort by tile (isect.metal, "Padded lists"): the entries are counted
+#   per tile and placed in their tile's bin by device atomics, each storing the gaussian's position in the
+#   depth order, then each bin is sorted by it (bitonic in threadgroup memory; past BIN_CAPACITY entries in
+#   blocks, then merged): the same lists as isect_tiles_fwd's, whatever order the atomics took. The merge
+#   steps get a dispatch each, planned from the longest bin the device reported a step earlier (read
+#   without waiting, with the count); the last dispatch runs whatever steps are left, so a tile longer
+#   than planned is still sorted whole.
+# - Overflow (more intersections than the capacity): the bins take none past it (the first `capacity`
+#   entries of the depth-order emission, as isect_emit writes them), so the deepest
 #   gaussians' intersections (the end of the depth order) are left out of that step's render, and
 #   their gradients from it are zero; every other gradient is that of the image that was rendered. It
 #   is found a step later, said once in the log and counted (IntersectionCapacities.overflows), and the
@@ -126,7 +134,7 @@ def isect_offset_encode_fwd(isect_ids: Tensor, C: int, tile_width: int, tile_hei
 HEADROOM = 1.15
 GROWTH = 1.25
 GRANULE = 1024  # capacities are multiples of this (fewer reallocations of the workspace)
-MAX_PADDED_KEY_BITS = 31  # isect_offsets reads keys as signed 32-bit values: the sentinel must stay positive
+MAX_PADDED_KEY_BITS = 31  # the padding's key (all ones) << 32 must stay a positive int64 isect_id
 
 
 class _Capacity:
