@@ -15,12 +15,15 @@ import pytest
 
 from splat_metal_method.bench import scale_ledger
 
-SMALL = [(600, 120, 78), (1500, 72, 130)]  # non-square, wider and taller
+# non-square, wider and taller; the last with a tile of ~2,100 entries, past a bin (isect.metal bin_sort:
+# one merge dispatch, planned from the longest tile: the executed render's, or the host model's)
+SMALL = [(600, 120, 78, 1), (1500, 72, 130, 1), (16_000, 64, 40, 2)]
 
 
-@pytest.mark.parametrize("n, width, height", SMALL)
-def test_count_only_equals_executed(n, width, height):
+@pytest.mark.parametrize("n, width, height, bin_sorts", SMALL)
+def test_count_only_equals_executed(n, width, height, bin_sorts):
     executed = scale_ledger.measure(n, width, height, execute=True)
+    assert executed.ledger.kernels["bin_sort"].launches == bin_sorts
     seeded = scale_ledger.measure(n, width, height, seed_from=executed.capacities)
     modelled = scale_ledger.measure(n, width, height)  # capacities from the host model of the scene
     assert executed.ledger.kernel_total().simd_reductions > 0  # the kernels ran
