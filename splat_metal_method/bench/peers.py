@@ -311,7 +311,7 @@ OPENSPLAT = NativeDesign("OpenSplat (PR #76)", dispatches=8, aten_ops=250, syncs
 # kernels with intersections, the loss with pixels, everything else (projection, SH, covariances,
 # per-gaussian training kernels such as densification statistics or the NaN flag) with gaussians
 KERNEL_GROWS = (("isect_count", "G"), ("isect_", "M"), ("radix_", "M"), ("scan_", "M"), ("rasterize_", "M"),
-                ("l1_ssim", "P"))  # fmt: skip
+                ("bin_", "M"), ("l1_ssim", "P"))  # fmt: skip
 
 
 def kernel_grows(name: str) -> str:
@@ -390,8 +390,8 @@ class OursFromLedger:
         b.sync_ms = led["host_syncs"] * c.sync_us * 1e-3
         b.terms["dispatch gaps"] = (led["aten_kernels"] + launches) * c.dispatch_us * 1e-3
         groups = {
-            "sort (radix + scan)": ("radix_", "scan_"),
-            "intersect": ("isect_",),
+            "sort (radix + scan)": ("radix_", "scan_", "bin_sort"),
+            "intersect": ("isect_", "bin_"),
             "loss": ("l1_ssim",),
             "project + SH": ("project", "sh_", "covar"),
         }  # fmt: skip (other kernels: a term each)

@@ -98,9 +98,10 @@ MODEL_SAMPLE = 200_000  # gaussians the host model projects; a larger scene's co
 @torch.no_grad()
 def expected_intersections(
     scene: Scene, width: int, height: int, sample: int = MODEL_SAMPLE
-) -> Tuple[int, torch.Tensor]:
+) -> Tuple[int, torch.Tensor, int]:
     """The host model of a render's intersections: the reference projection's radii and tile bounds
-    (the kernels' rectangle math). Returns the count M and the intersections per tile row [1, tile_height].
+    (the kernels' rectangle math). Returns the count M, the intersections per tile row [1, tile_height] and
+    those of the longest tile (what the per-tile bins plan their merge dispatches from).
     Scenes of more than `sample` gaussians (drawn independently) are modelled from their first `sample`,
     scaled (a relative error ~1/sqrt(sample) of the count, 0.2% at 200k)."""
     from ..ops import reference
@@ -119,9 +120,18 @@ def expected_intersections(
     diff.scatter_add_(1, lo[..., 1], per_row)
     diff.scatter_add_(1, lo[..., 1] + span[..., 1], -per_row)
     rows = diff.cumsum(1)[:, :th]  # [1, th]
+    # per tile: a 2-D difference array over the rectangles [x0, x0 + w) x [y0, y0 + h)
+    x0, y0 = lo[0, :, 0], lo[0, :, 1]  # [N]
+    x1, y1 = x0 + span[0, :, 0], y0 + span[0, :, 1]
+    corners = torch.zeros((th + 1) * (tw + 1), dtype=torch.int64)
+    for ys, xs, sign in ((y0, x0, 1), (y0, x1, -1), (y1, x0, -1), (y1, x1, 1)):
+        corners.scatter_add_(0, ys * (tw + 1) + xs, torch.full_like(xs, sign))
+    tiles = corners.view(th + 1, tw + 1).cumsum(0).cumsum(1)[:th, :tw]  # [th, tw]
+    longest = int(tiles.max()) if tiles.numel() else 0
     if k < n:
         rows = torch.round(rows.double() * (n / k)).long()
-    return int(rows.sum()), rows
+        longest = round(longest * n / k)
+    return int(rows.sum()), rows, longest
 
 
 def render_step(scene: Scene, width: int, height: int, capacities, gt: torch.Tensor, background: torch.Tensor,
@@ -192,9 +202,9 @@ def measure(n: int, width: int, height: int, execute: bool = False, seed: int = 
         if seed_from is not None:
             capacities.seed_like(seed_from)
         else:
-            M, rows = expected_intersections(scene, width, height)
+            M, rows, longest = expected_intersections(scene, width, height)
             th, tw = math.ceil(height / TILE), math.ceil(width / TILE)
-            capacities.expect(tw, th, 1, n, M, rows, tile_size=TILE)
+            capacities.expect(tw, th, 1, n, M, rows, tile_size=TILE, longest=longest)
     mode = contextlib.nullcontext() if execute else runtime.count_only()
     with mode:
         for _ in range(2 if execute else 1):

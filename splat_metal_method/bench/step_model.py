@@ -57,6 +57,7 @@ KERNEL_SCALE = {
     "project_fwd": "gaussians", "project_bwd": "gaussians", "sh_fwd": "gaussians", "sh_bwd": "gaussians",
     "covar_fwd": "gaussians", "covar_bwd": "gaussians", "isect_count": "gaussians",
     "isect_emit": "intersections", "isect_finalize": "intersections", "isect_offsets": "intersections",
+    "bin_count": "intersections", "bin_fill": "intersections", "bin_sort": "intersections",
     "rasterize_fwd": "intersections", "rasterize_bwd": "intersections",
     "l1_ssim_fwd": "pixels", "l1_ssim_reduce": "pixels", "l1_ssim_bwd": "pixels",
 }  # fmt: skip
@@ -198,6 +199,8 @@ def at_scale(step: dict, scale: dict, base20k: dict) -> dict:
     out = copy.deepcopy(step)
     out["aten_kernels"] = step["aten_kernels"] + scale["aten_kernels"] - base20k["aten_kernels"]
     ref = {"G": ("n_gaussians",), "M": ("intersections",), "P": ("pixels",), "A": ("intersections",)}
+    for name in set(base20k["kernels"]) - set(scale["kernels"]):  # render kernels this tree no longer issues
+        out["kernels"].pop(name, None)
     for name in set(out["kernels"]) | set(scale["kernels"]):
         w = out["kernels"].setdefault(name, {})
         sw = scale["kernels"].get(name, {})

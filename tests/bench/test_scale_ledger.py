@@ -15,12 +15,15 @@ import pytest
 
 from splat_metal_method.bench import scale_ledger
 
-SMALL = [(600, 120, 78), (1500, 72, 130)]  # non-square, wider and taller
+# non-square, wider and taller; the last with a tile of ~2,100 entries, past a bin (isect.metal bin_sort:
+# one merge dispatch, planned from the longest tile: the executed render's, or the host model's)
+SMALL = [(600, 120, 78, 1), (1500, 72, 130, 1), (16_000, 64, 40, 2)]
 
 
-@pytest.mark.parametrize("n, width, height", SMALL)
-def test_count_only_equals_executed(n, width, height):
+@pytest.mark.parametrize("n, width, height, bin_sorts", SMALL)
+def test_count_only_equals_executed(n, width, height, bin_sorts):
     executed = scale_ledger.measure(n, width, height, execute=True)
+    assert executed.ledger.kernels["bin_sort"].launches == bin_sorts
     seeded = scale_ledger.measure(n, width, height, seed_from=executed.capacities)
     modelled = scale_ledger.measure(n, width, height)  # capacities from the host model of the scene
     assert executed.ledger.kernel_total().simd_reductions > 0  # the kernels ran
@@ -41,10 +44,12 @@ def test_count_only_equals_executed(n, width, height):
 
 # What one steady render step (render, composite, fused loss, backward) may issue at any scene size at
 # 1024x664 (measured, issue 36: 50 / 51 / 53 / 57 launches and 55 / 56 / 56 / 56 aten dispatches at 20k /
-# 500k / 1.5M / 3M; before: 55 / 176 / 2,268 launches at 20k / 500k / 1.5M). The launches that grow are the
+# 500k / 1.5M / 3M; before: 55 / 176 / 2,268 launches at 20k / 500k / 1.5M; with the per-tile bins of part 3:
+# 41 / 42 / 45 / 50 launches and 54 / 55 / 55 / 55 aten dispatches). The launches that grow are the
 # command-buffer bands of the rasterizer (one each way per ~4e9 backward-weighted evaluations: the
-# watchdog budget, from the work) and one more prefix-sum dispatch past 131,072 gaussians.
-BUDGETS = {"kernel_launches": 58, "aten_dispatches": 57, "host_syncs": 0}
+# watchdog budget, from the work), one more prefix-sum dispatch past 131,072 gaussians and one bin_sort
+# dispatch per merge step of the longest tile (2,048 entries doubled: 0 / 0 / 1 / 2).
+BUDGETS = {"kernel_launches": 51, "aten_dispatches": 56, "host_syncs": 0}
 SIZES = (20_000, 500_000, 3_000_000)
 IMAGE = (1024, 664)
 
@@ -83,13 +88,15 @@ def test_step_model_takes_the_render_counts_from_the_scale_ledger():
 
     step = {"aten_kernels": 28, "n_gaussians": 20_000, "intersections": 1_000, "pixels": 100,
             "part_bytes": {"optimizer": 400, "model, loss, camera opt": 10},
-            "kernels": {"rasterize_fwd": {"launches": 3, "buffer_bytes": 300}, "densify_stats": {"launches": 1}}}  # fmt: skip
+            "kernels": {"rasterize_fwd": {"launches": 3, "buffer_bytes": 300}, "densify_stats": {"launches": 1},
+                        "isect_pad": {"launches": 1, "buffer_bytes": 50}}}  # fmt: skip
     scale = {"aten_kernels": 50, "n_gaussians": 1_000_000, "intersections": 5_000_000, "pixels": 10_000,
              "kernels": {"rasterize_fwd": {"launches": 4, "buffer_bytes": 4e9, "threads": 8e6}}}  # fmt: skip
-    base = {"aten_kernels": 7, "kernels": {}}
+    base = {"aten_kernels": 7, "kernels": {"isect_pad": {"launches": 1}}}  # a render kernel the scale tree dropped
     out = step_model.at_scale(step, scale, base)
     assert out["aten_kernels"] == 28 + 50 - 7
     assert out["kernels"]["rasterize_fwd"]["launches"] == 4 and out["kernels"]["densify_stats"]["launches"] == 1
+    assert "isect_pad" not in out["kernels"]
     # one launch's bytes, rescaled so that peers' scaling by intersections lands on the scale ledger's
     assert out["kernels"]["rasterize_fwd"]["buffer_bytes"] == pytest.approx(4e9 / 4 * 1_000 / 5_000_000)
     assert out["part_bytes"] == {"optimizer": 700, "model, loss, camera opt": 10}

@@ -1,20 +1,30 @@
 // isect.metal: gaussian/tile intersections (gsplat 1.4 isect_tiles + isect_offset_encode).
 //
-// Pipeline (driven by isect.py; the sorts are sort.metal's stable radix sort):
+// Exact lists (driven by isect.py isect_tiles_fwd; the sorts are sort.metal's stable radix sort):
 //   1. stable sort of all C*N gaussians by the 32 bits of their depth (unsigned), giving `order`.
 //   2. isect_count        tiles_per_gauss[c*N+n] = number of tiles the 3-sigma square covers, also
 //                         written in depth order (counts[p] = tiles_per_gauss[order[p]]).
-//   3. inclusive prefix sum of counts (scan.metal). The total M is read by the host (exact lists), or
-//      stays on the device (padded lists: buffers of a capacity the host keeps from earlier steps).
-//   4. isect_emit         in depth order, every gaussian writes (camera, tile) keys and its flat id,
-//                         those that fit the capacity (overflow drops the deepest intersections).
-//   4b. isect_pad         padded lists only: entries [min(M, capacity), capacity) get a sentinel key
-//                         that sorts after every real one.
+//   3. inclusive prefix sum of counts (scan.metal); the host reads the total M.
+//   4. isect_emit         in depth order, every gaussian writes (camera, tile) keys and its flat id.
 //   5. stable sort of the entries by the (camera, tile) key.
 //   6. isect_finalize     isect_id = (camera, tile) key << 32 | depth bits.
 // Sorting by depth first and then stably by (camera, tile) is a stable sort by the whole 64-bit
 // isect_id over the emission order (camera-major, gaussian-major, tile y-major, x-minor), because
 // each gaussian covers a tile at most once: every backend therefore gets the same per-tile order.
+//
+// Padded lists (isect.py isect_tiles_padded_fwd: training steps, no host read; buffers of a capacity
+// the host keeps from earlier steps) use per-tile bins instead of the second sort:
+//   1-3 as above (isect_count also zeroes the bin counters); M stays on the device.
+//   4. bin_count          every entry isect_emit would write (the first min(M, capacity) of the
+//                         depth-order emission) adds one to its tile's counter (device atomics).
+//   5. inclusive prefix sum of the counters: ends[t], the end of tile t's bin in the list.
+//   6. bin_fill           the same entries take a slot in their tile's bin by an atomic decrement and
+//                         store their POSITION IN THE DEPTH ORDER p: unique per tile and ordered as
+//                         (depth bits, flat id), so sorting a bin by it gives the order above whatever
+//                         order the atomics handed out the slots.
+//   7. bin_sort           one threadgroup per tile sorts its bin by p (a bitonic sort in threadgroup
+//                         memory; longer bins in blocks, then merged in device memory: exact at any
+//                         length) and writes flatten_ids, isect_ids and the tile offsets.
 // Compiled after common.h: kernels.py prepends it (compile_shader has no include path).
 
 // Tile rectangle [x0, x1) x [y0, y1) of a gaussian, computed exactly as ops/reference.py does
@@ -42,6 +52,8 @@ inline void tile_rect(float mx, float my, int radius, long tile_size, long tile_
 // g = order[p] and writes tiles_per_gauss[g] and counts[p] (order is a permutation: every entry of
 // both is written once). Independent threads, no barriers.
 // Invariant: the count is 0 iff radius <= 0 or the rectangle is empty; <= tile_width*tile_height.
+// Padded lists: thread p also zeroes bins[p], bins[p + total], ... below n_bins (the counters of
+// bin_count / bin_sort, which run after this kernel); exact lists pass n_bins = 0.
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void isect_count(
     const device float* means2d [[buffer(0)]],   // [C*N, 2]
@@ -53,9 +65,14 @@ kernel void isect_count(
     constant long& tile_size [[buffer(6)]],
     constant long& tile_width [[buffer(7)]],
     constant long& tile_height [[buffer(8)]],
+    device int* bins [[buffer(9)]],              // [n_bins] (unread with n_bins = 0)
+    constant long& n_bins [[buffer(10)]],
     uint p [[thread_position_in_grid]]) {
   if ((long)p >= total) {
     return;
+  }
+  for (long b = (long)p; b < n_bins; b += total) {
+    bins[b] = 0;
   }
   const uint g = order[p];
   const int r = radii[g];
@@ -143,29 +160,6 @@ kernel void isect_finalize(
   flatten_ids[i] = (int)g;
 }
 
-// isect_pad: one thread per entry i < capacity of padded lists. Entries past the real ones
-// (i >= min(M, capacity), M = cum[total - 1] on the device) get `sentinel`, a key above every real
-// (camera, tile) key, so the sort puts them last and isect_offsets sees them past the last tile.
-// Independent threads.
-[[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
-kernel void isect_pad(
-    const device long* cum [[buffer(0)]],     // [total] inclusive cumsum of counts
-    device uint* tile_keys [[buffer(1)]],     // [capacity]
-    device uint* flat_ids [[buffer(2)]],      // [capacity]
-    constant long& total [[buffer(3)]],       // C*N >= 1
-    constant long& capacity [[buffer(4)]],
-    constant long& sentinel [[buffer(5)]],    // (1 << key bits) - 1
-    uint i [[thread_position_in_grid]]) {
-  if ((long)i >= capacity) {
-    return;
-  }
-  const long n = cum[total - 1] < capacity ? cum[total - 1] : capacity;
-  if ((long)i >= n) {
-    tile_keys[i] = (uint)sentinel;
-    flat_ids[i] = 0u;
-  }
-}
-
 // isect_offsets: one thread per intersection i < M of the sorted list (M >= 1; the host fills the
 // M == 0 case). With end_slot (padded lists), offsets has one more entry, offsets[total_tiles], the end
 // of the last tile: the real entries' count, which only the device knows. Sentinel entries map past
@@ -203,5 +197,268 @@ kernel void isect_offsets(
     for (long t = cur + 1; t <= last; ++t) {
       offsets[t] = (int)M;
     }
+  }
+}
+
+// ---- per-tile bins (padded lists) -------------------------------------------------------------------
+
+// The entries of depth position p that isect_emit would write within `capacity`: [first, end) of the
+// list, and the rectangle they walk (y-major, x-minor; past the rectangle, tile 0 of the camera, as
+// isect_emit pads). Returns false when there are none.
+inline bool bin_entries(const device float* means2d, const device int* radii, const device int* tiles_per_gauss,
+                        const device uint* order, const device long* cum, uint p, long capacity, long tile_size,
+                        long tile_width, long tile_height, thread uint& g, thread long& first, thread long& end,
+                        thread int& x0, thread int& y0, thread int& x1, thread int& y1) {
+  g = order[p];
+  const int count = tiles_per_gauss[g];
+  first = cum[p] - count;
+  end = cum[p] < capacity ? cum[p] : capacity;
+  if (count <= 0 || first >= end) {
+    return false;
+  }
+  const int radius = radii[g];
+  tile_rect(means2d[2 * g], means2d[2 * g + 1], radius, tile_size, tile_width, tile_height, x0, y0, x1, y1);
+  return true;
+}
+
+// bin_count: one thread per depth position p < C*N. Every entry isect_emit would write adds one to its
+// (camera, tile) counter bins[camera * n_tiles + tile] (device atomics; zeroed by isect_count).
+[[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
+kernel void bin_count(
+    const device float* means2d [[buffer(0)]],        // [C*N, 2]
+    const device int* radii [[buffer(1)]],            // [C*N]
+    const device int* tiles_per_gauss [[buffer(2)]],  // [C*N]
+    const device uint* order [[buffer(3)]],           // [C*N] flat ids in depth order
+    const device long* cum [[buffer(4)]],             // [C*N] inclusive cumsum of counts in depth order
+    device atomic_int* bins [[buffer(5)]],            // [C * n_tiles + 2] counters
+    constant long& total [[buffer(6)]],               // C*N
+    constant long& N [[buffer(7)]],
+    constant long& tile_size [[buffer(8)]],
+    constant long& tile_width [[buffer(9)]],
+    constant long& tile_height [[buffer(10)]],
+    constant long& capacity [[buffer(11)]],
+    uint p [[thread_position_in_grid]]) {
+  if ((long)p >= total) {
+    return;
+  }
+  uint g;
+  long out, end;
+  int x0, y0, x1, y1;
+  if (!bin_entries(means2d, radii, tiles_per_gauss, order, cum, p, capacity, tile_size, tile_width, tile_height,
+                   g, out, end, x0, y0, x1, y1)) {
+    return;
+  }
+  const long base = ((long)g / N) * tile_width * tile_height;
+  for (int y = y0; y < y1 && end > out; ++y) {
+    for (int x = x0; x < x1 && end > out; ++x, ++out) {
+      atomic_fetch_add_explicit(&bins[base + (long)y * tile_width + x], 1, memory_order_relaxed);
+    }
+  }
+  if (out < end) {
+    atomic_fetch_add_explicit(&bins[base], (int)(end - out), memory_order_relaxed);
+  }
+}
+
+// bin_fill: one thread per depth position p < C*N, the entries of bin_count. Each takes a slot of its
+// tile's bin [ends[t] - count_t, ends[t]) by an atomic decrement of the tile's counter (which leaves it
+// 0) and stores p there. Slots are handed out in any order: bin_sort orders each bin by p.
+[[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
+kernel void bin_fill(
+    const device float* means2d [[buffer(0)]],        // [C*N, 2]
+    const device int* radii [[buffer(1)]],            // [C*N]
+    const device int* tiles_per_gauss [[buffer(2)]],  // [C*N]
+    const device uint* order [[buffer(3)]],           // [C*N] flat ids in depth order
+    const device long* cum [[buffer(4)]],             // [C*N] inclusive cumsum of counts in depth order
+    device atomic_int* bins [[buffer(5)]],            // [C * n_tiles + 2] counters (bin_count's)
+    const device long* ends [[buffer(6)]],            // [C * n_tiles + 2] inclusive cumsum of the counters
+    device uint* ranks [[buffer(7)]],                 // [capacity] depth positions, per-tile bins
+    constant long& total [[buffer(8)]],
+    constant long& N [[buffer(9)]],
+    constant long& tile_size [[buffer(10)]],
+    constant long& tile_width [[buffer(11)]],
+    constant long& tile_height [[buffer(12)]],
+    constant long& capacity [[buffer(13)]],
+    uint p [[thread_position_in_grid]]) {
+  if ((long)p >= total) {
+    return;
+  }
+  uint g;
+  long out, end;
+  int x0, y0, x1, y1;
+  if (!bin_entries(means2d, radii, tiles_per_gauss, order, cum, p, capacity, tile_size, tile_width, tile_height,
+                   g, out, end, x0, y0, x1, y1)) {
+    return;
+  }
+  const long base = ((long)g / N) * tile_width * tile_height;
+  for (int y = y0; y < y1 && end > out; ++y) {
+    for (int x = x0; x < x1 && end > out; ++x, ++out) {
+      const long t = base + (long)y * tile_width + x;
+      const int left = atomic_fetch_sub_explicit(&bins[t], 1, memory_order_relaxed);  // 1..count_t
+      ranks[ends[t] - left] = p;
+    }
+  }
+  for (; out < end; ++out) {
+    const int left = atomic_fetch_sub_explicit(&bins[base], 1, memory_order_relaxed);
+    ranks[ends[base] - left] = p;
+  }
+}
+
+// Ascending bitonic sort of keys[0, n) in threadgroup memory, n a power of two <= SPLAT_BIN_CAPACITY.
+// Every thread of the group calls it with the same n (the barriers are reached uniformly).
+inline void bitonic_sort(threadgroup uint* keys, uint n, uint tid) {
+  for (uint k = 2; k <= n; k <<= 1) {
+    for (uint j = k >> 1; j > 0; j >>= 1) {
+      for (uint q = tid; q < n / 2; q += SPLAT_BIN_THREADS) {
+        const uint i = (q / j) * 2 * j + (q % j);
+        const uint l = i + j;
+        const uint a = keys[i], b = keys[l];
+        if (((i & k) == 0) == (a > b)) {
+          keys[i] = b;
+          keys[l] = a;
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+  }
+}
+
+// Entries of sorted src[lo, hi) below x (binary search).
+inline long count_below(const device uint* src, long lo, long hi, uint x) {
+  while (lo < hi) {
+    const long mid = (lo + hi) / 2;
+    if (src[mid] < x) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// Entry i of the sorted list: depth position p of tile t (camera t / n_tiles).
+inline void bin_write(long i, uint p, long t, const device uint* order, const device float* depths,
+                      device long* isect_ids, device int* flatten_ids, long n_tiles, long tile_bits) {
+  const uint g = order[p];
+  const ulong key = ((ulong)(t / n_tiles) << (uint)tile_bits) | (ulong)(t % n_tiles);
+  isect_ids[i] = (long)((key << 32) | (ulong)as_type<uint>(depths[g]));
+  flatten_ids[i] = (int)g;
+}
+
+// Merge steps a tile of `len` entries needs after its blocks of SPLAT_BIN_CAPACITY are sorted.
+inline int bin_merges(long len) {
+  int m = 0;
+  for (long w = SPLAT_BIN_CAPACITY; w < len; w <<= 1) {
+    ++m;
+  }
+  return m;
+}
+
+// bin_sort: one threadgroup of SPLAT_BIN_THREADS threads per tile t < C * n_tiles (grid: groups in x).
+// A tile's bin, ranks[start, end) with end = ends[t], start = ends[t - 1] (0 for t = 0), is sorted by
+// depth position in steps; this dispatch runs the tile's steps [step_lo, step_hi):
+//   step 0       a bin of len <= SPLAT_BIN_CAPACITY: bitonic sort in threadgroup memory (padded with
+//                0xFFFFFFFF to a power of two), written as the final entries; done. A longer bin: each
+//                block of SPLAT_BIN_CAPACITY sorted likewise and written back to ranks.
+//   step s >= 1  merge of runs of width SPLAT_BIN_CAPACITY << (s - 1), pairwise, from ranks to ranks2
+//                (s odd) or back (s even); the tile's last merge writes the final entries. Depth
+//                positions are unique within a tile, so an entry's place in the merged run is its
+//                place in its own run plus the count of the partner run below it (no ties).
+// The host plans step_lo/step_hi from the longest tile seen a step late (one dispatch per merge
+// step, bounded work each); the last dispatch has step_hi = 1 << 30 and finishes every tile
+// whatever its length, so the result is exact even when the estimate was short.
+// Step 0 also writes offsets[t] = start (offsets[C * n_tiles] = the list's end, from the last tile),
+// the longest bin (atomic max into bins[n + 1]) and the intersection count M (bins[n], from cum),
+// and gives the padding entries [end of the list, capacity) a key past every tile.
+// Threadgroup memory: SPLAT_BIN_CAPACITY uints (8 KiB). Every thread runs the same steps (len, and
+// so the step count, is uniform in the group); a device-memory barrier ends each step.
+[[max_total_threads_per_threadgroup(SPLAT_BIN_THREADS)]]
+kernel void bin_sort(
+    device uint* ranks [[buffer(0)]],              // [capacity] bins of depth positions
+    device uint* ranks2 [[buffer(1)]],             // [capacity] merge ping-pong
+    const device long* ends [[buffer(2)]],         // [n + 2] inclusive cumsum of the bin counts
+    const device uint* order [[buffer(3)]],        // [C*N] flat ids in depth order
+    const device float* depths [[buffer(4)]],      // [C*N]
+    const device long* cum [[buffer(5)]],          // [C*N] inclusive cumsum of counts in depth order
+    device atomic_int* bins [[buffer(6)]],         // [n + 2]: bins[n] = M, bins[n + 1] = the longest bin
+    device long* isect_ids [[buffer(7)]],          // [capacity]
+    device int* flatten_ids [[buffer(8)]],         // [capacity]
+    device int* offsets [[buffer(9)]],             // [n + 1]
+    constant long& n [[buffer(10)]],               // C * n_tiles
+    constant long& n_tiles [[buffer(11)]],
+    constant long& tile_bits [[buffer(12)]],
+    constant long& total [[buffer(13)]],           // C*N
+    constant long& capacity [[buffer(14)]],
+    constant long& sentinel [[buffer(15)]],        // the padding's key: (1 << key bits) - 1
+    constant long& step_lo [[buffer(16)]],
+    constant long& step_hi [[buffer(17)]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint3 tgp [[threadgroup_position_in_grid]]) {
+  threadgroup uint keys[SPLAT_BIN_CAPACITY];
+  const long t = (long)tgp.x;
+  const long start = t > 0 ? ends[t - 1] : 0;
+  const long len = ends[t] - start;
+  const long merges = len > SPLAT_BIN_CAPACITY ? (long)bin_merges(len) : 0;
+  const long last = step_hi < merges + 1 ? step_hi : merges + 1;
+  for (long s = step_lo; s < last; ++s) {
+    if (s == 0) {
+      if (tid == 0) {
+        offsets[t] = (int)start;
+        if (t == n - 1) {
+          offsets[n] = (int)ends[t];
+        }
+        atomic_fetch_max_explicit(&bins[n + 1], (int)len, memory_order_relaxed);
+        if (t == 0) {
+          const long m = cum[total - 1];
+          atomic_store_explicit(&bins[n], (int)(m < 2147483647 ? m : 2147483647), memory_order_relaxed);
+        }
+      }
+      for (long i = ends[n - 1] + t * SPLAT_BIN_THREADS + tid; i < capacity; i += n * SPLAT_BIN_THREADS) {
+        isect_ids[i] = (long)((ulong)sentinel << 32);
+        flatten_ids[i] = 0;
+      }
+      for (long b0 = 0; b0 < len; b0 += SPLAT_BIN_CAPACITY) {
+        const long bl = len - b0 < SPLAT_BIN_CAPACITY ? len - b0 : SPLAT_BIN_CAPACITY;
+        uint width = 1;
+        while ((long)width < bl) {
+          width <<= 1;
+        }
+        for (uint i = tid; i < width; i += SPLAT_BIN_THREADS) {
+          keys[i] = (long)i < bl ? ranks[start + b0 + i] : 0xFFFFFFFFu;
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        bitonic_sort(keys, width, tid);
+        for (uint i = tid; (long)i < bl; i += SPLAT_BIN_THREADS) {
+          if (merges == 0) {
+            bin_write(start + i, keys[i], t, order, depths, isect_ids, flatten_ids, n_tiles, tile_bits);
+          } else {
+            ranks[start + b0 + i] = keys[i];
+          }
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+      }
+    } else {
+      const long w = (long)SPLAT_BIN_CAPACITY << (s - 1);
+      const device uint* src = (s % 2) == 1 ? ranks : ranks2;
+      device uint* dst = (s % 2) == 1 ? ranks2 : ranks;
+      for (long i = tid; i < len; i += SPLAT_BIN_THREADS) {
+        const uint x = src[start + i];
+        const long run = i / w;
+        const long a0 = (run & ~(long)1) * w;  // the pair's first run [a0, a0 + w), second [a0 + w, a0 + 2w)
+        const long b0 = a0 + w < len ? a0 + w : len;
+        const long b1 = a0 + 2 * w < len ? a0 + 2 * w : len;
+        long pos;
+        if ((run & 1) == 0) {
+          pos = (i - a0) + (count_below(src, start + b0, start + b1, x) - (start + b0));
+        } else {
+          pos = (i - b0) + (count_below(src, start + a0, start + b0, x) - (start + a0));
+        }
+        if (s == merges) {
+          bin_write(start + a0 + pos, x, t, order, depths, isect_ids, flatten_ids, n_tiles, tile_bits);
+        } else {
+          dst[start + a0 + pos] = x;
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_device);
   }
 }

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..workspace import workspace
 from . import runtime
-from .kernels import grid_1d, library
+from .kernels import BIN_CAPACITY, BIN_THREADS, grid_1d, library
 from .scan import prefix_sum
 from .sort import radix_sort_pairs
 
@@ -65,7 +65,7 @@ def isect_tiles_fwd(
     _, order = radix_sort_pairs(depths.view(torch.int32), None, bits=32, scratch="isect.depth_sort")
     counts = ws.get("isect.counts", total, torch.int32, device)
     lib.isect_count(means2d, radii, order, tiles_per_gauss, counts, total, int(tile_size), int(tile_width),
-                    int(tile_height), **grid_1d(total))  # fmt: skip
+                    int(tile_height), counts, 0, **grid_1d(total))  # fmt: skip
     cum = prefix_sum(counts, inclusive=True, out=ws.get("isect.cum", total, torch.int64, device))  # [C*N]
     M = int(runtime.host_read(cum[-1]))  # the only host sync: sizes the intersection buffers
     if M == 0:
@@ -117,7 +117,15 @@ def isect_offset_encode_fwd(isect_ids: Tensor, C: int, tile_width: int, tile_hei
 # - Sizing: the most intersections per (camera, gaussian) seen for this tile grid, times this call's
 #   C*N (the host knows N: densification cannot outrun the capacity unseen), with HEADROOM; grown by at
 #   least GROWTH when it has to grow, never shrunk. The first call for a tile grid reads M once.
-# - Overflow (more intersections than the capacity): isect_emit writes none past it, so the deepest
+# - Per-tile bins instead of the radix sort by tile (isect.metal, "Padded lists"): the entries are counted
+#   per tile and placed in their tile's bin by device atomics, each storing the gaussian's position in the
+#   depth order, then each bin is sorted by it (bitonic in threadgroup memory; past BIN_CAPACITY entries in
+#   blocks, then merged): the same lists as isect_tiles_fwd's, whatever order the atomics took. The merge
+#   steps get a dispatch each, planned from the longest bin the device reported a step earlier (read
+#   without waiting, with the count); the last dispatch runs whatever steps are left, so a tile longer
+#   than planned is still sorted whole.
+# - Overflow (more intersections than the capacity): the bins take none past it (the first `capacity`
+#   entries of the depth-order emission, as isect_emit writes them), so the deepest
 #   gaussians' intersections (the end of the depth order) are left out of that step's render, and
 #   their gradients from it are zero; every other gradient is that of the image that was rendered. It
 #   is found a step later, said once in the log and counted (IntersectionCapacities.overflows), and the
@@ -126,7 +134,7 @@ def isect_offset_encode_fwd(isect_ids: Tensor, C: int, tile_width: int, tile_hei
 HEADROOM = 1.15
 GROWTH = 1.25
 GRANULE = 1024  # capacities are multiples of this (fewer reallocations of the workspace)
-MAX_PADDED_KEY_BITS = 31  # isect_offsets reads keys as signed 32-bit values: the sentinel must stay positive
+MAX_PADDED_KEY_BITS = 31  # the padding's key (all ones) << 32 must stay a positive int64 isect_id
 
 
 class _Capacity:
@@ -140,6 +148,8 @@ class _Capacity:
         self.pending: list = []
         self.rows: Optional[list] = None  # intersections per tile row [C * tile_height], latest seen
         self.rows_total = 0  # the C*N of the render they were counted in
+        self.longest: Optional[int] = None  # entries of the longest tile (bin), latest seen
+        self.longest_total = 0  # the C*N of the render it was counted in
 
     def observe_rows(self, total: int, rows) -> None:
         """Intersections per tile row ([C * tile_height] numbers) counted in a render of C*N = `total`."""
@@ -162,7 +172,9 @@ class _Capacity:
             if event is not None and not event.query():
                 break
             self.pending.pop(0)
-            self.observe(total, capacity, host if isinstance(host, int) else int(host))
+            count, longest = host if isinstance(host, list) else host.tolist()  # a host tensor: no device read
+            self.observe(total, capacity, count)
+            self.longest, self.longest_total = longest, total
             starts = starts if isinstance(starts, list) else starts.tolist()  # a host tensor: no device read
             self.observe_rows(total, [b - a for a, b in zip(starts[:-1], starts[1:])])
 
@@ -173,6 +185,14 @@ class _Capacity:
             return [math.ceil(self.per_item * total * HEADROOM / n_rows)] * n_rows
         scale = HEADROOM * total / max(self.rows_total, 1)
         return [math.ceil(r * scale) for r in self.rows]
+
+    def merge_estimate(self, total: int) -> int:
+        """Merge steps bin_sort is expected to need at this call's C*N: from the longest bin the device
+        reported (with HEADROOM, scaled by the gaussians since); 0 before any (the one dispatch then runs
+        them all)."""
+        if self.longest is None:
+            return 0
+        return merge_steps(math.ceil(self.longest * HEADROOM * total / max(self.longest_total, 1)))
 
     def size_for(self, total: int) -> int:
         need = math.ceil(self.per_item * total * HEADROOM)
@@ -221,15 +241,17 @@ class IntersectionCapacities:
         return None if state is None else state.entries
 
     def expect(self, tile_width: int, tile_height: int, C: int, n_gaussians: int, count: int, rows=None,
-               device="cpu", tile_size: int = 16) -> None:  # fmt: skip
+               device="cpu", tile_size: int = 16, longest: Optional[int] = None) -> None:  # fmt: skip
         """Sets one tile grid's state to what renders of `count` intersections of C x `n_gaussians` would have
-        taught it (`rows`: their count per tile row, [C, tile_height]), as if the device had said so
-        (bench/scale_ledger.py's count-only mode, where no kernel runs)."""
+        taught it (`rows`: their count per tile row, [C, tile_height]; `longest`: the entries of the longest
+        tile), as if the device had said so (bench/scale_ledger.py's count-only mode, where no kernel runs)."""
         key = _grid_key(torch.device(device), C, tile_size, tile_width, tile_height)
         total = int(C) * int(n_gaussians)
         state = self._grids[key] = _Capacity(self, 0, count / max(total, 1))
         state.size_for(total)
         state.observe_rows(total, rows)
+        if longest is not None:
+            state.longest, state.longest_total = int(longest), total
         self.last_count = int(count)
 
     def seed_like(self, other: "IntersectionCapacities") -> None:
@@ -238,6 +260,7 @@ class IntersectionCapacities:
         for key, state in other._grids.items():
             copy = self._grids[key] = _Capacity(self, state.entries, state.per_item)
             copy.rows, copy.rows_total = state.rows, state.rows_total
+            copy.longest, copy.longest_total = state.longest, state.longest_total
         self.last_count = other.last_count
 
     def force(self, tile_width: int, tile_height: int, C: int, entries: int, device="cpu", tile_size: int = 16):
@@ -287,10 +310,12 @@ def isect_tiles_padded_fwd(
         offsets = torch.zeros((C * n_tiles + 1,), dtype=torch.int32, device=device)
         return tiles_per_gauss, *_no_intersections(device), offsets
 
+    n_bins = C * n_tiles
+    bins = ws.get("isect.bins", n_bins + 2, torch.int32, device)  # counters, then M and the longest bin
     _, order = radix_sort_pairs(depths.view(torch.int32), None, bits=32, scratch="isect.depth_sort")
     counts = ws.get("isect.counts", total, torch.int32, device)
     lib.isect_count(means2d, radii, order, tiles_per_gauss, counts, total, int(tile_size), int(tile_width),
-                    int(tile_height), **grid_1d(total))  # fmt: skip
+                    int(tile_height), bins, n_bins + 2, **grid_1d(total))  # fmt: skip
     cum = prefix_sum(counts, inclusive=True, out=ws.get("isect.cum", total, torch.int64, device))  # [C*N]
     state = capacities._grids.get(key)
     if state is None:  # a tile grid not seen yet: one read of M sizes its capacity
@@ -300,25 +325,27 @@ def isect_tiles_padded_fwd(
         state.resolve()
     cap = state.size_for(total)
 
-    tile_keys = ws.get("isect.tile_keys", cap, torch.int32, device)
-    flat_ids = ws.get("isect.flat_ids", cap, torch.int32, device)
-    lib.isect_emit(means2d, radii, tiles_per_gauss, order, cum, tile_keys, flat_ids,
-                   total, N, int(tile_size), int(tile_width), int(tile_height), tile_bits, cap,
-                   **grid_1d(total))  # fmt: skip
-    lib.isect_pad(cum, tile_keys, flat_ids, total, cap, (1 << bits) - 1, **grid_1d(cap))
-    tile_keys, flat_ids = radix_sort_pairs(tile_keys, flat_ids, bits=bits, scratch="isect.tile_sort")
+    # Per-tile bins (isect.metal): count, place, sort each tile by depth position.
+    geometry = (int(tile_size), int(tile_width), int(tile_height), cap)
+    lib.bin_count(means2d, radii, tiles_per_gauss, order, cum, bins, total, N, *geometry, **grid_1d(total))
+    ends = prefix_sum(bins, inclusive=True, out=ws.get("isect.bin_ends", n_bins + 2, torch.int64, device))
+    ranks = ws.get("isect.ranks", cap, torch.int32, device)
+    ranks2 = ws.get("isect.ranks2", cap, torch.int32, device)
+    lib.bin_fill(means2d, radii, tiles_per_gauss, order, cum, bins, ends, ranks, total, N, *geometry, **grid_1d(total))
     isect_ids = torch.empty((cap,), dtype=torch.int64, device=device)
     flatten_ids = torch.empty((cap,), dtype=torch.int32, device=device)
-    lib.isect_finalize(tile_keys, flat_ids, depths, isect_ids, flatten_ids, cap, **grid_1d(cap))
-    offsets = torch.empty((C * n_tiles + 1,), dtype=torch.int32, device=device)
-    lib.isect_offsets(isect_ids, offsets, cap, n_tiles, C * n_tiles, tile_bits, 1, **grid_1d(cap))
+    offsets = torch.empty((n_bins + 1,), dtype=torch.int32, device=device)
+    grid = {"threads": (n_bins * BIN_THREADS,), "group_size": (BIN_THREADS,)}
+    for lo, hi in bin_sort_steps(state.merge_estimate(total)):
+        lib.bin_sort(ranks, ranks2, ends, order, depths, cum, bins, isect_ids, flatten_ids, offsets, n_bins, n_tiles,
+                     tile_bits, total, cap, (1 << bits) - 1, lo, hi, **grid)  # fmt: skip
     # What the rasterizer plans its dispatches from: this grid's latest intersections per tile row, seen a
     # step or more ago, scaled to this call's C*N (rasterize.plan_from_rows). Until the device has said
     # (the first call of a grid): its count spread evenly over the rows.
     offsets.row_entries = state.row_estimate(total, C * int(tile_height))
-    # The count and the start of each tile row (offsets[::tile_width], the end slot last), on their way to
-    # the host without waiting: read at a later call, once the event is done.
-    count = cum[-1:].to("cpu", non_blocking=True)
+    # The count and the longest bin (bins[n_bins:]) and the start of each tile row (offsets[::tile_width],
+    # the end slot last), on their way to the host without waiting: read at a later call, once the event is done.
+    count = bins[n_bins:].to("cpu", non_blocking=True)  # [2]: M, the longest bin
     row_starts = offsets[:: int(tile_width)].to("cpu", non_blocking=True)  # [C * tile_height + 1]
     event = None
     if device.type == "mps":
@@ -328,7 +355,22 @@ def isect_tiles_padded_fwd(
         event = torch.cuda.Event()
         event.record()
     else:  # CPU tensors: the "copies" are the buffers themselves, which later calls overwrite
-        count, row_starts = int(count), row_starts.tolist()
+        count, row_starts = count.tolist(), row_starts.tolist()
     if runtime.executing():  # in count-only mode (bench/scale_ledger.py) the device says nothing
         state.pending.append((total, cap, count, row_starts, event))
     return tiles_per_gauss, isect_ids, flatten_ids, offsets
+
+
+def bin_sort_steps(merges: int) -> list:
+    """The (step_lo, step_hi) of each bin_sort dispatch (isect.metal): the block sort, then one dispatch per
+    merge step expected (`merges`, planned from the longest bin seen a step late); the last dispatch runs
+    every step left (1 << 30: to the end of each tile), so a tile longer than planned is still sorted whole."""
+    return [(s, s + 1) for s in range(merges)] + [(merges, 1 << 30)]
+
+
+def merge_steps(longest: int) -> int:
+    """Merge steps bin_sort needs for a bin of `longest` entries: runs of BIN_CAPACITY doubled until one holds it."""
+    steps, width = 0, BIN_CAPACITY
+    while width < longest:
+        steps, width = steps + 1, width * 2
+    return steps

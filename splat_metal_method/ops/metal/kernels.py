@@ -16,6 +16,8 @@ from .. import constants
 from . import variants
 from .runtime import library_for, load_source
 from .variants import (  # noqa: F401 (group_threads and the geometry are part of this module's API)
+    BIN_CAPACITY,
+    BIN_THREADS,
     GROUP_1D,
     RADIX_BINS,
     RADIX_BITS,
@@ -39,6 +41,8 @@ def _base_defines(tile_size: int) -> dict:
         "SPLAT_RADIX_THREADS": RADIX_THREADS,
         "SPLAT_RADIX_KEYS_PER_THREAD": RADIX_KEYS_PER_THREAD,
         "SPLAT_GROUP_1D": GROUP_1D,
+        "SPLAT_BIN_CAPACITY": BIN_CAPACITY,
+        "SPLAT_BIN_THREADS": BIN_THREADS,
         "SPLAT_SCAN_THREADS": SCAN_THREADS,
         "SPLAT_SCAN_ITEMS": SCAN_ITEMS,
     }

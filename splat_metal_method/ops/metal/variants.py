@@ -28,6 +28,12 @@ SCAN_BLOCK = SCAN_THREADS * SCAN_ITEMS
 # Threads per group of the one-thread-per-item kernels (project, sh, isect, covar).
 GROUP_1D = 256
 
+# Per-tile bins of the padded lists (isect.metal bin_sort): a tile of up to BIN_CAPACITY entries is sorted
+# whole in threadgroup memory (BIN_CAPACITY x 4 B = 8 KiB of Apple's 32 KiB) by BIN_THREADS threads;
+# a longer one is sorted in blocks of BIN_CAPACITY, then merged in device memory.
+BIN_CAPACITY = 2048
+BIN_THREADS = 256
+
 
 # The fused L1 + SSIM loss (loss.metal).
 LOSS_TILE = 16  # SPLAT_LOSS_TILE: pixels per side of a threadgroup's block (TILE^2 threads)
@@ -82,6 +88,8 @@ def group_threads(kernel: str, tile_size: int = constants.TILE_SIZE) -> int:
         return RADIX_THREADS
     if kernel.startswith("scan_"):
         return SCAN_THREADS
+    if kernel == "bin_sort":
+        return BIN_THREADS
     return PROJECT_BWD_GROUP if kernel == "project_bwd" else GROUP_1D
 
 

@@ -1,0 +1,165 @@
+"""Per-tile bins of the padded lists (ops/metal/isect.metal bin_count / bin_fill / bin_sort): exact at any
+tile length.
+
+- A tile of 10,000+ gaussians, longer than a bin (BIN_CAPACITY entries, sorted in threadgroup memory), with
+  thousands of exact depth ties: the padded lists are the exact lists (the radix path) entry for entry, and
+  the render and its gradients are the reference's, whether the merge steps were planned from the longest
+  tile seen a step late (one bin_sort dispatch per step), not planned yet (one dispatch runs them all) or
+  planned too short (the last dispatch finishes the tile), at several grid sizes and tile sizes.
+- The tests can fail: planted variants of the kernels (msplat's bins, which keep the first BIN_CAPACITY
+  entries of a tile in the order the atomics handed out the slots; a sort key that does not break depth
+  ties by gaussian id) are caught by the same comparison.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from splat_metal_method.ops import IntersectionCapacities, rasterization
+from splat_metal_method.ops.metal import isect, runtime
+from splat_metal_method.ops.metal.kernels import BIN_CAPACITY, stage_source
+
+
+def long_tile_scene(n: int, width: int, height: int, tile: tuple, tile_size: int, seed: int = 0):
+    """`n` small faint gaussians over the pixels of tile `tile` = (x, y) (each pixel sees hundreds, none
+    reaches the transmittance floor, so every entry shows in the image), on 6 depths only: thousands of
+    exact depth ties, ordered by gaussian id. Plus a few larger ones over the rest of the image."""
+    gen = torch.Generator().manual_seed(seed)
+    f = 0.9 * width
+    z = 5.0 + 0.5 * torch.randint(0, 6, (n,), generator=gen).float()  # [n] exact ties
+    x0, y0 = tile[0] * tile_size, tile[1] * tile_size
+    u = x0 + 1.0 + (tile_size - 2.0) * torch.rand(n, generator=gen)
+    v = y0 + 1.0 + (tile_size - 2.0) * torch.rand(n, generator=gen)
+    scales = (0.4 * z / f)[:, None] * (0.2 * torch.randn(n, 3, generator=gen)).exp()
+    k = 40  # the rest of the image: larger gaussians anywhere
+    zk = 4.0 + 3.0 * torch.rand(k, generator=gen)
+    uk, vk = width * torch.rand(k, generator=gen), height * torch.rand(k, generator=gen)
+    z, u, v = torch.cat([z, zk]), torch.cat([u, uk]), torch.cat([v, vk])
+    scales = torch.cat([scales, (3.0 * zk / f)[:, None].expand(k, 3)])
+    means = torch.stack([(u - width / 2) / f * z, (v - height / 2) / f * z, z], -1)
+    quats = torch.randn(n + k, 4, generator=gen)
+    opacities = torch.rand(n + k, generator=gen) * 0.03 + 0.01
+    colors = torch.rand(n + k, 3, generator=gen)
+    return (means, quats, scales, opacities, colors), torch.eye(4)[None]
+
+
+def render(params, viewmats, width, height, tile_size, caps=None, backend="metal"):
+    leaves = [p.clone().requires_grad_(True) for p in params]
+    f = 0.9 * width
+    Ks = torch.tensor([[f, 0, width / 2], [0, f, height / 2], [0, 0, 1]]).repeat(viewmats.shape[0], 1, 1)
+    colors, alphas, meta = rasterization(*leaves, viewmats, Ks, width, height, tile_size=tile_size, backend=backend,
+                                         absgrad=True, isect_capacity=caps)  # fmt: skip
+    weights = torch.linspace(0.5, 1.5, colors.numel()).view(colors.shape)
+    ((colors * weights).sum() + alphas.sum()).backward()
+    return colors.detach(), alphas.detach(), meta, [p.grad for p in leaves] + [meta["means2d"].absgrad]
+
+
+def differences(got, exact) -> list:
+    """What differs between a render with padded lists (bins) and one with exact lists: [] when none."""
+    out = []
+    meta, want = got[2], exact[2]
+    M = want["flatten_ids"].numel()
+    if meta["n_intersections"].tolist() != [M]:
+        out.append(f"count {meta['n_intersections'].tolist()} != {M}")
+    for name in ("isect_offsets", "tiles_per_gauss"):
+        if not torch.equal(meta[name], want[name]):
+            out.append(name)
+    if M <= meta["flatten_ids"].numel():
+        for name in ("isect_ids", "flatten_ids"):
+            if not torch.equal(meta[name][:M], want[name]):
+                out.append(name)
+    if not (torch.equal(got[0], exact[0]) and torch.equal(got[1], exact[1])):
+        out.append("pixels")
+    for g, w in zip(got[3], exact[3]):  # two exact renders differ by ~1e-5 here (the order of float atomics)
+        scale = w.abs().max().item() or 1.0
+        if (g - w).abs().max().item() > 1e-4 * scale:
+            out.append("gradients")
+            break
+    return out
+
+
+def longest_tile(meta) -> int:
+    starts = meta["isect_offsets"].reshape(-1).long()
+    ends = torch.cat([starts[1:], meta["n_intersections"].long()])
+    return int((ends - starts).max())
+
+
+# (width, height, tile_size, the long tile): non-square, 6 / 24 / 45 tiles
+GRIDS = [(40, 24, 16, (1, 0)), (52, 90, 16, (2, 3)), (72, 40, 8, (4, 2))]
+
+
+@pytest.mark.parametrize("width, height, tile_size, tile", GRIDS, ids=lambda v: str(v))
+def test_a_tile_of_ten_thousand_is_sorted_exactly(width, height, tile_size, tile):
+    params, viewmats = long_tile_scene(10_300, width, height, tile, tile_size, seed=width)
+    exact = render(params, viewmats, width, height, tile_size)
+    caps = IntersectionCapacities()
+    key = isect._grid_key(
+        torch.device("cpu"), 1, tile_size, math.ceil(width / tile_size), math.ceil(height / tile_size)
+    )
+    plans = {}
+    for call in ("not planned", "planned", "planned short"):
+        if call == "planned short":  # an estimate below this step's longest tile: the last dispatch finishes it
+            state = caps._grids[key]
+            state.pending.clear()  # (what the device said of the last call: its longest tile)
+            state.longest = BIN_CAPACITY + 1
+        runtime.reset_launch_counts()
+        got = render(params, viewmats, width, height, tile_size, caps=caps)
+        plans[call] = runtime.launch_counts()["bin_sort"]
+        assert differences(got, exact) == [], call
+    assert longest_tile(got[2]) >= 10_000 > BIN_CAPACITY
+    need = isect.merge_steps(longest_tile(got[2]))  # 3: 2,048 -> 16,384
+    assert plans == {"not planned": 1, "planned": 1 + isect.merge_steps(math.ceil(longest_tile(got[2]) * isect.HEADROOM)),
+                     "planned short": 2} and need >= 3, plans  # fmt: skip
+
+    # the same pixels and gradients as the reference backend (ops/reference.py)
+    ref = render(params, viewmats, width, height, tile_size, backend="reference")
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-5)
+    for g, w in zip(got[3], ref[3]):
+        scale = w.abs().max().item() or 1.0
+        assert (g - w).abs().max().item() <= 1e-3 * scale, (g - w).abs().max().item() / scale
+
+
+def test_two_cameras_share_one_bin_sort():
+    params, viewmats = long_tile_scene(4_000, 40, 24, (1, 0), 16, seed=2)
+    viewmats = viewmats.repeat(2, 1, 1)
+    viewmats[1, 0, 3] = 0.05
+    caps = IntersectionCapacities()
+    exact = render(params, viewmats, 40, 24, 16)
+    for _ in range(2):
+        assert differences(render(params, viewmats, 40, 24, 16, caps=caps), exact) == []
+
+
+# Planted variants of isect.metal (textual edits of its source): each must be caught by differences().
+PLANTS = {
+    # msplat's bins: a tile keeps the first BIN_CAPACITY entries the atomics hand out, the rest are dropped
+    "drop past the bin": [
+        ("      atomic_fetch_add_explicit(&bins[base + (long)y * tile_width + x], 1, memory_order_relaxed);",
+         "      if (atomic_fetch_add_explicit(&bins[base + (long)y * tile_width + x], 1, memory_order_relaxed) >= "
+         "SPLAT_BIN_CAPACITY) { atomic_fetch_sub_explicit(&bins[base + (long)y * tile_width + x], 1, "
+         "memory_order_relaxed); }"),
+        ("      ranks[ends[t] - left] = p;", "      if (left > 0) { ranks[ends[t] - left] = p; }"),
+    ],
+    # a key that does not break depth ties by id (depth positions taken 8 at a time: ties in scatter order)
+    "ties in scatter order": [("if (((i & k) == 0) == (a > b)) {", "if (((i & k) == 0) == (a / 8 > b / 8)) {")],
+}  # fmt: skip
+PLANT_SCENES = {"drop past the bin": 4_000, "ties in scatter order": 1_500}  # the second within one bin
+
+
+@pytest.mark.parametrize("plant", sorted(PLANTS))
+def test_planted_bins_are_caught(plant, monkeypatch):
+    source = stage_source("isect.metal")
+    for old, new in PLANTS[plant]:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    planted = runtime.library_for(torch.device("cpu"), source, name=f"isect planted: {plant}")
+    real = isect.library
+    monkeypatch.setattr(
+        isect, "library", lambda device, stage, *a: planted if stage == "isect.metal" else real(device, stage, *a)
+    )
+    params, viewmats = long_tile_scene(PLANT_SCENES[plant], 40, 24, (1, 0), 16, seed=1)
+    exact = render(params, viewmats, 40, 24, 16)
+    assert differences(render(params, viewmats, 40, 24, 16, caps=IntersectionCapacities()), exact) != []
