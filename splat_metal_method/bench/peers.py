@@ -322,8 +322,9 @@ OURS_ATOMICS_PER_GROUP = 11  # rasterize_bwd.metal: 8 + D quantities (conic 3, o
 PIXEL_PARTS = ("model, loss, camera opt",)
 
 
-def ledger_dict(led) -> dict:
-    """A step_ledger.Ledger as the plain dict stored in ledger_snapshots.py (also accepts that dict)."""
+def ledger_dict(led, shapes: bool = False) -> dict:
+    """A step_ledger.Ledger as the plain dict stored in ledger_snapshots.py (also accepts that dict); with
+    ``shapes``, each kernel's bound bytes by buffer shape too (KernelWork.buffer_shapes)."""
     if isinstance(led, dict):
         return led
     from dataclasses import asdict
@@ -332,7 +333,8 @@ def ledger_dict(led) -> dict:
         "label": led.name, "n_gaussians": led.n_gaussians, "pixels": led.pixels, "intersections": led.intersections,
         "host_syncs": led.host_syncs, "aten_dispatches": led.aten_dispatches, "aten_kernels": led.aten_kernels,
         "part_bytes": dict(led.part_bytes), "parts": dict(led.parts),
-        "kernels": {k: {kk: vv for kk, vv in asdict(w).items() if vv} for k, w in led.kernels.items()},
+        "kernels": {k: {kk: vv for kk, vv in asdict(w).items() if vv and (shapes or kk != "buffer_shapes")}
+                    for k, w in led.kernels.items()},
     }  # fmt: skip
 
 
@@ -399,7 +401,8 @@ class OursFromLedger:
             r = ratio[kernel_grows(name)]
             stage = next((k for k, pre in groups.items() if name.startswith(pre)), name)
             threads_steps = w.get("threads", 0) / SIMDGROUP * r
-            mem = g.bytes_ms(w.get("buffer_bytes", 0) * r)
+            by_kind = w.get("bytes_by_kind")  # scaled by what each buffer holds where the ledger says it
+            mem = g.bytes_ms(sum(b * ratio[k] for k, b in by_kind.items()) if by_kind else w.get("buffer_bytes", 0) * r)
             if name == "rasterize_fwd":
                 compute = g.steps_ms(walk_steps(s) + s.groups) + g.barriers_ms(w.get("barriers", 0) * ratio["M"])
                 stage = "rasterize forward"

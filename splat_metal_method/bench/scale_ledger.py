@@ -257,11 +257,33 @@ def key(n: int, width: int, height: int) -> str:
     return f"{n} {width}x{height}"
 
 
+def bytes_by_kind(buffer_shapes: Dict[str, int], n: int, width: int, height: int) -> Dict[str, int]:
+    """A kernel's bound bytes (step_ledger.KernelWork.buffer_shapes) by what each buffer holds: "G" per
+    gaussian (a dimension of n), "P" per pixel (the image's or the tile grid's two dimensions), "M" the
+    rest: intersection lists, bins and the few scalars beside them."""
+    th, tw = math.ceil(height / TILE), math.ceil(width / TILE)
+    out = {"G": 0, "P": 0, "M": 0}
+    for shape, b in buffer_shapes.items():
+        dims = [int(d) for d in shape.split("x") if d]
+        if n in dims:
+            out["G"] += b
+        elif (height in dims and width in dims) or (th in dims and tw in dims):
+            out["P"] += b
+        else:
+            out["M"] += b
+    return out
+
+
 def as_dict(row: ScaleRow) -> dict:
-    """The row as peers.ledger_dict's plain dict, with its command buffers."""
+    """The row as peers.ledger_dict's plain dict, with its command buffers; each kernel's bound bytes also
+    by what they hold (bytes_by_kind), the shapes themselves left out."""
     from .peers import ledger_dict
 
-    return {**ledger_dict(row.ledger), "command_buffers": row.command_buffers, "mode": row.mode}
+    out = {**ledger_dict(row.ledger, shapes=True), "command_buffers": row.command_buffers, "mode": row.mode}
+    for work in out["kernels"].values():
+        shapes = work.pop("buffer_shapes", {})
+        work["bytes_by_kind"] = bytes_by_kind(shapes, row.n_gaussians, row.width, row.height)
+    return out
 
 
 if __name__ == "__main__":

@@ -122,11 +122,17 @@ class KernelWork:
     barriers: int = 0  # threadgroup barriers, once per threadgroup
     threadgroup_bytes: int = 0  # threadgroup memory one group declares
     buffer_bytes: int = 0  # sizes of the buffers bound to its launches (estimate of bytes moved)
+    # buffer_bytes by the bound buffer's shape ("3x1500x2" -> bytes), so a reader that knows the scene can
+    # tell per-gaussian, per-pixel and per-intersection buffers apart (scale_ledger.bytes_by_kind)
+    buffer_shapes: Dict[str, int] = field(default_factory=dict)
 
     def add(self, other: "KernelWork") -> None:
         for k in self.__dataclass_fields__:
             if k == "threadgroup_bytes":
                 self.threadgroup_bytes = max(self.threadgroup_bytes, other.threadgroup_bytes)
+            elif k == "buffer_shapes":
+                for shape, b in other.buffer_shapes.items():
+                    self.buffer_shapes[shape] = self.buffer_shapes.get(shape, 0) + b
             else:
                 setattr(self, k, getattr(self, k) + getattr(other, k))
 
@@ -228,6 +234,8 @@ class _Counting:
             if isinstance(a, torch.Tensor) and a.data_ptr() not in seen:
                 seen.add(a.data_ptr())
                 work.buffer_bytes += a.numel() * a.element_size()
+                shape = "x".join(str(d) for d in a.shape)
+                work.buffer_shapes[shape] = work.buffer_shapes.get(shape, 0) + a.numel() * a.element_size()
         self.ledger.kernels.setdefault(name, KernelWork()).add(work)
         self.ledger.launch_parts[step_part(skip_ops=True)] += 1
         return out

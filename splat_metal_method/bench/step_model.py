@@ -175,7 +175,8 @@ def calibrated_table(ledger: Ledger) -> str:
 # - aten kernels: the step ledger's plus what the scale ledger's render step at the target size issues
 #   beyond its 20k render (`base20k`, of the tree the step ledger was measured on);
 # - our kernels' bound bytes and threads: the scale ledger's at the target size (per intersection, per
-#   gaussian: scaled by the model's own scene from there, not from 20k); the rasterizer's bytes are one
+#   gaussian, per pixel: each buffer by what it holds, scale_ledger.bytes_by_kind; scaled by the model's own
+#   scene from there, not from 20k); the rasterizer's bytes are one
 #   launch's (each pass or band binds every buffer whole but reads its share: the bound bytes of all its
 #   launches would count the per-gaussian and per-pixel buffers once per launch);
 # - Adam's bytes as accesses: a fused Adam reads parameter, gradient and two moments and writes three of
@@ -210,10 +211,16 @@ def at_scale(step: dict, scale: dict, base20k: dict) -> dict:
             )  # bytes and threads as the scale ledger counted them, rescaled by peers
             (k,) = ref[kernel_grows(name)]
             f = step[k] / max(scale[k], 1)
-            bound = sw.get("buffer_bytes", 0)
-            if name.startswith("rasterize"):  # passes and bands each bind every buffer whole, read their share
-                bound /= max(sw.get("launches", 1), 1)
-            w["buffer_bytes"] = bound * f
+            share = 1 / max(sw.get("launches", 1), 1) if name.startswith("rasterize") else 1
+            # (passes and bands of the rasterizer each bind every buffer whole and read their share)
+            w["buffer_bytes"] = sw.get("buffer_bytes", 0) * share * f
+            if "bytes_by_kind" in sw:  # each part scaled by what it holds: gaussians, pixels, intersections
+                kinds = {"G": "n_gaussians", "P": "pixels", "M": "intersections"}
+                w["bytes_by_kind"] = {
+                    kind: b * share * step[kinds[kind]] / max(scale[kinds[kind]], 1)
+                    for kind, b in sw["bytes_by_kind"].items()
+                }
+                w["buffer_bytes"] = sum(w["bytes_by_kind"].values())
             w["threads"] = sw.get("threads", 0) * f
     out["part_bytes"] = dict(step["part_bytes"])
     if "optimizer" in out["part_bytes"]:

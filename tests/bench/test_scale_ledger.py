@@ -101,3 +101,31 @@ def test_step_model_takes_the_render_counts_from_the_scale_ledger():
     assert out["kernels"]["rasterize_fwd"]["buffer_bytes"] == pytest.approx(4e9 / 4 * 1_000 / 5_000_000)
     assert out["part_bytes"] == {"optimizer": 700, "model, loss, camera opt": 10}
     assert step["kernels"]["rasterize_fwd"]["launches"] == 3  # the step ledger is left as it was
+
+
+def test_rasterize_bytes_are_split_by_what_the_buffers_hold():
+    """Issue 36 part 4: the scale ledger tells a kernel's per-gaussian, per-pixel and per-intersection
+    buffers apart (scale_ledger.bytes_by_kind), and the model scales each part by its own count."""
+    from splat_metal_method.bench import peers, step_model
+
+    row = scale_ledger.measure(600, 120, 78)  # non-square, count-only
+    d = scale_ledger.as_dict(row)
+    fwd = d["kernels"]["rasterize_fwd"]
+    kinds = fwd["bytes_by_kind"]
+    assert sum(kinds.values()) == fwd["buffer_bytes"] and "buffer_shapes" not in fwd
+    # the rasterizer holds all three: gaussians' 2-D data, the image it writes, the tile lists it walks
+    assert kinds["G"] > 0 and kinds["P"] >= 120 * 78 * 3 * 4 and kinds["M"] > 0
+    assert d["kernels"]["project_fwd"]["bytes_by_kind"]["P"] == 0  # projection holds no pixel buffer
+    # the classifier: a dimension of n -> per gaussian; both image (or tile-grid) dimensions -> per pixel
+    shapes = {"1x600x2": 8, "1x78x120x3": 16, "1x5x8": 4, "4096": 2, "600": 1}
+    assert scale_ledger.bytes_by_kind(shapes, 600, 120, 78) == {"G": 9, "P": 20, "M": 2}
+    # at_scale then peers: each part lands on the model's own count of what it holds
+    step = {"aten_kernels": 28, "n_gaussians": 20_000, "intersections": 1_000, "pixels": 100, "part_bytes": {},
+            "kernels": {}}  # fmt: skip
+    scale = {"aten_kernels": 50, "n_gaussians": 1_000, "intersections": 5_000, "pixels": 10_000,
+             "kernels": {"rasterize_fwd": {"launches": 2, "buffer_bytes": 700,
+                                           "bytes_by_kind": {"G": 100, "P": 400, "M": 200}}}}  # fmt: skip
+    out = step_model.at_scale(step, scale, {"aten_kernels": 7, "kernels": {}})["kernels"]["rasterize_fwd"]
+    assert out["bytes_by_kind"] == pytest.approx({"G": 50 * 20, "P": 200 / 100, "M": 100 / 5})
+    assert out["buffer_bytes"] == pytest.approx(sum(out["bytes_by_kind"].values()))
+    assert peers.kernel_grows("rasterize_fwd") != "P"  # one ratio for all would misprice the image part
