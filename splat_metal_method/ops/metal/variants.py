@@ -65,6 +65,7 @@ _FIXED_VARIANTS = {
     "scan": ("scan.metal", ()),
     "covar": ("covar.metal", ()),
     "train": ("train.metal", ()),
+    "adam": ("adam.metal", ()),
     "rasterize_rgb": ("rasterize.metal", (("SPLAT_CHANNELS", 3),)),
     "rasterize_rgbd": ("rasterize.metal", (("SPLAT_CHANNELS", 4),)),
     "rasterize_d": ("rasterize.metal", (("SPLAT_CHANNELS", 1),)),
