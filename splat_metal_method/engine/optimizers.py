@@ -16,6 +16,7 @@ not do what it does:
     the gaussians (and the camera optimizer's gradient is what its own Adam reads);
   * gradient clipping (``max_norm``) or an enabled GradScaler: they read and rescale ``.grad`` first;
   * a distributed run: its sharded step is verified against torch's optimizer (engine/distributed.py);
+  * the fused Adam failed this GPU's Metal self-check (verify/self_check.py, stage "adam");
   * anything torch's Adam would compute differently from the kernel: amsgrad, weight decay, maximize, a
     non-fused state (a CPU step counter), a tensor learning rate, step pre-hooks, betas that differ
     between the groups, or tensors the kernel cannot take (adam.check).
@@ -30,6 +31,7 @@ import torch
 from nerfstudio.engine.optimizers import Optimizers
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
+from ..ops import stage_fallback
 from . import distributed
 
 
@@ -101,6 +103,8 @@ class GaussianOptimizers(Optimizers):
             self._metal[device] = renders_with_metal(self.model, device)
         if not self._metal[device]:
             return "the model does not render with the metal backend"
+        if "adam" in stage_fallback.failed():
+            return "the fused Adam failed this GPU's Metal self-check"
         params, grads, avgs, avg_sqs, steps, betas = [], [], [], [], [], set()
         for name in names:
             opt = self.optimizers[name]

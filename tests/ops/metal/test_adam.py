@@ -215,3 +215,26 @@ def test_what_the_kernel_does_not_do_steps_with_torch(change):
     assert "adam_step" not in runtime.launch_counts()
     moved = [k for k in LRS if not torch.equal(params[k], before[k])]
     assert moved == [k for k in LRS if not (change == "grad_none" and k == "features_rest")], (change, moved)
+
+
+def test_the_self_check_verifies_adam_and_a_failed_check_falls_back(monkeypatch):
+    """kernel_checks.adam_checks (run by the doctor and the self-check) passes, catches the planted bug, and
+    once the stage "adam" failed (the self-check's verdict on a GPU) the gaussians step with torch's Adam."""
+    from splat_metal_method.ops import stage_fallback
+    from splat_metal_method.verify import kernel_checks
+
+    (check,) = kernel_checks.adam_checks(torch.device("cpu"))
+    assert check.ok and stage_fallback.stage_of(check.stage) == "adam", check
+    planted = kernels.stage_source("adam.metal").replace("precise::sqrt(bias_correction2)", "bias_correction2")
+    lib = runtime.library_for(torch.device("cpu"), planted, name="adam_planted.metal")
+    monkeypatch.setattr(adam, "_lib", lambda device: lib)
+    (check,) = kernel_checks.adam_checks(torch.device("cpu"))
+    assert not check.ok, check
+    monkeypatch.undo()
+    params, opts = make(fused=True)
+    grads = render_grads(params)
+    with stage_fallback.also_failed(["adam"]):
+        step(params, opts, grads, 0)
+        assert "self-check" in opts.why_not_fused and opts.last_fused is None
+    step(params, opts, grads, 1)
+    assert opts.why_not_fused == ""
