@@ -17,8 +17,9 @@ import torch
 from torch import Tensor
 
 from .kernels import grid_1d, library
+from .variants import ADAM_SLOTS
 
-SLOTS = 6  # parameter tensors one launch steps (adam.metal SPLAT_ADAM_SLOTS)
+SLOTS = ADAM_SLOTS  # parameter tensors one launch steps (adam.metal SPLAT_ADAM_SLOTS)
 COEFS = 4  # floats per slot in the coefficient buffer (adam.metal SPLAT_ADAM_COEFS)
 MAX_WIDTH = 255  # floats per row of one slot (a byte of adam_step's `widths`)
 

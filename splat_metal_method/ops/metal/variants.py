@@ -27,6 +27,7 @@ SCAN_BLOCK = SCAN_THREADS * SCAN_ITEMS
 
 # Threads per group of the one-thread-per-item kernels (project, sh, isect, covar).
 GROUP_1D = 256
+ADAM_SLOTS = 6  # parameter tensors one fused Adam launch steps; adam_prepare's group (adam.metal SPLAT_ADAM_SLOTS)
 
 
 # The fused L1 + SSIM loss (loss.metal).
@@ -83,6 +84,8 @@ def group_threads(kernel: str, tile_size: int = constants.TILE_SIZE) -> int:
         return RADIX_THREADS
     if kernel.startswith("scan_"):
         return SCAN_THREADS
+    if kernel == "adam_prepare":
+        return ADAM_SLOTS
     return PROJECT_BWD_GROUP if kernel == "project_bwd" else GROUP_1D
 
 
