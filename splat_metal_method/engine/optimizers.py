@@ -24,6 +24,7 @@ not do what it does:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -55,12 +56,17 @@ class FusedStep:
     updated parameter was not finite) and, per tensor, the version it had right after the step."""
 
     flag: torch.Tensor  # [1] float32, reused by the next step
-    checked: List[Tuple[torch.Tensor, int]]  # (parameter or gradient, its _version after the step)
+    # id -> (weak reference, _version after the step) of each parameter and gradient it stepped; weak, so a
+    # densification's replaced tensors are freed at once
+    checked: Dict[int, Tuple[weakref.ref, int]]
 
     def covers(self, tensors: Sequence[torch.Tensor]) -> List[bool]:
         """Per tensor: whether the flag already judged it as it is now (same object, not changed since)."""
-        versions = {id(t): v for t, v in self.checked}
-        return [versions.get(id(t)) == t._version for t in tensors]
+        out = []
+        for t in tensors:
+            ref, version = self.checked.get(id(t), (None, None))
+            out.append(ref is not None and ref() is t and t._version == version)
+        return out
 
 
 class GaussianOptimizers(Optimizers):
@@ -164,5 +170,5 @@ class GaussianOptimizers(Optimizers):
                 hook(opt, (opt,), {})
         for p in params:  # the kernel wrote them: what watches _version must see it (the viewer's copy)
             torch.autograd.graph.increment_version(p)
-        checked = [(t, t._version) for p in params for t in (p, p.grad)]
+        checked = {id(t): (weakref.ref(t), t._version) for p in params for t in (p, p.grad)}
         self.last_fused = FusedStep(flag, checked)
