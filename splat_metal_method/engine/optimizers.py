@@ -84,13 +84,26 @@ class GaussianOptimizers(Optimizers):
         self.optimizer_scaler_step_some(grad_scaler, list(self.optimizers))
 
     def optimizer_scaler_step_some(self, grad_scaler, param_groups: List[str]) -> None:
+        super().optimizer_scaler_step_some(grad_scaler, self._step_gaussians(grad_scaler, param_groups))
+
+    def optimizer_step_all(self) -> None:
+        """nerfstudio's (no grad scaler: what tests and scripts call), the gaussians fused as above."""
+        for name in self._step_gaussians(None, list(self.optimizers)):
+            max_norm = self.config[name]["optimizer"].max_norm
+            if max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.parameters[name], max_norm)
+            self.optimizers[name].step()
+
+    def _step_gaussians(self, grad_scaler, param_groups: List[str]) -> List[str]:
+        """Steps the gaussians' groups among ``param_groups`` in one fused pass where it can (else nothing);
+        returns the groups left for torch's optimizers."""
         names = [n for n in param_groups if n in self.gaussian_groups]
         self.last_fused = None
         self.why_not_fused = self._why_not_fused(grad_scaler, names)
-        if not self.why_not_fused:
-            self._fused_step(names)
-            param_groups = [n for n in param_groups if n not in names]
-        super().optimizer_scaler_step_some(grad_scaler, param_groups)
+        if self.why_not_fused:
+            return list(param_groups)
+        self._fused_step(names)
+        return [n for n in param_groups if n not in names]
 
     def _why_not_fused(self, grad_scaler, names: List[str]) -> str:
         """'' when the groups ``names`` can take the fused step, else why not (one line)."""
