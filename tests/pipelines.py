@@ -43,11 +43,13 @@ def make_pipeline(data: Path, seed: int = 0, warmup: int = 10, refine_every: int
 def setup_pipeline(cfg, device: str, seed: int = 0):
     """Pipeline, Optimizers and training callbacks of a TrainerConfig (any method), on ``device``."""
     from nerfstudio.engine.callbacks import TrainingCallbackAttributes
-    from nerfstudio.engine.optimizers import Optimizers
+
+    from splat_metal_method.engine.optimizers import GaussianOptimizers
 
     seed_all(seed)
     pipeline = cfg.pipeline.setup(device=device, test_mode="val", world_size=1, local_rank=0)
-    optimizers = Optimizers(cfg.optimizers, pipeline.get_param_groups())
+    # as SplatMetalTrainer.setup_optimizers: the gaussians' Adam one kernel pass on the metal backend
+    optimizers = GaussianOptimizers(cfg.optimizers, pipeline.get_param_groups(), pipeline.model)
     callbacks = pipeline.get_training_callbacks(
         TrainingCallbackAttributes(optimizers=optimizers, grad_scaler=None, pipeline=pipeline, trainer=None)
     )

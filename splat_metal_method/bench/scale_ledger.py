@@ -8,7 +8,7 @@ the scene and the image: the render exactly as the model calls it (`rasterizatio
 parameters, SH degree 3, absgrad, the model's padded intersection lists), the background composite, the
 fused L1 + SSIM loss and the backward through all of it. The rest of the step (Adam, the strategy's
 statistics, the camera optimizer) is counted by the step ledger and issues the same dispatches at any
-scene size (one fused Adam per parameter group, one densify_stats kernel).
+scene size (the gaussians' Adam in two launches, adam.metal; one densify_stats kernel).
 
 Counted as step_ledger.count counts (as a Mac runs it): our kernel launches and the bytes of the buffers
 bound to each, aten dispatches and the bytes each aten kernel reads and writes, host syncs, and the

@@ -21,7 +21,8 @@ emulator) and, for one phase at a time (a steady training step, a refine step, a
 - our kernel launches (runtime.launch_counts' seam) and, inside each kernel, the emulator's work
   counters (msl_shim.h): simdgroup reductions (scalar components), shuffles/votes, device and
   threadgroup atomics, threadgroup barriers; threadgroup memory per group as declared; and bytes
-  moved, estimated as the sizes of the buffers bound to each launch (each read or written once).
+  moved, estimated as the sizes of the buffers bound to each launch (each read or written once; twice
+  for those a kernel updates in place, READ_WRITE_ARGS).
 
 Used by benchmarks/bench_ledger.py (the table), tests/bench/test_step_ledger.py (budgets) and
 `splat-metal-bench` (host syncs per step).
@@ -42,18 +43,24 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..ops.metal import adam
+
 # aten ops whose output size depends on tensor values: the host must read the device to allocate.
 DATA_DEPENDENT_OPS = {
     "_local_scalar_dense", "nonzero", "masked_select", "unique_dim", "_unique", "_unique2",
     "unique_consecutive", "bincount", "argwhere",
 }  # fmt: skip
 BOOL_INDEX_OPS = {"index.Tensor", "index_put", "index_put_", "_index_put_impl_"}  # sync with a bool mask
+# Kernels that read and write some bound buffers in place (argument indices): those count twice, so their
+# bytes are accesses (adam_step: parameter, gradient and both moments read, three written).
+READ_WRITE_ARGS: Dict[str, Tuple[int, ...]] = {"adam_step": adam.READ_WRITE_ARGS}
 ALLOCATIONS = {"empty.memory_format", "empty_strided", "empty_like", "lift_fresh", "_local_scalar_dense"}
 
 # Parts of a step, by the innermost file of the Python stack that issued an aten op (first match).
 PARTS: Tuple[Tuple[str, str], ...] = (
     ("/splat_metal_method/ops/", "rasterization op"),
     ("/torch/optim/", "optimizer"),
+    ("/splat_metal_method/engine/optimizers.py", "optimizer"),
     ("/gsplat/strategy/", "strategy"),
     ("/splat_metal_method/engine/memory.py", "strategy"),
     ("/splat_metal_method/method/mcmc.py", "strategy"),
@@ -229,13 +236,14 @@ class _Counting:
         group = (group,) if isinstance(group, int) else tuple(group)
         work.threads = math.prod(int(t) for t in threads)
         work.threadgroups = math.prod(-(-int(t) // int(g)) for t, g in zip(threads, group))
-        seen = set()
-        for a in args:
+        seen, read_write = set(), READ_WRITE_ARGS.get(name, ())
+        for i, a in enumerate(args):
             if isinstance(a, torch.Tensor) and a.data_ptr() not in seen:
                 seen.add(a.data_ptr())
-                work.buffer_bytes += a.numel() * a.element_size()
+                nbytes = a.numel() * a.element_size() * (2 if i in read_write else 1)
+                work.buffer_bytes += nbytes
                 shape = "x".join(str(d) for d in a.shape)
-                work.buffer_shapes[shape] = work.buffer_shapes.get(shape, 0) + a.numel() * a.element_size()
+                work.buffer_shapes[shape] = work.buffer_shapes.get(shape, 0) + nbytes
         self.ledger.kernels.setdefault(name, KernelWork()).add(work)
         self.ledger.launch_parts[step_part(skip_ops=True)] += 1
         return out

@@ -257,11 +257,13 @@ class NonFiniteGuard:
     Tests and the step ledger set it on CPU to run the Mac's path."""
 
     def __init__(self, model, optimizers: Dict[str, torch.optim.Optimizer], mode: str = "recover",
-                 deferred: Optional[bool] = None):  # fmt: skip
+                 deferred: Optional[bool] = None, fused_from=None):  # fmt: skip
         if mode not in NONFINITE_MODES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {mode!r}")
         self.model = model
         self.optimizers = optimizers  # group name -> torch optimizer (nerfstudio's Optimizers.optimizers)
+        # optimizers.GaussianOptimizers (or None): its last_fused step's flag already judged what it stepped
+        self.fused_from = fused_from
         self.mode = mode
         self.deferred = deferred
         self.dropped = 0  # gaussians dropped so far (recover)
@@ -300,6 +302,13 @@ class NonFiniteGuard:
             # allocation: 0, or NaN where anything is not finite (no overflowing sum, no false alarm)
             from ..ops.metal.train import nonfinite_flag
 
+            fused = getattr(self.fused_from, "last_fused", None)
+            if fused is not None:
+                # the fused Adam pass (optimizers.py, ops/metal/adam.metal) judged the gradients and updated
+                # parameters it stepped: read again only what it did not step or what changed since (a
+                # densification's new tensors, MCMC's noise on the means), into the same flag
+                rest = [t for t, judged in zip(tensors, fused.covers(tensors)) if not judged]
+                return nonfinite_flag(rest, flag=fused.flag) if rest else fused.flag
             return nonfinite_flag(tensors)
         return torch.stack(torch._foreach_norm(tensors, 1)).sum()
 
@@ -307,17 +316,9 @@ class NonFiniteGuard:
         """Whether the flag runs as a Metal kernel: the model renders with the metal backend (its kernels
         run where its tensors are) and every tensor is contiguous float32."""
         if self.__dict__.get("_metal") is None:
-            backend = getattr(getattr(self.model, "config", None), "backend", None)
-            device = tensors[0].device
-            metal = False
-            if backend is not None and device.type in ("mps", "cpu"):
-                from ..ops import BackendUnavailable, resolve_backend
+            from .optimizers import renders_with_metal
 
-                try:
-                    metal = resolve_backend(backend, device) == "metal"
-                except BackendUnavailable:  # an unusable backend fails the render itself, with its message
-                    metal = False
-            self._metal = metal
+            self._metal = renders_with_metal(self.model, tensors[0].device)
         return self._metal and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
     def _all_finite(self) -> bool:

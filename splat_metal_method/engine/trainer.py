@@ -44,6 +44,7 @@ from nerfstudio.utils.rich_utils import CONSOLE
 
 from ..patches.checkpoints import find_checkpoint
 from . import distributed, resume_state
+from .optimizers import GaussianOptimizers
 from .reliability import CheckpointWriteError, NonFiniteError, save_checkpoint_file
 
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what shells report for a Ctrl-C'd command
@@ -171,7 +172,10 @@ class SplatMetalTrainer(Trainer):
         self._last_done_step = step
 
     def setup_optimizers(self):
-        optimizers = super().setup_optimizers()
+        # nerfstudio's Optimizers (Trainer.setup_optimizers), with the gaussians' Adam as one kernel pass on
+        # the metal backend (optimizers.py)
+        model = self.pipeline.model
+        optimizers = GaussianOptimizers(self.config.optimizers.copy(), self.pipeline.get_param_groups(), model)
         if self.sharded is not None:  # the gaussians' learning rates follow the batch of world-size images
             self.sharded.scale_optimizers(optimizers)
         return optimizers

@@ -278,8 +278,9 @@ class SplatMetalModel(SplatfactoModel):
         check_bilateral_grid(self.config, self.device)
         self_check.ensure_verified(self, self.device, self.config.backend)  # before the first step
         # The NaN/Inf check goes last: after the strategy's densification and the memory hooks.
+        optimizers = training_callback_attributes.optimizers
         self.nonfinite_guard = reliability.NonFiniteGuard(
-            self, training_callback_attributes.optimizers.optimizers, self.config.nonfinite
+            self, optimizers.optimizers, self.config.nonfinite, fused_from=optimizers
         )
         return (
             super().get_training_callbacks(training_callback_attributes)

@@ -5,7 +5,8 @@ stages keep their Metal kernels.
 The failed stages are a per-process set. ``backend_module("metal")`` (rasterization.py) returns the
 Metal module itself while the set is empty, else :func:`routed`'s mix of Metal and reference
 functions (same names and signatures: the backend contract); ops/mcmc.py runs the covariance on the
-reference when "covariance" failed, ops/loss.py the training loss when "loss" failed. The self-check and the doctor import ``ops.metal`` directly, so
+reference when "covariance" failed, ops/loss.py the training loss when "loss" failed, engine/optimizers.py
+torch's Adam when "adam" failed. The self-check and the doctor import ``ops.metal`` directly, so
 they always test the Metal kernels themselves. Imports are one-way: the model and the self-check
 import this module, never the other way round.
 """
@@ -25,6 +26,7 @@ STAGES = {
     "rasterize": ("rasterize_to_pixels", "rasterize_depth_chunk"),
     "covariance": (),
     "loss": (),  # the fused L1 + SSIM training loss (ops/loss.py's l1_ssim_loss)
+    "adam": (),  # the gaussians' fused Adam (engine/optimizers.py): torch's Adam instead
 }
 
 _failed: set = set()
@@ -35,9 +37,9 @@ def stage_of(check_name: str) -> str:
     """The stage a doctor/self-check Check (by its name) verifies: "project (classic)" -> "projection",
     "sh (degree 1)" -> "sh", "isect + sort (tile 16)" -> "isect+sort", "rasterize (...)" and the whole
     op in depth chunks "rasterization (metal, 3 depth chunks)" -> "rasterize", "covariance + precision
-    (...)" -> "covariance", "l1 + ssim loss (...)" -> "loss"."""
+    (...)" -> "covariance", "l1 + ssim loss (...)" -> "loss", "adam (...)" -> "adam"."""
     for prefix, stage in (("project", "projection"), ("sh ", "sh"), ("isect", "isect+sort"),
-                          ("rasteriz", "rasterize"), ("covariance", "covariance"), ("l1 + ssim", "loss")):  # fmt: skip
+                          ("rasteriz", "rasterize"), ("covariance", "covariance"), ("l1 + ssim", "loss"), ("adam", "adam")):  # fmt: skip
         if check_name.startswith(prefix):
             return stage
     raise ValueError(f"[stage_of] no Metal stage verifies the check {check_name!r}")

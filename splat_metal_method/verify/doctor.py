@@ -23,6 +23,7 @@ from ..ops.constants import SH_MAX_DEGREE
 from .kernel_checks import (
     Check,
     _timed,
+    adam_checks,
     covariance_checks,
     full_op_checks,
     loss_checks,
@@ -187,6 +188,7 @@ def main(argv=None) -> int:
             checks += [c for mode in ("classic", "antialiased") for c in prepare_checks(device, SH_MAX_DEGREE, mode)]
             checks += covariance_checks(device, "metal")
             checks += loss_checks(device)
+            checks += adam_checks(device)  # the gaussians' fused Adam (engine/optimizers.py)
         from ..ops.cpu import available
 
         if available():  # the native CPU backend (what "auto" uses for CPU tensors)

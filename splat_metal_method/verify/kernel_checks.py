@@ -297,6 +297,38 @@ def loss_checks(device: torch.device) -> List[Check]:
                           "reference", device)  # fmt: skip
 
 
+def adam_checks(device: torch.device) -> List[Check]:
+    """The gaussians' fused Adam (ops/metal/adam.py, engine/optimizers.py) vs torch.optim.Adam: three steps
+    of six seeded tensors of splatfacto's row widths, with zero-gradient rows, on ``device``."""
+    from ..ops.metal.adam import fused_adam
+
+    name = "adam (fused, 6 tensors)"
+    try:
+        g = torch.Generator().manual_seed(0)
+        shapes, lrs = [(37, 3), (37, 3), (37, 4), (37, 1), (37, 3), (37, 15, 3)], [1e-3, 5e-3, 1e-3, 0.05, 2e-3, 1e-4]
+        params = [torch.randn(s, generator=g).to(device) for s in shapes]
+        ref = [torch.nn.Parameter(p.clone()) for p in params]
+        opts = [torch.optim.Adam([r], lr=lr, eps=1e-15) for r, lr in zip(ref, lrs)]
+        moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+        steps = [torch.zeros((), device=device) for _ in params]
+        ms = 0.0
+        for _ in range(3):
+            grads = [torch.randn(s, generator=g).to(device) * 10.0 ** torch.randint(-6, 1, (1,), generator=g).item()
+                     for s in shapes]  # fmt: skip
+            grads[0][:5] = 0.0  # gaussians nobody saw
+            for r, gr, opt in zip(ref, grads, opts):
+                r.grad = gr.clone()
+                opt.step()
+            _, t = _timed(lambda: fused_adam(params, grads, [m for m, _ in moments], [v for _, v in moments], steps,
+                                             lrs, [1e-15] * 6, 0.9, 0.999), device)  # fmt: skip
+            ms += t
+        err = max(_max_abs(p, r.detach()) for p, r in zip(params, ref))
+        rel = max(_rel(p, r.detach()) for p, r in zip(params, ref))
+        return [Check(name, "forward", err, rel, ms, err <= FWD_ATOL)]
+    except Exception as e:  # a compile error, a launch refused by the GPU, ...: report it
+        return [Check(name, "forward", float("inf"), float("inf"), 0.0, False, f"{type(e).__name__}: {e}")]
+
+
 def full_op_checks(
     device: torch.device,
     backend: str,

@@ -178,9 +178,17 @@ def _store(path: Path, key: str, entry: dict) -> None:
 def run_checks(device: torch.device, run: RunKernels):
     """kernel_checks.stage_checks restricted to what `run` uses, Metal vs reference on `device`; with depth
     chunks, also the whole op cut into about 3 chunks (resumed compositing) vs the unchunked reference;
-    with SH colours, the fused preparation; for MCMC, also the covariance kernel; always the fused training loss."""
+    with SH colours, the fused preparation; for MCMC, also the covariance kernel; always the fused training loss
+    and the fused Adam."""
     from ..ops import metal, reference
-    from .kernel_checks import covariance_checks, full_op_checks, loss_checks, prepare_checks, stage_checks
+    from .kernel_checks import (
+        adam_checks,
+        covariance_checks,
+        full_op_checks,
+        loss_checks,
+        prepare_checks,
+        stage_checks,
+    )
 
     with torch.inference_mode(False), torch.enable_grad():  # renders run under no_grad; the check needs grads
         checks = stage_checks(
@@ -199,6 +207,7 @@ def run_checks(device: torch.device, run: RunKernels):
         if run.covariance:
             checks += covariance_checks(device, "metal")
         checks += loss_checks(device)  # the training loss (a render-only run never calls it; the check is small)
+        checks += adam_checks(device)  # the gaussians' fused Adam (engine/optimizers.py), small too
         return checks
 
 

@@ -421,3 +421,87 @@ def test_full_disk_during_a_checkpoint_write_leaves_nothing(tmp_path, monkeypatc
     finally:
         if disk == "tmpfs":
             subprocess.run(["umount", str(folder)], check=True)
+
+
+# ---- with the gaussians' Adam as one kernel pass (engine/optimizers.py, ops/metal/adam.metal)
+def make_fused(deferred=None):
+    """make() with the metal backend, the gaussians stepped by GaussianOptimizers' fused pass (whose flag
+    the guard takes over) and the camera optimizer by torch's Adam."""
+    import types
+
+    from splat_metal_method.engine.optimizers import GaussianOptimizers
+    from splat_metal_method.method.configs import FusedAdamOptimizerConfig
+
+    model = FakeModel()
+    model.config = types.SimpleNamespace(backend="metal")
+    groups = {k: [p] for k, p in model.gauss_params.items()}
+    groups["camera_opt"] = [model.camera_opt]
+    config = {k: {"optimizer": FusedAdamOptimizerConfig(lr=1e-3, eps=1e-15), "scheduler": None} for k in groups}
+    opts = GaussianOptimizers(config, groups, model)
+    return model, opts, NonFiniteGuard(model, opts.optimizers, "recover", deferred=deferred, fused_from=opts)
+
+
+def fused_step(model, opts, poison=None):
+    from torch.cuda.amp import GradScaler
+
+    for opt in opts.optimizers.values():
+        opt.zero_grad()
+    (sum((p**2).sum() for p in model.gauss_params.values()) + (model.camera_opt**2).sum()).backward()
+    if poison is not None:
+        poison(model)
+    opts.optimizer_scaler_step_all(GradScaler(enabled=False))
+    assert opts.why_not_fused == "" and opts.last_fused is not None
+
+
+def test_fused_adam_flag_leaves_the_guard_only_what_it_did_not_step():
+    """A clean step: the guard reads again only the camera optimizer's parameter and gradient (one
+    nonfinite_flag launch into the fused pass's flag, no aten op); a gaussian parameter changed in place
+    after the step (MCMC's noise on the means) is read again, and a NaN there is found."""
+    from splat_metal_method.bench import step_ledger
+    from splat_metal_method.ops.metal import runtime
+
+    model, opts, guard = make_fused()
+    fused_step(model, opts)
+    runtime.reset_launch_counts()
+    with step_ledger.count("guard") as led:
+        flag = guard._flag()
+    assert led.aten_dispatches == 0 and led.kernels["nonfinite_flag"].launches == 1, (dict(led.aten_ops), led.kernels)
+    assert led.kernels["nonfinite_flag"].buffer_bytes < 2 * model.camera_opt.numel() * 4 + 100  # 2 tensors only
+    assert flag is opts.last_fused.flag and float(flag) == 0.0 and guard._all_finite()
+    fused_step(model, opts)
+    with torch.no_grad():
+        model.gauss_params["means"][4, 1] = float("nan")  # in place, after the step: a new version
+    guard.check(3)
+    (report,) = guard.reports
+    assert report.describe().startswith("step 3: non-finite values: NaN in means (1 gaussian)")
+    assert ids(model) == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_fused_adam_nan_gradient_drops_its_gaussians_as_torch_adam(deferred, capsys):
+    """What the guard does with the fused pass's flag is what it does with torch's Adam
+    (test_nan_gradient_drops_only_its_gaussians_and_fixes_optimizer_and_strategy_state): the same rows
+    dropped, the same report; deferred (MPS): acted on at the next step's check, as before."""
+    model, opts, guard = make_fused(deferred)
+    fused_step(model, opts)
+    guard.check(6)
+    model.step = 7
+    fused_step(model, opts, lambda m: m.gauss_params["scales"].grad.index_fill_(0, torch.tensor([2, 5]), math.nan))
+    assert math.isnan(float(opts.last_fused.flag))
+    guard.check(7)
+    if deferred:
+        assert guard.reports == [] and ids(model) == list(range(N))
+        fused_step(model, opts)  # the next step's flag (the other buffer) is clean; step 7's is read now
+        guard.check(8)
+    assert ids(model) == [0, 1, 3, 4, 6, 7, 8, 9] and guard.dropped == 2
+    (report,) = guard.reports
+    what = "NaN in the gradient of scales (2 gaussians); NaN in scales (2 gaussians)"
+    assert what in report.describe(), report.describe()
+    for name, p in model.gauss_params.items():  # the new parameters carry the sliced Adam state
+        state = opts.optimizers[name].state[p]
+        assert p.shape[0] == N - 2 and torch.isfinite(p).all() and state["exp_avg"].shape == p.shape
+    assert "Dropped those 2 of 10 gaussians" in capsys.readouterr().out
+    fused_step(model, opts)  # training goes on, fused, with the survivors
+    guard.check(9)
+    guard.flush(9)
+    assert guard.dropped == 2 and len(guard.reports) == 1

@@ -46,11 +46,13 @@ def densify_stats(
     )  # fmt: skip
 
 
-def nonfinite_flag(tensors: Sequence[Tensor]) -> Tensor:
+def nonfinite_flag(tensors: Sequence[Tensor], flag: Optional[Tensor] = None) -> Tensor:
     """A [1] float32 device tensor: 0 when every element of every tensor is finite, NaN otherwise. One
-    allocation and one launch per FLAG_SLOTS tensors (float32, contiguous). No host sync."""
+    allocation and one launch per FLAG_SLOTS tensors (float32, contiguous). No host sync. ``flag``: a
+    [1] float32 tensor to set to NaN instead (left as it is where every element is finite; no allocation)."""
     device = tensors[0].device
-    flag = torch.zeros((1,), dtype=torch.float32, device=device)
+    if flag is None:
+        flag = torch.zeros((1,), dtype=torch.float32, device=device)
     for start in range(0, len(tensors), FLAG_SLOTS):
         batch = [t for t in tensors[start : start + FLAG_SLOTS]]
         lengths = [t.numel() for t in batch] + [0] * (FLAG_SLOTS - len(batch))

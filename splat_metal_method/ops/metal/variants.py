@@ -27,6 +27,7 @@ SCAN_BLOCK = SCAN_THREADS * SCAN_ITEMS
 
 # Threads per group of the one-thread-per-item kernels (project, sh, isect, covar).
 GROUP_1D = 256
+ADAM_SLOTS = 6  # parameter tensors one fused Adam launch steps; adam_prepare's group (adam.metal SPLAT_ADAM_SLOTS)
 
 # Per-tile bins of the padded lists (isect.metal bin_sort): a tile of up to BIN_CAPACITY entries is sorted
 # whole in threadgroup memory (BIN_CAPACITY x 4 B = 8 KiB of Apple's 32 KiB) by BIN_THREADS threads;
@@ -71,6 +72,7 @@ _FIXED_VARIANTS = {
     "scan": ("scan.metal", ()),
     "covar": ("covar.metal", ()),
     "train": ("train.metal", ()),
+    "adam": ("adam.metal", ()),
     "rasterize_rgb": ("rasterize.metal", (("SPLAT_CHANNELS", 3),)),
     "rasterize_rgbd": ("rasterize.metal", (("SPLAT_CHANNELS", 4),)),
     "rasterize_d": ("rasterize.metal", (("SPLAT_CHANNELS", 1),)),
@@ -90,6 +92,8 @@ def group_threads(kernel: str, tile_size: int = constants.TILE_SIZE) -> int:
         return SCAN_THREADS
     if kernel == "bin_sort":
         return BIN_THREADS
+    if kernel == "adam_prepare":
+        return ADAM_SLOTS
     return PROJECT_BWD_GROUP if kernel == "project_bwd" else GROUP_1D
 
 

@@ -197,6 +197,8 @@ def test_thirty_training_steps_metal_vs_reference(demo_dir, monkeypatch):
         assert ours[s] <= allowed, f"step {s}: the op layer synced {ours[s]} times (allowed {allowed}): {syncs[s]}"
     for name in ("project_bwd", "sh_bwd", "rasterize_bwd"):
         assert launches[quiet].get(name, 0) >= 1, f"{name} did not run: the backward is not the Metal one"
+    # the gaussians' Adam is one fused pass (engine/optimizers.py; the camera optimizer's is torch's)
+    assert all(c.get("adam_step") == 1 for c in launches), [c.get("adam_step") for c in launches]
 
     # Learning: the Metal run lowers the loss like the reference run.
     first_ref, last_ref = avg(ref_losses, 0, 5), avg(ref_losses, STEPS - 10, STEPS)

@@ -1,0 +1,187 @@
+"""The optimizer step of a Metal run: Adam over every gaussian parameter tensor in one kernel pass.
+
+nerfstudio keeps one torch Adam per parameter group and steps them one by one (``Optimizers``); torch's
+fused Adam then issues two dispatches per group (the step counter's ``_foreach_add_`` and
+``_fused_adam_``), and the NaN guard reads every parameter and gradient once more. ``GaussianOptimizers``
+steps the gaussians' groups (means, scales, quats, opacities, features_dc, features_rest) together with
+ops/metal/adam.py's kernels where the model renders with the metal backend: the same math on torch's own
+state (``exp_avg``, ``exp_avg_sq``, a float32 device ``step`` per parameter, as torch's fused Adam keeps
+them), learning rates, betas and eps read from each optimizer's ``param_groups`` every step (so the
+schedulers work), the optimizers' step post-hooks run. Checkpoints, resumes, gsplat's densification
+(which slices that state), the viewer and ns-export see what torch's Adam leaves.
+
+torch's optimizer steps a group instead (the rest of the step is the same) where the fused pass would
+not do what it does:
+  * the camera optimizer, the bilateral grid and any group that is not a gaussian parameter: not rows of
+    the gaussians (and the camera optimizer's gradient is what its own Adam reads);
+  * gradient clipping (``max_norm``) or an enabled GradScaler: they read and rescale ``.grad`` first;
+  * a distributed run: its sharded step is verified against torch's optimizer (engine/distributed.py);
+  * the fused Adam failed this GPU's Metal self-check (verify/self_check.py, stage "adam");
+  * anything torch's Adam would compute differently from the kernel: amsgrad, weight decay, maximize, a
+    non-fused state (a CPU step counter), a tensor learning rate, step pre-hooks, betas that differ
+    between the groups, or tensors the kernel cannot take (adam.check).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from nerfstudio.engine.optimizers import Optimizers
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+from ..ops import stage_fallback
+from . import distributed
+
+
+def renders_with_metal(model, device: torch.device) -> bool:
+    """Whether ``model`` renders with the metal backend's kernels for tensors on ``device`` (then they run
+    where its tensors are: on MPS, or under the emulator on CPU)."""
+    backend = getattr(getattr(model, "config", None), "backend", None)
+    if backend is None or torch.device(device).type not in ("mps", "cpu"):
+        return False
+    from ..ops import BackendUnavailable, resolve_backend
+
+    try:
+        return resolve_backend(backend, torch.device(device)) == "metal"
+    except BackendUnavailable:  # an unusable backend fails the render itself, with its message
+        return False
+
+
+@dataclass
+class FusedStep:
+    """What the last fused step checked for the NaN guard: its flag (0, or NaN where a gradient or an
+    updated parameter was not finite) and, per tensor, the version it had right after the step."""
+
+    flag: torch.Tensor  # [1] float32, reused by the next step
+    # id -> (weak reference, _version after the step) of each parameter and gradient it stepped; weak, so a
+    # densification's replaced tensors are freed at once
+    checked: Dict[int, Tuple[weakref.ref, int]]
+
+    def covers(self, tensors: Sequence[torch.Tensor]) -> List[bool]:
+        """Per tensor: whether the flag already judged it as it is now (same object, not changed since)."""
+        out = []
+        for t in tensors:
+            ref, version = self.checked.get(id(t), (None, None))
+            out.append(ref is not None and ref() is t and t._version == version)
+        return out
+
+
+class GaussianOptimizers(Optimizers):
+    """nerfstudio's Optimizers; the gaussians' Adam steps as one kernel pass on the metal backend."""
+
+    def __init__(self, config: Dict, param_groups: Dict[str, List[torch.nn.Parameter]], model=None) -> None:
+        super().__init__(config, param_groups)
+        self.model = model
+        self.gaussian_groups = tuple(getattr(model, "gauss_params", {}).keys())
+        self.last_fused: Optional[FusedStep] = None  # the last step's, when it was fused
+        self.why_not_fused = ""  # why the last step was not (tests, debugging)
+        self._metal: Dict[torch.device, bool] = {}
+
+    def optimizer_scaler_step_all(self, grad_scaler) -> None:
+        self.optimizer_scaler_step_some(grad_scaler, list(self.optimizers))
+
+    def optimizer_scaler_step_some(self, grad_scaler, param_groups: List[str]) -> None:
+        super().optimizer_scaler_step_some(grad_scaler, self._step_gaussians(grad_scaler, param_groups))
+
+    def optimizer_step_all(self) -> None:
+        """nerfstudio's (no grad scaler: what tests and scripts call), the gaussians fused as above."""
+        for name in self._step_gaussians(None, list(self.optimizers)):
+            max_norm = self.config[name]["optimizer"].max_norm
+            if max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.parameters[name], max_norm)
+            self.optimizers[name].step()
+
+    def _step_gaussians(self, grad_scaler, param_groups: List[str]) -> List[str]:
+        """Steps the gaussians' groups among ``param_groups`` in one fused pass where it can (else nothing);
+        returns the groups left for torch's optimizers."""
+        names = [n for n in param_groups if n in self.gaussian_groups]
+        self.last_fused = None
+        self.why_not_fused = self._why_not_fused(grad_scaler, names)
+        if self.why_not_fused:
+            return list(param_groups)
+        self._fused_step(names)
+        return [n for n in param_groups if n not in names]
+
+    def _why_not_fused(self, grad_scaler, names: List[str]) -> str:
+        """'' when the groups ``names`` can take the fused step, else why not (one line)."""
+        from ..ops.metal import adam
+
+        if not names:
+            return "no gaussian parameter group steps"
+        if distributed.active() is not None:
+            return "a distributed run"
+        if grad_scaler is not None and grad_scaler.is_enabled():
+            return "the GradScaler is enabled"
+        if _global_optimizer_pre_hooks:
+            return "global optimizer step pre-hooks"
+        device = self.optimizers[names[0]].param_groups[0]["params"][0].device
+        if self._metal.get(device) is None:  # resolved once per device (the backend does not change)
+            self._metal[device] = renders_with_metal(self.model, device)
+        if not self._metal[device]:
+            return "the model does not render with the metal backend"
+        if "adam" in stage_fallback.failed():
+            return "the fused Adam failed this GPU's Metal self-check"
+        params, grads, avgs, avg_sqs, steps, betas = [], [], [], [], [], set()
+        for name in names:
+            opt = self.optimizers[name]
+            if (
+                type(opt) is not torch.optim.Adam
+                or len(opt.param_groups) != 1
+                or len(opt.param_groups[0]["params"]) != 1
+            ):
+                return f"{name}: not one torch.optim.Adam over one tensor"
+            group, p = opt.param_groups[0], opt.param_groups[0]["params"][0]
+            if self.config[name]["optimizer"].max_norm is not None:
+                return f"{name}: gradient clipping (max_norm)"
+            if group["amsgrad"] or group["weight_decay"] or group["maximize"] or group.get("differentiable"):
+                return f"{name}: amsgrad, weight decay, maximize or differentiable"
+            if group.get("decoupled_weight_decay") or not group.get("fused"):
+                return f"{name}: not torch's fused Adam (its state and step counter differ)"
+            if not all(isinstance(x, (float, int)) for x in (group["lr"], group["eps"], *group["betas"])):
+                return f"{name}: a tensor learning rate, eps or beta"
+            if opt._optimizer_step_pre_hooks:
+                return f"{name}: optimizer step pre-hooks"
+            if p.grad is None:
+                return f"{name}: no gradient (torch's Adam skips it)"
+            state = opt.state[p]
+            if not state:  # as torch's Adam makes it at its first step with fused=True (Adam._init_group)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if not all(k in state for k in ("step", "exp_avg", "exp_avg_sq")):
+                return f"{name}: optimizer state without step/exp_avg/exp_avg_sq"
+            params.append(p)
+            grads.append(p.grad)
+            avgs.append(state["exp_avg"])
+            avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+            betas.add(tuple(float(b) for b in group["betas"]))
+        if len(betas) != 1:
+            return f"the groups' betas differ: {sorted(betas)}"
+        why = adam.check(params, grads, avgs, avg_sqs, steps)
+        return f"adam: {why}" if why else ""
+
+    @torch.no_grad()
+    def _fused_step(self, names: List[str]) -> None:
+        from ..ops.metal.adam import fused_adam
+
+        opts = [self.optimizers[n] for n in names]
+        groups = [opt.param_groups[0] for opt in opts]
+        params = [g["params"][0] for g in groups]
+        states = [opt.state[p] for opt, p in zip(opts, params)]  # made by _why_not_fused where new
+        beta1, beta2 = groups[0]["betas"]
+        flag = fused_adam(
+            params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states], [g["lr"] for g in groups], [g["eps"] for g in groups], beta1, beta2,
+        )  # fmt: skip
+        for opt in opts:  # what torch's Optimizer.step wrapper does after the step
+            opt._opt_called = True  # the LR scheduler's "step before optimizer.step()" check
+            for hook in (*opt._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()):
+                hook(opt, (opt,), {})
+        for p in params:  # the kernel wrote them: what watches _version must see it (the viewer's copy)
+            torch.autograd.graph.increment_version(p)
+        checked = {id(t): (weakref.ref(t), t._version) for p in params for t in (p, p.grad)}
+        self.last_fused = FusedStep(flag, checked)
