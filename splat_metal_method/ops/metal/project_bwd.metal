@@ -70,8 +70,7 @@ inline void mat3_mul_at(thread const float* a, thread const float* b, thread flo
 #define PROJECT_SIGMOID_OPACITIES 4
 #define PROJECT_MEANS_SH 16
 #define PROJECT_NO_V_DEPTHS 32  // the depths fed nothing: v_depths is a placeholder, read as 0
-#define PROJECT_SH_APART 64
-#define PROJECT_INV_COLUMN_MAJOR 128  // inv_viewmats[c, r, k] at 16 c + r + 4 k (else 16 c + 4 r + k)
+// A culled entry (radius 0, for any reason) had opacity 0 and constant outputs: every gradient is 0.
 [[max_total_threads_per_threadgroup(SPLAT_PROJECT_BWD_GROUP)]]
 kernel void project_bwd(
     const device float* means [[buffer(0)]],       // [N, 3]
@@ -102,10 +101,6 @@ kernel void project_bwd(
                                                      // v_means itself (each thread reads its row before writing it)
     device float* v_opacities [[buffer(24)]],        // [C, N] d loss / d opacities (the input)
     constant long& flags [[buffer(25)]],
-    const device float* sh_dc [[buffer(26)]],         // the forward's SH coefficients and inverse view matrices,
-    const device float* sh_rest [[buffer(27)]],       // as project_fwd reads them (splat_fused_keep; column-major
-    const device float* inv_viewmats [[buffer(28)]],  // inverses with PROJECT_INV_COLUMN_MAJOR)
-    constant long& sh_k [[buffer(29)]],
     uint2 gpos [[thread_position_in_grid]],
     uint2 tgp [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -123,7 +118,7 @@ kernel void project_bwd(
   float vt[3] = {0.0f, 0.0f, 0.0f};                                        // d/d viewmat[0:3, 3]
   float vK[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                  // d/d (fx, fy, cx, cy)
   float opacity = 0.0f;  // activated (fused)
-  if ((flags & PROJECT_FUSED) != 0 && g < N) {
+  if ((flags & PROJECT_FUSED) != 0 && active) {
     opacity = opacities[g];
     if ((flags & PROJECT_SIGMOID_OPACITIES) != 0) {
       opacity = 1.0f / (1.0f + exp(-opacity));
@@ -342,19 +337,7 @@ kernel void project_bwd(
       v_quats[4 * idx + k] = 0.0f;
     }
     if ((flags & PROJECT_FUSED) != 0) {
-      // culled by projection only: without compensation its opacity was composited as is, so its gradient
-      // passes; culled by the glue's checks (or with compensation 0), it is 0
-      float v_opacity = 0.0f;
-      const bool column_major = (flags & PROJECT_INV_COLUMN_MAJOR) != 0;
-      if (calc_comp == 0 && g < N &&
-          splat_fused_keep(opacity, sh_dc, sh_rest, g, sh_k, (flags & PROJECT_SH_APART) != 0, viewmats,
-                           inv_viewmats, cam, true, column_major ? 1 : 4, column_major ? 4 : 1)) {
-        v_opacity = v_opacities_out[idx];
-        if ((flags & PROJECT_SIGMOID_OPACITIES) != 0) {
-          v_opacity = v_opacity * (1.0f - opacity) * opacity;
-        }
-      }
-      v_opacities[idx] = v_opacity;
+      v_opacities[idx] = 0.0f;  // culled: its opacity_out was the constant 0
     }
   }
 

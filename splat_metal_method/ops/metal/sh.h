@@ -171,4 +171,32 @@ inline SplatShBasisGrad splat_sh_basis_grad(long degree, float x, float y, float
   return b;
 }
 
+#ifdef __METAL_VERSION__
+// torch.clamp_min(x, 0): x where x > 0 or x is NaN, else 0 (the sign of a zero is that of 0).
+inline float sh_activate(float x) {
+  return (x > 0.0f || isnan(x)) ? x : 0.0f;
+}
+
+// Metal only (device pointers; the CPU backend does not see it): the colour of the fused preparation, before
+// its activation, of a gaussian whose band-0 coefficients are at dc[0:3] and bands k >= 1 at rest[3 (k - 1)],
+// seen along the unnormalised direction (dx, dy, dz) (normalised as F.normalize: d / max(|d|, 1e-12)), from
+// the first (degree + 1)^2 bands, each coefficient read once. sh.metal's sh_fused_fwd and project.metal's
+// project_fwd (PROJECT_SHADE) both call it: one source of the fused colour.
+inline void splat_sh_color(long degree, float dx, float dy, float dz, const device float* dc, const device float* rest,
+                           thread float* rgb) {
+  const float norm = max(sqrt(dx * dx + dy * dy + dz * dz), 1e-12f);
+  const SplatShBasis basis = splat_sh_basis(degree, dx / norm, dy / norm, dz / norm);
+  const int n_bases = (int)((degree + 1) * (degree + 1));
+  float r = basis.v[0] * dc[0], g = basis.v[0] * dc[1], b = basis.v[0] * dc[2];
+  for (int k = 1; k < n_bases; ++k) {
+    r += basis.v[k] * rest[3 * (k - 1) + 0];
+    g += basis.v[k] * rest[3 * (k - 1) + 1];
+    b += basis.v[k] * rest[3 * (k - 1) + 2];
+  }
+  rgb[0] = r;
+  rgb[1] = g;
+  rgb[2] = b;
+}
+#endif
+
 #endif  // SPLAT_SH_H

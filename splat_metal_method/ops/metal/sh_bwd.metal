@@ -93,7 +93,8 @@ kernel void sh_bwd(
 }
 
 // sh_fused_bwd: sh_bwd of the fused preparation (sh.metal sh_fused_fwd), one thread per (camera, gaussian),
-// idx = c*N + n < C*N: the direction is means[n] - inv(viewmats)[c, 0:3, 3], the mask radii > 0, the colour activated
+// idx = c*N + n < C*N: the direction is means[n] minus camera c's position (common.h splat_camera_position), the
+// mask radii > 0 (0 also where the forward's colour culled), the colour activated
 // (`colors` is the forward's output), the coefficient gradients are written in the layout the
 // coefficients were read (v_sh_dc[idx * dc_stride], v_sh_rest[idx * rest_stride + rest_offset + 3 (k - 1)],
 // every one of the K rows: 0 beyond (degree+1)^2 and where masked), and v_dirs [C, N, 3] is the gradient
@@ -101,7 +102,7 @@ kernel void sh_bwd(
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void sh_fused_bwd(
     const device float* means [[buffer(0)]],     // [N, 3]
-    const device float* inv_viewmats [[buffer(1)]],  // [C, 4, 4] inv(viewmats): camera c's position at [c, 0:3, 3]
+    const device float* viewmats [[buffer(1)]],  // [C, 4, 4]
     const device float* sh_dc [[buffer(2)]],
     const device float* sh_rest [[buffer(3)]],
     const device int* radii [[buffer(4)]],       // [C, N]
@@ -117,8 +118,6 @@ kernel void sh_fused_bwd(
     constant long& dc_stride [[buffer(14)]],
     constant long& rest_stride [[buffer(15)]],
     constant long& rest_offset [[buffer(16)]],
-    constant long& inv_row_stride [[buffer(17)]],  // inv_viewmats[c, r, k] at c * 16 + r * row + k * col
-    constant long& inv_col_stride [[buffer(18)]],
     uint idx [[thread_position_in_grid]]) {
   if ((long)idx >= C * N) {
     return;
@@ -138,9 +137,11 @@ kernel void sh_fused_bwd(
     }
     return;
   }
-  const float dx = means[3 * g + 0] - inv_viewmats[16 * cam + 0 * inv_row_stride + 3 * inv_col_stride];
-  const float dy = means[3 * g + 1] - inv_viewmats[16 * cam + 1 * inv_row_stride + 3 * inv_col_stride];
-  const float dz = means[3 * g + 2] - inv_viewmats[16 * cam + 2 * inv_row_stride + 3 * inv_col_stride];
+  float campos[3];
+  splat_camera_position(viewmats + cam * 16, campos);
+  const float dx = means[3 * g + 0] - campos[0];
+  const float dy = means[3 * g + 1] - campos[1];
+  const float dz = means[3 * g + 2] - campos[2];
   const float len = sqrt(dx * dx + dy * dy + dz * dz);
   const float norm = max(len, 1e-12f);
   const float x = dx / norm, y = dy / norm, z = dz / norm;
