@@ -77,7 +77,8 @@ class PrepareFn(torch.autograd.Function):
                     means, viewmats, dc, rest, radii, colors, C, N, int(degree), dc_stride, rest_stride, rest_offset,
                     means2d, depths, conics, opacities_out, **grid_1d(C * N),
                 )  # fmt: skip
-        ctx.save_for_backward(means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, radii, colors)
+        # not the colours: sh_fused_bwd recomputes them (saving an output costs a detach each way)
+        ctx.save_for_backward(means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, radii)
         ctx.args = (width, height, eps2d, calc_comp, degree, flags)
         ctx.mark_non_differentiable(radii)
         ctx.set_materialize_grads(False)  # outputs that fed nothing (depths in RGB renders) arrive as None
@@ -85,7 +86,7 @@ class PrepareFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _v_radii, v_means2d, v_depths, v_conics, v_opacities_out, v_colors):
-        means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, radii, colors = ctx.saved_tensors
+        means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, radii = ctx.saved_tensors
         width, height, eps2d, calc_comp, degree, flags = ctx.args
         need = ctx.needs_input_grad
         device = means.device
@@ -113,7 +114,7 @@ class PrepareFn(torch.autograd.Function):
         part = torch.empty((C, n_groups, 16), dtype=torch.float32, device=device) if camera_grad else v_means
         if C * N > 0:
             library(device, "sh_bwd.metal").sh_fused_bwd(
-                means, viewmats, dc, rest, radii, v_colors, colors, v_dc, v_rest, v_dirs,
+                means, viewmats, dc, rest, radii, v_colors, v_dc, v_rest, v_dirs,
                 C, N, K, int(degree), dc_stride, rest_stride, rest_offset, **grid_1d(C * N),
             )  # fmt: skip
             lib.project_bwd(

@@ -94,7 +94,8 @@ kernel void sh_bwd(
 
 // sh_fused_bwd: sh_bwd of the fused preparation (sh.metal sh_fused_fwd), one thread per (camera, gaussian),
 // idx = c*N + n < C*N: the direction is means[n] minus camera c's position (common.h splat_camera_position), the
-// mask radii > 0 (0 also where the forward's colour culled), the colour activated
+// mask radii > 0 (0 also where the forward's colour culled), the colour activated (recomputed here by sh.h's
+// splat_sh_color, bit for bit the forward's, rather than saved: no [C, N, 3] colours kept for the backward)
 // (`colors` is the forward's output), the coefficient gradients are written in the layout the
 // coefficients were read (v_sh_dc[idx * dc_stride], v_sh_rest[idx * rest_stride + rest_offset + 3 (k - 1)],
 // every one of the K rows: 0 beyond (degree+1)^2 and where masked), and v_dirs [C, N, 3] is the gradient
@@ -107,17 +108,16 @@ kernel void sh_fused_bwd(
     const device float* sh_rest [[buffer(3)]],
     const device int* radii [[buffer(4)]],       // [C, N]
     const device float* v_colors [[buffer(5)]],  // [C, N, 3]
-    const device float* colors [[buffer(6)]],    // [C, N, 3] forward output (activated)
-    device float* v_sh_dc [[buffer(7)]],
-    device float* v_sh_rest [[buffer(8)]],
-    device float* v_dirs [[buffer(9)]],          // [C, N, 3]
-    constant long& C [[buffer(10)]],
-    constant long& N [[buffer(11)]],
-    constant long& K [[buffer(12)]],
-    constant long& degree [[buffer(13)]],
-    constant long& dc_stride [[buffer(14)]],
-    constant long& rest_stride [[buffer(15)]],
-    constant long& rest_offset [[buffer(16)]],
+    device float* v_sh_dc [[buffer(6)]],
+    device float* v_sh_rest [[buffer(7)]],
+    device float* v_dirs [[buffer(8)]],          // [C, N, 3]
+    constant long& C [[buffer(9)]],
+    constant long& N [[buffer(10)]],
+    constant long& K [[buffer(11)]],
+    constant long& degree [[buffer(12)]],
+    constant long& dc_stride [[buffer(13)]],
+    constant long& rest_stride [[buffer(14)]],
+    constant long& rest_offset [[buffer(15)]],
     uint idx [[thread_position_in_grid]]) {
   if ((long)idx >= C * N) {
     return;
@@ -145,12 +145,14 @@ kernel void sh_fused_bwd(
   const float len = sqrt(dx * dx + dy * dy + dz * dz);
   const float norm = max(len, 1e-12f);
   const float x = dx / norm, y = dy / norm, z = dz / norm;
-  const float vr = colors[3 * idx + 0] > 0.0f ? v_colors[3 * idx + 0] : 0.0f;
-  const float vg = colors[3 * idx + 1] > 0.0f ? v_colors[3 * idx + 1] : 0.0f;
-  const float vb = colors[3 * idx + 2] > 0.0f ? v_colors[3 * idx + 2] : 0.0f;
+  const device float* rest = sh_rest + g * rest_stride + rest_offset;
+  float rgb[3];  // the forward's colour before its activation (sh.h): clamp_min passes the gradient where > 0
+  splat_sh_color(degree, dx, dy, dz, sh_dc + g * dc_stride, rest, rgb);
+  const float vr = sh_activate(rgb[0] + 0.5f) > 0.0f ? v_colors[3 * idx + 0] : 0.0f;
+  const float vg = sh_activate(rgb[1] + 0.5f) > 0.0f ? v_colors[3 * idx + 1] : 0.0f;
+  const float vb = sh_activate(rgb[2] + 0.5f) > 0.0f ? v_colors[3 * idx + 2] : 0.0f;
   const SplatShBasisGrad basis = splat_sh_basis_grad(degree, x, y, z);  // sh.h
 
-  const device float* rest = sh_rest + g * rest_stride + rest_offset;
   vdc[0] = basis.v[0] * vr;
   vdc[1] = basis.v[0] * vg;
   vdc[2] = basis.v[0] * vb;

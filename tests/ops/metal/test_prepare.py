@@ -208,3 +208,91 @@ def test_stage_gradients_of_culled_gaussians_match_the_glue():
         g = torch.where(torch.isfinite(g), g, 0.0)
         scale = g.abs().max().clamp_min(1e-6)
         torch.testing.assert_close(g1[key] / scale, g / scale, rtol=1e-4, atol=1e-5, msg=key)
+
+
+# ------------------------------------------------------------------------------------------------
+# The one forward kernel (project_fwd with PROJECT_SHADE) against its unfused twin (project_fwd, then
+# sh.metal's sh_fused_fwd): the same arithmetic in the same order (sh.h splat_sh_color, common.h
+# splat_camera_position), so every output and every gradient is compared bit for bit.
+# ------------------------------------------------------------------------------------------------
+def _prepare(params, viewmats, Ks, width, height, degree, antialiased, camera_grad, shade_in_projection):
+    x = {k: v.clone().requires_grad_() for k, v in params.items()}
+    vm, Kr = viewmats.clone().requires_grad_(camera_grad), Ks.clone().requires_grad_(camera_grad)
+    out = metal.project_and_shade(x["means"], x["quats"], x["log_scales"], x["logit_opacities"], x["features_dc"],
+                                  x["features_rest"], vm, Kr, width, height, 0.3, 0.01, 1e10, 0.0, antialiased, degree,
+                                  True, True, shade_in_projection=shade_in_projection)  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    sum((o * torch.randn(o.shape, generator=g)).sum() for o in out if o.is_floating_point()).backward()
+    grads = {k: v.grad for k, v in x.items()}
+    if camera_grad:
+        grads.update(viewmats=vm.grad, Ks=Kr.grad)
+    return [o.detach() for o in out], grads
+
+
+def _assert_same_as_twin(fused, twin):
+    (out1, g1), (out0, g0) = fused, twin
+    for name, a, b in zip(("radii", "means2d", "depths", "conics", "opacities", "colors"), out1, out0):
+        assert torch.equal(a, b), f"forward {name} differs from the twin's"
+    assert g1.keys() == g0.keys()
+    for key in g0:
+        assert torch.equal(g1[key], g0[key]), f"gradient of {key} differs from the twin's"
+
+
+TWIN_CASES = [  # (C, width, height, degree, antialiased, camera_grad): non-square and partial-tile grids
+    (1, 40, 24, 0, False, False), (2, 23, 37, 1, True, True), (1, 64, 17, 2, False, True),
+    (3, 33, 33, 3, True, False), (2, 96, 64, 4, False, True), (1, 17, 50, 4, True, False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("C,width,height,degree,antialiased,camera_grad", TWIN_CASES)
+def test_one_forward_kernel_matches_its_unfused_twin(C, width, height, degree, antialiased, camera_grad):
+    params, viewmats, Ks = _params(
+        C, seed=width + degree, poison="gaussians", degree=degree, width=width, height=height
+    )
+    fused = _prepare(params, viewmats, Ks, width, height, degree, antialiased, camera_grad, True)
+    twin = _prepare(params, viewmats, Ks, width, height, degree, antialiased, camera_grad, False)
+    radii = fused[0][0]
+    assert (radii > 0).sum() > 10 and (radii[:, [3, 5, 7, 9]] == 0).all()  # kept ones, and the poisoned culled
+    _assert_same_as_twin(fused, twin)
+    if camera_grad:
+        assert fused[1]["viewmats"].abs().sum() > 0 and fused[1]["Ks"].abs().sum() > 0
+
+
+def test_one_forward_kernel_reads_each_coefficient_once():
+    """The point of it: one launch forward, and the SH coefficients bound once (the twin binds them twice)."""
+    params, viewmats, Ks = _params(1, seed=3, poison="none", degree=3)
+    launches, sh_bytes = {}, {}
+    for shade in (True, False):
+        with step_ledger.count(str(shade)) as led:
+            _prepare(params, viewmats, Ks, W, H, 3, False, False, shade)
+        launches[shade] = {k: w.launches for k, w in led.kernels.items()}
+        sh_bytes[shade] = led.kernel_total().buffer_bytes
+    assert launches[True] == {"project_fwd": 1, "sh_fused_bwd": 1, "project_bwd": 1}, launches
+    assert launches[False] == {"project_fwd": 1, "sh_fused_fwd": 1, "sh_fused_bwd": 1, "project_bwd": 1}, launches
+    coeff_bytes = 4 * (params["features_dc"].numel() + params["features_rest"].numel())
+    assert sh_bytes[False] - sh_bytes[True] >= coeff_bytes, (sh_bytes, coeff_bytes)
+
+
+PLANTED = {  # a wrong line in project_fwd's colour block, and a colour cull left out
+    "channel": ("colors[3 * idx + 1] = sh_activate(rgb[1] + 0.5f);", "colors[3 * idx + 1] = sh_activate(rgb[2] + 0.5f);"),
+    "direction": ("my - campos[1], mz - campos[2]", "my - campos[1], mz + campos[2]"),
+    "no_cull": ("      return;  // a non-finite coefficient in use", "      ;  // planted: no cull"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_the_twin_comparison_catches_a_planted_bug(bug, monkeypatch):
+    """project.metal with one planted bug in its PROJECT_SHADE block, run as prepare.py's forward: the
+    comparison above fails (so it can)."""
+    from splat_metal_method.ops.metal import kernels, prepare, runtime
+
+    src = kernels.stage_source("project.metal")
+    old, new = PLANTED[bug]
+    assert src.count(old) == 1, "project_fwd changed: update the planted bug"
+    planted = runtime.library_for("cpu", src.replace(old, new), name="project.metal")
+    params, viewmats, Ks = _params(2, seed=1, poison="gaussians", degree=3, width=W, height=H)
+    twin = _prepare(params, viewmats, Ks, W, H, 3, False, True, False)
+    _assert_same_as_twin(_prepare(params, viewmats, Ks, W, H, 3, False, True, True), twin)  # the real one agrees
+    monkeypatch.setattr(prepare, "project_library", lambda device: planted)
+    with pytest.raises(AssertionError, match="differs from the twin"):
+        _assert_same_as_twin(_prepare(params, viewmats, Ks, W, H, 3, False, True, True), twin)
