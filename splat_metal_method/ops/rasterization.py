@@ -14,8 +14,8 @@ Non-finite inputs: one meaning on reference, cpu and metal (tests/ops/test_nonfi
 isfinite checks in each backend's kernels (covar.h splat_params_finite / splat_projection_finite,
 the alpha test) and, for what projection cannot see, here:
   * a gaussian with a non-finite mean, quaternion, scale, opacity or colour (an SH coefficient of the
-    bands sh_degree uses), or whose quaternion's squared norm or projected values (means2d, conic,
-    radius) overflow float32, or whose radius does not fit int32, is culled: radius 0, opacity 0 in
+    bands sh_degree uses, or an SH colour past float32), or whose quaternion's squared norm or projected
+    values (means2d, conic, radius) overflow float32, or whose radius does not fit int32, is culled: radius 0, opacity 0 in
     meta, no contribution, zero gradients (so is one projection culls: radius 0, opacity 0);
   * a camera whose view matrix (the 12 entries projection reads; all 16 with SH colours, whose camera
     position inv(viewmat) must be finite too) is not finite is culled whole: background only;
@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from .constants import EPS2D, SH_MAX_DEGREE, TILE_SIZE
+from .reference import activate_sh_colors
 
 BACKENDS = ("auto", "reference", "gsplat", "metal", "cpu")
 RENDER_MODES = ("RGB", "D", "ED", "RGB+D", "RGB+ED")
@@ -253,19 +254,25 @@ def _project_and_cull(ops, means, quats, scales, opacities, colors, viewmats, Ks
     if culled.dim() == 1:
         culled = culled.expand(C, N)
     radii = radii.masked_fill(culled, 0)
+    if sh_degree is None:
+        colors = colors[None] if C == 1 else colors.expand(C, -1, -1)  # [C, N, D]
+    else:
+        dirs = means[None, :, :] - campos[:, None, :]  # [C, N, 3]
+        coeffs = colors[None] if C == 1 else colors.expand(C, -1, -1, -1)  # [C, N, K, 3] (backward: 1 op for C == 1)
+        colors = ops.spherical_harmonics(sh_degree, dirs, coeffs, radii > 0)  # [C, N, 3] before the activation
+        # a colour past float32 from finite coefficients (|c| ~ 1e37) is culled too, as the fused preparation's
+        # kernel culls every non-finite colour it computes (ops/metal/prepare.py); its gradient is 0 (finite)
+        with torch.no_grad():
+            overflow = (colors * 0).sum(dim=-1) != 0  # [C, N]
+        culled = culled | overflow
+        radii = radii.masked_fill(overflow, 0)
+        colors = activate_sh_colors(colors.masked_fill(overflow[..., None], 0.0))  # clamp_min(c + 0.5, 0)
     culled_xy = culled[..., None]  # [C, N, 1]
     means2d, conics = means2d.masked_fill(culled_xy, 0.0), conics.masked_fill(culled_xy, 0.0)
     depths = depths.masked_fill(culled, 0.0)
     opacities = opacities.masked_fill(radii == 0, 0.0)  # [C, N] (the mask broadcasts the [N] opacities)
     if compensations is not None:
         opacities = opacities * compensations
-
-    if sh_degree is None:
-        colors = colors[None] if C == 1 else colors.expand(C, -1, -1)  # [C, N, D]
-    else:
-        dirs = means[None, :, :] - campos[:, None, :]  # [C, N, 3]
-        coeffs = colors[None] if C == 1 else colors.expand(C, -1, -1, -1)  # [C, N, K, 3] (backward: 1 op for C == 1)
-        colors = ops.spherical_harmonics(sh_degree, dirs, coeffs, radii > 0, activate=True)  # clamp_min(c + 0.5, 0)
     return radii, means2d, depths, conics, opacities, colors
 
 

@@ -1,4 +1,4 @@
-"""The fused preparation of a render: projection, culling and SH colours in one kernel forward, two backward.
+"""The fused preparation of a render: projection, culling and SH colours in one kernel each way.
 
 rasterization.py's glue between the projection and SH stages (its non-finite culling, the opacity
 mask and compensation product, the view directions, the SH mask) and the model's activations
@@ -6,12 +6,13 @@ mask and compensation product, the view directions, the SH mask) and the model's
 45 aten ops per training step forward and backward, each one encode on MPS. Here project.metal's
 project_fwd does them in the same float32 operations, the SH colour included (PROJECT_SHADE: each SH
 coefficient read once a step forward, the colour tested for finiteness where it is computed), and
-sh_bwd.metal's sh_fused_bwd and project_bwd the backward, so one PrepareFn replaces ProjectFn +
-SphericalHarmonicsFn + the glue, and the camera positions are computed in the kernels (no inverse on
-the host). The oracle is the unfused path (rasterization.py with any other backend, and the metal
+project_bwd.metal's project_bwd the backward, the SH colour's included (PROJECT_SHADE: the directions'
+gradient never leaves the thread), so one PrepareFn replaces ProjectFn + SphericalHarmonicsFn + the glue,
+and the camera positions are computed in the kernels (no inverse on the host). The oracle is the unfused path (rasterization.py with any other backend, and the metal
 backend where this does not apply: no SH colours, or a viewmat that needs a gradient through its
-inverse); the twin of the one forward kernel is project_fwd without PROJECT_SHADE followed by sh.metal's
-sh_fused_fwd (``shade_in_projection=False``), which tests/ops/metal/test_prepare.py runs beside it.
+inverse); the twins of the two kernels are project_fwd without PROJECT_SHADE followed by sh.metal's
+sh_fused_fwd, and sh_bwd.metal's sh_fused_bwd followed by project_bwd without it
+(``shade_in_projection=False``), which tests/ops/metal/test_prepare.py runs beside them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from .kernels import grid_1d, group_library, library
 from .variants import PROJECT_BWD_GROUP
 
 # project.metal / project_bwd.metal flags
-FUSED, EXP_SCALES, SIGMOID_OPACITIES, CAMPOS, MEANS_SH, NO_V_DEPTHS, SHADE = 1, 2, 4, 8, 16, 32, 256
+FUSED, EXP_SCALES, SIGMOID_OPACITIES, CAMPOS, MEANS_SH, NO_V_DEPTHS, SH_APART, SHADE = 1, 2, 4, 8, 16, 32, 64, 256
+SH_DEGREE_SHIFT, SH_K_SHIFT = 16, 20  # project_bwd.metal: the SH degree and K ride in the flags' high bits
 
 
 def _layout(sh_dc: Tensor, sh_rest: Optional[Tensor]) -> Tuple[Tensor, Tensor, int, int, int, int]:
@@ -43,6 +45,11 @@ def _layout(sh_dc: Tensor, sh_rest: Optional[Tensor]) -> Tuple[Tensor, Tensor, i
 def project_library(device: torch.device):
     """project.metal's library, whose project_fwd the forward runs (a test plants a broken one here)."""
     return library(device, "project.metal")
+
+
+def project_bwd_library(device: torch.device):
+    """(library, group size) of project_bwd.metal, whose project_bwd the backward runs (a test plants one here)."""
+    return group_library(device, "project_bwd.metal", "project_bwd", "SPLAT_PROJECT_BWD_GROUP", PROJECT_BWD_GROUP)
 
 
 class PrepareFn(torch.autograd.Function):
@@ -79,7 +86,7 @@ class PrepareFn(torch.autograd.Function):
                 )  # fmt: skip
         # not the colours: sh_fused_bwd recomputes them (saving an output costs a detach each way)
         ctx.save_for_backward(means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, radii)
-        ctx.args = (width, height, eps2d, calc_comp, degree, flags)
+        ctx.args = (width, height, eps2d, calc_comp, degree, flags, shade_in_projection)
         ctx.mark_non_differentiable(radii)
         ctx.set_materialize_grads(False)  # outputs that fed nothing (depths in RGB renders) arrive as None
         return radii, means2d, depths, conics, opacities_out, colors
@@ -87,7 +94,7 @@ class PrepareFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _v_radii, v_means2d, v_depths, v_conics, v_opacities_out, v_colors):
         means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, radii = ctx.saved_tensors
-        width, height, eps2d, calc_comp, degree, flags = ctx.args
+        width, height, eps2d, calc_comp, degree, flags, shade_in_projection = ctx.args
         need = ctx.needs_input_grad
         device = means.device
         N, C = means.shape[0], viewmats.shape[0]
@@ -102,27 +109,33 @@ class PrepareFn(torch.autograd.Function):
         v_dc = torch.empty(lead + tuple(dc.shape), dtype=torch.float32, device=device)
         v_rest = v_dc if sh_rest is None or K == 1 else torch.empty(lead + tuple(rest.shape), dtype=torch.float32,
                                                                     device=device)  # fmt: skip
-        # the SH directions' gradient is written into v_means, to which project_bwd adds its own (in place)
+        # the twin's SH directions' gradient is written into v_means, to which project_bwd adds its own (in place)
         v_means = v_dirs = torch.empty(lead + (N, 3), dtype=torch.float32, device=device)
         v_quats = torch.empty(lead + (N, 4), dtype=torch.float32, device=device)
         v_scales = torch.empty(lead + (N, 3), dtype=torch.float32, device=device)
         v_opacities = torch.empty(lead + tuple(opacities.shape), dtype=torch.float32, device=device)
-        lib, group = group_library(device, "project_bwd.metal", "project_bwd", "SPLAT_PROJECT_BWD_GROUP",
-                                   PROJECT_BWD_GROUP)  # fmt: skip
+        lib, group = project_bwd_library(device)
         n_groups = (N + group - 1) // group
         camera_grad = bool(need[6] or need[7])
         part = torch.empty((C, n_groups, 16), dtype=torch.float32, device=device) if camera_grad else v_means
+        flags |= NO_V_DEPTHS if v_depths is None else 0
+        if shade_in_projection:  # the SH colour's backward inside project_bwd (its layout and sizes in the flags)
+            flags |= SHADE | (SH_APART if sh_rest is not None else 0)
+            flags |= (int(degree) << SH_DEGREE_SHIFT) | (K << SH_K_SHIFT)
+        else:  # the unfused twin: sh_fused_bwd writes the directions' gradient, project_bwd adds it
+            flags |= MEANS_SH
         if C * N > 0:
-            library(device, "sh_bwd.metal").sh_fused_bwd(
-                means, viewmats, dc, rest, radii, v_colors, v_dc, v_rest, v_dirs,
-                C, N, K, int(degree), dc_stride, rest_stride, rest_offset, **grid_1d(C * N),
-            )  # fmt: skip
+            if not shade_in_projection:
+                library(device, "sh_bwd.metal").sh_fused_bwd(
+                    means, viewmats, dc, rest, radii, v_colors, v_dc, v_rest, v_dirs,
+                    C, N, K, int(degree), dc_stride, rest_stride, rest_offset, **grid_1d(C * N),
+                )  # fmt: skip
             lib.project_bwd(
                 means, quats, scales, viewmats, Ks, radii, v_means2d,
                 v_depths.contiguous() if v_depths is not None else v_means2d, v_conics, v_means2d,
                 v_means, v_quats, v_scales, part,
                 N, int(width), int(height), float(eps2d), int(bool(calc_comp)), int(camera_grad), n_groups,
-                opacities, v_opacities_out, v_dirs, v_opacities, flags | MEANS_SH | (NO_V_DEPTHS if v_depths is None else 0),
+                opacities, v_opacities_out, v_dirs, v_opacities, flags, v_colors, dc, rest, v_dc, v_rest,
                 threads=(n_groups * group, C), group_size=(group, 1),
             )  # fmt: skip
         v_viewmats = v_Ks = None

@@ -92,14 +92,15 @@ kernel void sh_bwd(
   }
 }
 
-// sh_fused_bwd: sh_bwd of the fused preparation (sh.metal sh_fused_fwd), one thread per (camera, gaussian),
-// idx = c*N + n < C*N: the direction is means[n] minus camera c's position (common.h splat_camera_position), the
-// mask radii > 0 (0 also where the forward's colour culled), the colour activated (recomputed here by sh.h's
-// splat_sh_color, bit for bit the forward's, rather than saved: no [C, N, 3] colours kept for the backward)
-// (`colors` is the forward's output), the coefficient gradients are written in the layout the
-// coefficients were read (v_sh_dc[idx * dc_stride], v_sh_rest[idx * rest_stride + rest_offset + 3 (k - 1)],
-// every one of the K rows: 0 beyond (degree+1)^2 and where masked), and v_dirs [C, N, 3] is the gradient
-// of the direction, which is that of means[n] (projection's backward adds it). Same arithmetic as sh_bwd.
+// sh_fused_bwd: the SH half of the fused preparation's unfused twin backward (prepare.py: this, then project_bwd
+// with PROJECT_MEANS_SH), kept as the reference project_bwd's PROJECT_SHADE is tested against. One thread per
+// (camera, gaussian), idx = c*N + n < C*N: the direction is means[n] minus camera c's position (common.h
+// splat_camera_position), the mask radii > 0 (0 also where the forward's colour culled), the colour recomputed
+// (no [C, N, 3] colours kept for the backward) and its gradient taken by sh.h's splat_sh_color_bwd, as in
+// project_bwd; the coefficient gradients are written in the layout the coefficients were read
+// (v_sh_dc[idx * dc_stride], v_sh_rest[idx * rest_stride + rest_offset + 3 (k - 1)], every one of the K rows: 0
+// beyond (degree+1)^2 and where masked), and v_dirs [C, N, 3] is the gradient of the direction, which is that
+// of means[n] (projection's backward adds it).
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void sh_fused_bwd(
     const device float* means [[buffer(0)]],     // [N, 3]
@@ -126,56 +127,20 @@ kernel void sh_fused_bwd(
   const long g = (long)idx - cam * N;
   device float* vdc = v_sh_dc + (long)idx * dc_stride;
   device float* vrest = v_sh_rest + (long)idx * rest_stride + rest_offset;
-  const long n_bases = (degree + 1) * (degree + 1);
   if (radii[idx] <= 0) {
-    for (int k = 0; k < 3; ++k) {
-      vdc[k] = 0.0f;
-      v_dirs[3 * idx + k] = 0.0f;
-    }
-    for (long k = 0; k < 3 * (K - 1); ++k) {
-      vrest[k] = 0.0f;
-    }
+    splat_sh_color_bwd_zero(K, vdc, vrest);
+    v_dirs[3 * idx + 0] = 0.0f;
+    v_dirs[3 * idx + 1] = 0.0f;
+    v_dirs[3 * idx + 2] = 0.0f;
     return;
   }
   float campos[3];
   splat_camera_position(viewmats + cam * 16, campos);
-  const float dx = means[3 * g + 0] - campos[0];
-  const float dy = means[3 * g + 1] - campos[1];
-  const float dz = means[3 * g + 2] - campos[2];
-  const float len = sqrt(dx * dx + dy * dy + dz * dz);
-  const float norm = max(len, 1e-12f);
-  const float x = dx / norm, y = dy / norm, z = dz / norm;
-  const device float* rest = sh_rest + g * rest_stride + rest_offset;
-  float rgb[3];  // the forward's colour before its activation (sh.h): clamp_min passes the gradient where > 0
-  splat_sh_color(degree, dx, dy, dz, sh_dc + g * dc_stride, rest, rgb);
-  const float vr = sh_activate(rgb[0] + 0.5f) > 0.0f ? v_colors[3 * idx + 0] : 0.0f;
-  const float vg = sh_activate(rgb[1] + 0.5f) > 0.0f ? v_colors[3 * idx + 1] : 0.0f;
-  const float vb = sh_activate(rgb[2] + 0.5f) > 0.0f ? v_colors[3 * idx + 2] : 0.0f;
-  const SplatShBasisGrad basis = splat_sh_basis_grad(degree, x, y, z);  // sh.h
-
-  vdc[0] = basis.v[0] * vr;
-  vdc[1] = basis.v[0] * vg;
-  vdc[2] = basis.v[0] * vb;
-  float gx = 0.0f, gy = 0.0f, gz = 0.0f;  // d loss / d (x, y, z) of the normalised direction
-  for (long k = 1; k < K; ++k) {
-    device float* vrow = vrest + 3 * (k - 1);
-    if (k < n_bases) {
-      vrow[0] = basis.v[k] * vr;
-      vrow[1] = basis.v[k] * vg;
-      vrow[2] = basis.v[k] * vb;
-      const device float* row = rest + 3 * (k - 1);
-      const float w = row[0] * vr + row[1] * vg + row[2] * vb;
-      gx += basis.dx[k] * w;
-      gy += basis.dy[k] * w;
-      gz += basis.dz[k] * w;
-    } else {
-      vrow[0] = 0.0f;
-      vrow[1] = 0.0f;
-      vrow[2] = 0.0f;
-    }
-  }
-  const float proj = len > 1e-12f ? x * gx + y * gy + z * gz : 0.0f;
-  v_dirs[3 * idx + 0] = (gx - x * proj) / norm;
-  v_dirs[3 * idx + 1] = (gy - y * proj) / norm;
-  v_dirs[3 * idx + 2] = (gz - z * proj) / norm;
+  float v_dir[3];
+  splat_sh_color_bwd(degree, K, means[3 * g + 0] - campos[0], means[3 * g + 1] - campos[1], means[3 * g + 2] - campos[2],
+                     sh_dc + g * dc_stride, sh_rest + g * rest_stride + rest_offset, v_colors + 3 * idx, vdc, vrest,
+                     v_dir);  // sh.h
+  v_dirs[3 * idx + 0] = v_dir[0];
+  v_dirs[3 * idx + 1] = v_dir[1];
+  v_dirs[3 * idx + 2] = v_dir[2];
 }

@@ -175,14 +175,18 @@ def test_self_check_of_the_fused_preparation_passes(degree, mode):
 
 def test_stage_gradients_of_culled_gaussians_match_the_glue():
     """project_and_shade's outputs weighted directly (as the self-check does), with gaussians the glue culls
-    (NaN / Inf values) and ones only projection culls (out of view): both have opacity 0 and no gradient
-    through it (whatever culled it), as in the unfused path."""
+    (NaN / Inf values, a colour past float32 from finite coefficients) and ones only projection culls (out
+    of view): both have opacity 0 and no gradient through it (whatever culled it), as in the unfused path."""
     from splat_metal_method.ops import reference
     from splat_metal_method.ops.rasterization import _project_and_cull
 
     params, viewmats, Ks = _params(1, seed=6, poison="gaussians", degree=3)
     campos = torch.linalg.inv(viewmats[0])[:3, 3]
     params["means"][11] = campos * 2  # behind the camera (it looks at the origin): projection culls it
+    # finite coefficients whose colour is past float32: every term of the sum positive, each near float32's max
+    signs = reference.sh_bases(3, torch.nn.functional.normalize(params["means"][15] - campos, dim=0)).sign()  # [16]
+    params["features_dc"][15] = 3.0e38 * signs[0]
+    params["features_rest"][15, :15] = 3.0e38 * signs[1:, None]
     results = {}
     for which in ("metal", "glue"):
         x = {k: v.clone().requires_grad_() for k, v in params.items()}
@@ -204,6 +208,8 @@ def test_stage_gradients_of_culled_gaussians_match_the_glue():
     # 7 (a NaN scale) and 11 are culled by projection, 3, 5, 9 (opacity, SH coefficients) by the glue
     assert (out1[4][:, [3, 5, 7, 9, 11]] == 0).all() and (g1["logit_opacities"][[3, 5, 7, 9, 11]] == 0).all()
     assert (out1[0][:, 13] > 0).all()  # a NaN beyond the bands in use: kept
+    assert (out1[0][:, 15] == 0).all() and (g1["features_dc"][15] == 0).all()  # its colour overflowed: culled
+    assert all(torch.isfinite(g).all() for k, g in g1.items() if k != "features_rest")
     for key, g in g0.items():
         g = torch.where(torch.isfinite(g), g, 0.0)
         scale = g.abs().max().clamp_min(1e-6)
@@ -211,8 +217,9 @@ def test_stage_gradients_of_culled_gaussians_match_the_glue():
 
 
 # ------------------------------------------------------------------------------------------------
-# The one forward kernel (project_fwd with PROJECT_SHADE) against its unfused twin (project_fwd, then
-# sh.metal's sh_fused_fwd): the same arithmetic in the same order (sh.h splat_sh_color, common.h
+# The one kernel each way (project_fwd / project_bwd with PROJECT_SHADE) against its unfused twin
+# (project_fwd, then sh.metal's sh_fused_fwd; sh_bwd.metal's sh_fused_bwd, then project_bwd): the same
+# arithmetic in the same order (sh.h splat_sh_color / splat_sh_color_bwd, common.h
 # splat_camera_position), so every output and every gradient is compared bit for bit.
 # ------------------------------------------------------------------------------------------------
 def _prepare(params, viewmats, Ks, width, height, degree, antialiased, camera_grad, shade_in_projection):
@@ -245,7 +252,7 @@ TWIN_CASES = [  # (C, width, height, degree, antialiased, camera_grad): non-squa
 
 
 @pytest.mark.parametrize("C,width,height,degree,antialiased,camera_grad", TWIN_CASES)
-def test_one_forward_kernel_matches_its_unfused_twin(C, width, height, degree, antialiased, camera_grad):
+def test_one_kernel_each_way_matches_its_unfused_twin(C, width, height, degree, antialiased, camera_grad):
     params, viewmats, Ks = _params(
         C, seed=width + degree, poison="gaussians", degree=degree, width=width, height=height
     )
@@ -258,8 +265,9 @@ def test_one_forward_kernel_matches_its_unfused_twin(C, width, height, degree, a
         assert fused[1]["viewmats"].abs().sum() > 0 and fused[1]["Ks"].abs().sum() > 0
 
 
-def test_one_forward_kernel_reads_each_coefficient_once():
-    """The point of it: one launch forward, and the SH coefficients bound once (the twin binds them twice)."""
+def test_one_kernel_each_way_reads_each_coefficient_once():
+    """The point of it: one launch each way, and the SH coefficients bound once each way (the twin binds them
+    twice forward), the directions' gradient never written."""
     params, viewmats, Ks = _params(1, seed=3, poison="none", degree=3)
     launches, sh_bytes = {}, {}
     for shade in (True, False):
@@ -267,32 +275,42 @@ def test_one_forward_kernel_reads_each_coefficient_once():
             _prepare(params, viewmats, Ks, W, H, 3, False, False, shade)
         launches[shade] = {k: w.launches for k, w in led.kernels.items()}
         sh_bytes[shade] = led.kernel_total().buffer_bytes
-    assert launches[True] == {"project_fwd": 1, "sh_fused_bwd": 1, "project_bwd": 1}, launches
+    assert launches[True] == {"project_fwd": 1, "project_bwd": 1}, launches
     assert launches[False] == {"project_fwd": 1, "sh_fused_fwd": 1, "sh_fused_bwd": 1, "project_bwd": 1}, launches
     coeff_bytes = 4 * (params["features_dc"].numel() + params["features_rest"].numel())
     assert sh_bytes[False] - sh_bytes[True] >= coeff_bytes, (sh_bytes, coeff_bytes)
 
 
-PLANTED = {  # a wrong line in project_fwd's colour block, and a colour cull left out
-    "channel": ("colors[3 * idx + 1] = sh_activate(rgb[1] + 0.5f);", "colors[3 * idx + 1] = sh_activate(rgb[2] + 0.5f);"),
-    "direction": ("my - campos[1], mz - campos[2]", "my - campos[1], mz + campos[2]"),
-    "no_cull": ("      return;  // a non-finite coefficient in use", "      ;  // planted: no cull"),
+PLANTED = {  # (file, line, planted line): wrong lines in the PROJECT_SHADE blocks, a colour cull left out
+    "fwd_channel": ("project.metal", "colors[3 * idx + 1] = sh_activate(rgb[1] + 0.5f);",
+                    "colors[3 * idx + 1] = sh_activate(rgb[2] + 0.5f);"),
+    "fwd_direction": ("project.metal", "my - campos[1], mz - campos[2]", "my - campos[1], mz + campos[2]"),
+    "fwd_no_cull": ("project.metal", "      return;  // a non-finite coefficient in use", "      ;  // planted: no cull"),
+    "bwd_direction": ("project_bwd.metal", "m[1] - campos[1], m[2] - campos[2]", "m[1] - campos[1], m[2] + campos[2]"),
+    "bwd_means": ("project_bwd.metal", "(shade ? v_m + v_sh[k] : v_m)", "(shade ? v_m - v_sh[k] : v_m)"),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("bug", sorted(PLANTED))
 def test_the_twin_comparison_catches_a_planted_bug(bug, monkeypatch):
-    """project.metal with one planted bug in its PROJECT_SHADE block, run as prepare.py's forward: the
-    comparison above fails (so it can)."""
+    """project.metal / project_bwd.metal with one planted bug in a PROJECT_SHADE block, run as prepare.py's
+    forward / backward: the comparison above fails (so it can)."""
     from splat_metal_method.ops.metal import kernels, prepare, runtime
 
-    src = kernels.stage_source("project.metal")
-    old, new = PLANTED[bug]
-    assert src.count(old) == 1, "project_fwd changed: update the planted bug"
-    planted = runtime.library_for("cpu", src.replace(old, new), name="project.metal")
+    stage, old, new = PLANTED[bug]
+    if stage == "project.metal":
+        src = kernels.stage_source(stage)
+    else:
+        group = prepare.project_bwd_library(torch.device("cpu"))[1]
+        src = kernels.stage_source(stage, extra=(("SPLAT_PROJECT_BWD_GROUP", group),))
+    assert src.count(old) == 1, f"{stage} changed: update the planted bug"
+    planted = runtime.library_for("cpu", src.replace(old, new), name=stage)
     params, viewmats, Ks = _params(2, seed=1, poison="gaussians", degree=3, width=W, height=H)
     twin = _prepare(params, viewmats, Ks, W, H, 3, False, True, False)
     _assert_same_as_twin(_prepare(params, viewmats, Ks, W, H, 3, False, True, True), twin)  # the real one agrees
-    monkeypatch.setattr(prepare, "project_library", lambda device: planted)
+    if stage == "project.metal":
+        monkeypatch.setattr(prepare, "project_library", lambda device: planted)
+    else:
+        monkeypatch.setattr(prepare, "project_bwd_library", lambda device: (planted, group))
     with pytest.raises(AssertionError, match="differs from the twin"):
         _assert_same_as_twin(_prepare(params, viewmats, Ks, W, H, 3, False, True, True), twin)
