@@ -13,9 +13,10 @@ The environment variable SPLAT_METAL_BACKEND overrides "auto" for the whole proc
 Non-finite inputs: one meaning on reference, cpu and metal (tests/ops/test_nonfinite.py), by explicit
 isfinite checks in each backend's kernels (covar.h splat_params_finite / splat_projection_finite,
 the alpha test) and, for what projection cannot see, here:
-  * a gaussian with a non-finite mean, quaternion, scale, opacity or colour (any SH coefficient), or
-    whose quaternion's squared norm or projected values (means2d, conic, radius) overflow float32, or
-    whose radius does not fit int32, is culled: radius 0, no contribution, zero gradients;
+  * a gaussian with a non-finite mean, quaternion, scale, opacity or colour (an SH coefficient of the
+    bands sh_degree uses, or an SH colour past float32), or whose quaternion's squared norm or projected
+    values (means2d, conic, radius) overflow float32, or whose radius does not fit int32, is culled: radius 0, opacity 0 in
+    meta, no contribution, zero gradients (so is one projection culls: radius 0, opacity 0);
   * a camera whose view matrix (the 12 entries projection reads; all 16 with SH colours, whose camera
     position inv(viewmat) must be finite too) is not finite is culled whole: background only;
   * a (gaussian, pixel) pair is composited only if sigma and opacity * exp(-sigma) are finite, sigma
@@ -42,6 +43,7 @@ import torch
 from torch import Tensor
 
 from .constants import EPS2D, SH_MAX_DEGREE, TILE_SIZE
+from .reference import activate_sh_colors
 
 BACKENDS = ("auto", "reference", "gsplat", "metal", "cpu")
 RENDER_MODES = ("RGB", "D", "ED", "RGB+D", "RGB+ED")
@@ -215,9 +217,11 @@ def _project_and_cull(ops, means, quats, scales, opacities, colors, viewmats, Ks
     # Non-finite inputs (README "Known limits"). Projection culls a gaussian with a non-finite mean,
     # quaternion or scale and a camera with a non-finite view matrix itself (every backend, explicitly);
     # what it cannot see is culled here, the same way for every backend: a gaussian with a non-finite
-    # opacity or colour, and (with SH colours) a camera whose position inv(viewmat) is not finite.
-    # Culled: radius 0, so no tile lists it and every gradient it would get is exactly 0; its opacity is
-    # replaced by 0 so that no NaN meets a zero gradient (compensations * opacity). No host sync.
+    # opacity or colour (a coefficient of the SH bands in use: those beyond sh_degree colour nothing), and
+    # (with SH colours) a camera whose position inv(viewmat) is not finite.
+    # Culled: radius 0, so no tile lists it and every gradient it would get is exactly 0; the opacity of
+    # every entry of radius 0 is replaced by 0 so that no NaN meets a zero gradient (compensations *
+    # opacity), and so that it means what the fused preparation's does (prepare.py). No host sync.
     radii, means2d, depths, conics, compensations = ops.project(
         means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane, radius_clip,
         rasterize_mode == "antialiased",
@@ -227,7 +231,8 @@ def _project_and_cull(ops, means, quats, scales, opacities, colors, viewmats, Ks
     # as isfinite(...).all() in fewer aten ops (each is an encode on MPS). No gradient flows through it.
     guard_inverse = sh_degree is not None and torch.is_grad_enabled() and viewmats.requires_grad
     with torch.no_grad():
-        bad = (colors.flatten(1) * 0).sum(dim=-1) + opacities * 0  # [N] 0, or NaN if any value is not finite
+        in_use = colors if sh_degree is None else colors[:, : (sh_degree + 1) ** 2]  # [N, D] or [N, (d+1)^2, 3]
+        bad = (in_use.flatten(1) * 0).sum(dim=-1) + opacities * 0  # [N] 0, or NaN if any value is not finite
         if sh_degree is not None:
             bad_view = (viewmats * 0).sum(dim=(1, 2), keepdim=True)  # [C, 1, 1]
             finite_view = bad_view == 0 if guard_inverse else None
@@ -249,19 +254,25 @@ def _project_and_cull(ops, means, quats, scales, opacities, colors, viewmats, Ks
     if culled.dim() == 1:
         culled = culled.expand(C, N)
     radii = radii.masked_fill(culled, 0)
-    culled_xy = culled[..., None]  # [C, N, 1]
-    means2d, conics = means2d.masked_fill(culled_xy, 0.0), conics.masked_fill(culled_xy, 0.0)
-    depths = depths.masked_fill(culled, 0.0)
-    opacities = opacities.masked_fill(culled, 0.0)  # [C, N] (the mask broadcasts the [N] opacities)
-    if compensations is not None:
-        opacities = opacities * compensations
-
     if sh_degree is None:
         colors = colors[None] if C == 1 else colors.expand(C, -1, -1)  # [C, N, D]
     else:
         dirs = means[None, :, :] - campos[:, None, :]  # [C, N, 3]
         coeffs = colors[None] if C == 1 else colors.expand(C, -1, -1, -1)  # [C, N, K, 3] (backward: 1 op for C == 1)
-        colors = ops.spherical_harmonics(sh_degree, dirs, coeffs, radii > 0, activate=True)  # clamp_min(c + 0.5, 0)
+        colors = ops.spherical_harmonics(sh_degree, dirs, coeffs, radii > 0)  # [C, N, 3] before the activation
+        # a colour past float32 from finite coefficients (|c| ~ 1e37) is culled too, as the fused preparation's
+        # kernel culls every non-finite colour it computes (ops/metal/prepare.py); its gradient is 0 (finite)
+        with torch.no_grad():
+            overflow = (colors * 0).sum(dim=-1) != 0  # [C, N]
+        culled = culled | overflow
+        radii = radii.masked_fill(overflow, 0)
+        colors = activate_sh_colors(colors.masked_fill(overflow[..., None], 0.0))  # clamp_min(c + 0.5, 0)
+    culled_xy = culled[..., None]  # [C, N, 1]
+    means2d, conics = means2d.masked_fill(culled_xy, 0.0), conics.masked_fill(culled_xy, 0.0)
+    depths = depths.masked_fill(culled, 0.0)
+    opacities = opacities.masked_fill(radii == 0, 0.0)  # [C, N] (the mask broadcasts the [N] opacities)
+    if compensations is not None:
+        opacities = opacities * compensations
     return radii, means2d, depths, conics, opacities, colors
 
 
@@ -361,10 +372,8 @@ def rasterization(
         raise ValueError(f"[rasterization] packed/sparse_grad are only supported by backend 'gsplat' (using {name!r})")
     C, N = viewmats.shape[0], means.shape[0]
     if fused:  # the metal backend: projection, the culling below and SH colours in its kernels (prepare.py)
-        with torch.no_grad():
-            inv_viewmats = torch.linalg.inv_ex(viewmats)[0]  # [C, 4, 4]
         radii, means2d, depths, conics, opacities, colors = ops.project_and_shade(
-            means, quats, scales, opacities, colors, colors_rest, viewmats, Ks, inv_viewmats, width, height, eps2d,
+            means, quats, scales, opacities, colors, colors_rest, viewmats, Ks, width, height, eps2d,
             near_plane, far_plane, radius_clip, rasterize_mode == "antialiased", sh_degree, scales_are_log,
             opacities_are_logits,
         )  # fmt: skip

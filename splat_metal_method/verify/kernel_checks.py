@@ -268,8 +268,7 @@ def prepare_checks(device: torch.device, sh_degree: int, rasterize_mode: str = "
 
     def run(which, means, quats, log_scales, logits, dc, rest):
         if which == "metal":
-            inv = torch.linalg.inv_ex(viewmats)[0]
-            return metal.project_and_shade(means, quats, log_scales, logits, dc, rest, viewmats, Ks, inv, W, H, 0.3,
+            return metal.project_and_shade(means, quats, log_scales, logits, dc, rest, viewmats, Ks, W, H, 0.3,
                                            0.01, 1e10, 0.0, aa, sh_degree, True, True)  # fmt: skip
         return _project_and_cull(reference, means, quats, torch.exp(log_scales), torch.sigmoid(logits)[:, 0],
                                  torch.cat((dc[:, None], rest), dim=1), viewmats, Ks, W, H, 0.3, 0.01, 1e10, 0.0,

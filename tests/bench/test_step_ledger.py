@@ -28,21 +28,24 @@ from splat_metal_method.bench import step_ledger, step_model
 # placeholder allocations.
 # Issue 38: the gaussians' Adam is adam.metal's two launches (adam_prepare, adam_step) with the NaN flag folded
 # in, for torch's 12 dispatches (_foreach_add_ + _fused_adam_ per group), the flag's allocation and its
-# nonfinite_flag launch: 69 aten dispatches per steady step here (was 83), one launch more (MCMC two: its
-# noise moves the means after the step, which nonfinite_flag reads again).
+# nonfinite_flag launch: 14 aten dispatches fewer per steady step, one launch more (MCMC two: its noise moves
+# the means after the step, which nonfinite_flag reads again). Projection + SH colour in one kernel each way
+# (ops/metal/prepare.py; was project_fwd + sh_fused_fwd, sh_fused_bwd + project_bwd), camera positions in
+# the kernels (no linalg_inv_ex, no transpose) and the colours not saved for the backward (a detach each
+# way): 2 launches and 4 aten dispatches fewer a training step, one launch and 2 dispatches fewer a render.
 # Eval renders (another image size than training's) take slices of buffers the training steps grew: up
 # to ~6 views more or fewer with the workspace's history, hence their looser dispatch budget.
 BUDGETS = {
-    ("splat-metal", "steady"): {"host_syncs": 0, "aten_dispatches": 71, "kernel_launches": 47,
+    ("splat-metal", "steady"): {"host_syncs": 0, "aten_dispatches": 67, "kernel_launches": 45,
                                 "simd_reductions": 117_000, "device_atomics": 107_000},
-    ("splat-metal", "refine"): {"host_syncs": 2, "aten_dispatches": 326, "kernel_launches": 54},
-    ("splat-metal", "eval"): {"host_syncs": 7, "aten_dispatches": 150, "kernel_launches": 36},
+    ("splat-metal", "refine"): {"host_syncs": 2, "aten_dispatches": 322, "kernel_launches": 52},
+    ("splat-metal", "eval"): {"host_syncs": 7, "aten_dispatches": 150, "kernel_launches": 35},
     # MCMC's kernel work doubled with initial scales x1 (was x0.1; mcmc.py init_scale): its gaussians cover
     # ~2x the tiles, as default's do (measured 107,796 reductions and 80,631 atomics; budgets before 51k, 38k).
-    ("splat-metal-mcmc", "steady"): {"host_syncs": 0, "aten_dispatches": 122, "kernel_launches": 48,
+    ("splat-metal-mcmc", "steady"): {"host_syncs": 0, "aten_dispatches": 118, "kernel_launches": 46,
                                      "simd_reductions": 124_000, "device_atomics": 93_000},
-    ("splat-metal-mcmc", "refine"): {"host_syncs": 3, "aten_dispatches": 216, "kernel_launches": 48},
-    ("splat-metal-mcmc", "eval"): {"host_syncs": 7, "aten_dispatches": 150, "kernel_launches": 36},
+    ("splat-metal-mcmc", "refine"): {"host_syncs": 3, "aten_dispatches": 212, "kernel_launches": 46},
+    ("splat-metal-mcmc", "eval"): {"host_syncs": 7, "aten_dispatches": 150, "kernel_launches": 35},
 }  # fmt: skip
 WIDTH, HEIGHT = 64, 48
 

@@ -88,31 +88,33 @@ inline void mat3_mul_bt(thread const float* a, thread const float* b, thread flo
   }
 }
 
-// The fused preparation's culling (ops/metal/prepare.py): what rasterization.py's glue culls besides
-// projection (its "x * 0 == 0" tests). Gaussian g is kept only if its activated opacity and all sh_k of its
-// SH coefficients are finite (band 0 at sh_dc[3 g] and the others at sh_rest[3 (sh_k - 1) g] when `apart`,
-// else all sh_k rows at sh_dc[3 sh_k g] = sh_rest), and camera cam only if its 16 view matrix entries and,
-// with `has_campos`, its position inv(viewmat)[0:3, 3] (inv[c, r, k] at 16 c + r * row + k * col) are.
-// project_fwd culls with it; project_bwd tells with it a gaussian the glue culled from one projection culled.
-inline bool splat_fused_keep(float opacity, const device float* sh_dc, const device float* sh_rest, long g,
-                             long sh_k, bool apart, const device float* viewmats, const device float* inv_viewmats,
-                             long cam, bool has_campos, long inv_row_stride, long inv_col_stride) {
-  bool keep = isfinite(opacity);
-  const long dc_stride = apart ? 3 : 3 * sh_k, rest_stride = apart ? 3 * (sh_k - 1) : 3 * sh_k;
-  const long rest_offset = apart ? 0 : 3;
-  for (long k = 0; k < 3; ++k) {
-    keep = keep && isfinite(sh_dc[g * dc_stride + k]);
-  }
-  for (long k = 0; k < 3 * (sh_k - 1); ++k) {
-    keep = keep && isfinite(sh_rest[g * rest_stride + rest_offset + k]);
-  }
-  const device float* V = viewmats + cam * 16;
+// det [[a, b, c], [d, e, f], [g, h, i]]
+inline float splat_det3(float a, float b, float c, float d, float e, float f, float g, float h, float i) {
+  return a * (e * i - f * h) - b * (d * i - f * g) + c * (d * h - e * g);
+}
+
+// The fused preparation's camera position (ops/metal/prepare.py): column 3 of inv(V) for the row-major
+// [4, 4] view matrix V (the glue's torch.linalg.inv_ex(viewmats)[0][:, :3, 3], by cofactors: inv[i][3] =
+// C[3][i] / det, expanded along row 3), so no inverse is made on the host. For V = [[A, t], [0, 0, 0, 1]]
+// it is -A^-1 t; a singular or non-finite V gives non-finite entries (its camera is culled).
+inline void splat_camera_position(const device float* V, thread float* p) {
+  const float m0 = splat_det3(V[1], V[2], V[3], V[5], V[6], V[7], V[9], V[10], V[11]);  // without column 0
+  const float m1 = splat_det3(V[0], V[2], V[3], V[4], V[6], V[7], V[8], V[10], V[11]);
+  const float m2 = splat_det3(V[0], V[1], V[3], V[4], V[5], V[7], V[8], V[9], V[11]);
+  const float m3 = splat_det3(V[0], V[1], V[2], V[4], V[5], V[6], V[8], V[9], V[10]);
+  const float det = V[12] * -m0 + V[13] * m1 + V[14] * -m2 + V[15] * m3;
+  p[0] = -m0 / det;
+  p[1] = m1 / det;
+  p[2] = -m2 / det;
+}
+
+// The fused preparation's culling of a camera (prepare.py): what rasterization.py's glue culls besides
+// projection (its "x * 0 == 0" tests) for a camera: one whose 16 view matrix entries or position p are not
+// finite. (A gaussian's opacity is tested where it is activated, its colour where it is computed.)
+inline bool splat_camera_finite(const device float* V, thread const float* p) {
+  bool keep = isfinite(p[0]) && isfinite(p[1]) && isfinite(p[2]);
   for (int k = 0; k < 16; ++k) {
     keep = keep && isfinite(V[k]);
-  }
-  if (has_campos) {
-    const device float* Vi = inv_viewmats + cam * 16 + 3 * inv_col_stride;
-    keep = keep && isfinite(Vi[0]) && isfinite(Vi[inv_row_stride]) && isfinite(Vi[2 * inv_row_stride]);
   }
   return keep;
 }

@@ -1,13 +1,18 @@
-"""The fused preparation of a render: projection, culling and SH colours in two kernels each way.
+"""The fused preparation of a render: projection, culling and SH colours in one kernel each way.
 
 rasterization.py's glue between the projection and SH stages (its non-finite culling, the opacity
 mask and compensation product, the view directions, the SH mask) and the model's activations
 (exp of the log-scales, sigmoid of the opacity logits, the concatenation of the SH bands) were about
 45 aten ops per training step forward and backward, each one encode on MPS. Here project.metal's
-project_fwd and sh.metal's sh_fused_fwd do them in the same float32 operations (project_bwd and
-sh_fused_bwd the backward), so one PrepareFn replaces ProjectFn + SphericalHarmonicsFn + the glue.
-The oracle is the unfused path (rasterization.py with any other backend, and the metal backend where
-this does not apply: no SH colours, or a viewmat that needs a gradient through its inverse).
+project_fwd does them in the same float32 operations, the SH colour included (PROJECT_SHADE: each SH
+coefficient read once a step forward, the colour tested for finiteness where it is computed), and
+project_bwd.metal's project_bwd the backward, the SH colour's included (PROJECT_SHADE: the directions'
+gradient never leaves the thread), so one PrepareFn replaces ProjectFn + SphericalHarmonicsFn + the glue,
+and the camera positions are computed in the kernels (no inverse on the host). The oracle is the unfused path (rasterization.py with any other backend, and the metal
+backend where this does not apply: no SH colours, or a viewmat that needs a gradient through its
+inverse); the twins of the two kernels are project_fwd without PROJECT_SHADE followed by sh.metal's
+sh_fused_fwd, and sh_bwd.metal's sh_fused_bwd followed by project_bwd without it
+(``shade_in_projection=False``), which tests/ops/metal/test_prepare.py runs beside them.
 """
 
 from __future__ import annotations
@@ -23,16 +28,8 @@ from .kernels import grid_1d, group_library, library
 from .variants import PROJECT_BWD_GROUP
 
 # project.metal / project_bwd.metal flags
-FUSED, EXP_SCALES, SIGMOID_OPACITIES, CAMPOS, MEANS_SH, NO_V_DEPTHS, SH_APART, INV_COLUMN_MAJOR = (
-    1,
-    2,
-    4,
-    8,
-    16,
-    32,
-    64,
-    128,
-)
+FUSED, EXP_SCALES, SIGMOID_OPACITIES, CAMPOS, MEANS_SH, NO_V_DEPTHS, SH_APART, SHADE = 1, 2, 4, 8, 16, 32, 64, 256
+SH_DEGREE_SHIFT, SH_K_SHIFT = 16, 20  # project_bwd.metal: the SH degree and K ride in the flags' high bits
 
 
 def _layout(sh_dc: Tensor, sh_rest: Optional[Tensor]) -> Tuple[Tensor, Tensor, int, int, int, int]:
@@ -45,13 +42,23 @@ def _layout(sh_dc: Tensor, sh_rest: Optional[Tensor]) -> Tuple[Tensor, Tensor, i
     return sh_dc, (sh_rest if K > 1 else sh_dc), K, 3, 3 * (K - 1), 0
 
 
+def project_library(device: torch.device):
+    """project.metal's library, whose project_fwd the forward runs (a test plants a broken one here)."""
+    return library(device, "project.metal")
+
+
+def project_bwd_library(device: torch.device):
+    """(library, group size) of project_bwd.metal, whose project_bwd the backward runs (a test plants one here)."""
+    return group_library(device, "project_bwd.metal", "project_bwd", "SPLAT_PROJECT_BWD_GROUP", PROJECT_BWD_GROUP)
+
+
 class PrepareFn(torch.autograd.Function):
     """radii, means2d, depths, conics, opacities [C, N] (masked, x compensation) and activated SH colours
     [C, N, 3] of the gaussians in every camera, as rasterization.py's unfused path computes them."""
 
     @staticmethod
-    def forward(ctx, means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, inv_viewmats, width, height, eps2d,
-                near_plane, far_plane, radius_clip, calc_comp, degree, exp_scales, sigmoid_opacities):  # fmt: skip
+    def forward(ctx, means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, width, height, eps2d, near_plane,
+                far_plane, radius_clip, calc_comp, degree, exp_scales, sigmoid_opacities, shade_in_projection):  # fmt: skip
         device = means.device
         N, C = means.shape[0], viewmats.shape[0]
         dc, rest, K, dc_stride, rest_stride, rest_offset = _layout(sh_dc, sh_rest)
@@ -63,34 +70,31 @@ class PrepareFn(torch.autograd.Function):
         opacities_out = torch.empty((C, N), dtype=torch.float32, device=device)
         colors = torch.empty((C, N, 3), dtype=torch.float32, device=device)
         flags = FUSED | CAMPOS | (EXP_SCALES if exp_scales else 0) | (SIGMOID_OPACITIES if sigmoid_opacities else 0)
-        flags |= SH_APART if sh_rest is not None else 0
-        inv_r, inv_c = inv_viewmats.stride(1), inv_viewmats.stride(2)
-        if not inv_viewmats.is_contiguous():  # linalg.inv_ex's column-major result: bound as its transpose (a view)
-            inv_viewmats = inv_viewmats.mT
         if C * N > 0:
-            library(device, "project.metal").project_fwd(
+            project_library(device).project_fwd(
                 means, quats, scales, viewmats, Ks, radii, means2d, depths, conics, comp,
                 C, N, int(width), int(height), float(eps2d), float(near_plane), float(far_plane),
                 float(radius_clip), int(bool(calc_comp)),
-                opacities, dc, rest, inv_viewmats, opacities_out, flags, K, inv_r, inv_c,
+                opacities, dc, rest, colors, opacities_out, flags | (SHADE if shade_in_projection else 0),
+                int(degree), dc_stride, rest_stride, rest_offset,
                 **grid_1d(C * N),
             )  # fmt: skip
-            library(device, "sh.metal").sh_fused_fwd(
-                means, inv_viewmats, dc, rest, radii, colors, C, N, int(degree), dc_stride, rest_stride, rest_offset,
-                inv_r, inv_c, **grid_1d(C * N),
-            )  # fmt: skip
-        ctx.save_for_backward(
-            means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, inv_viewmats, radii, colors
-        )
-        ctx.args = (width, height, eps2d, calc_comp, degree, flags, inv_r, inv_c)
+            if not shade_in_projection:  # the unfused twin: the colours (and their culling) in a second kernel
+                library(device, "sh.metal").sh_fused_fwd(
+                    means, viewmats, dc, rest, radii, colors, C, N, int(degree), dc_stride, rest_stride, rest_offset,
+                    means2d, depths, conics, opacities_out, **grid_1d(C * N),
+                )  # fmt: skip
+        # not the colours: sh_fused_bwd recomputes them (saving an output costs a detach each way)
+        ctx.save_for_backward(means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, radii)
+        ctx.args = (width, height, eps2d, calc_comp, degree, flags, shade_in_projection)
         ctx.mark_non_differentiable(radii)
         ctx.set_materialize_grads(False)  # outputs that fed nothing (depths in RGB renders) arrive as None
         return radii, means2d, depths, conics, opacities_out, colors
 
     @staticmethod
     def backward(ctx, _v_radii, v_means2d, v_depths, v_conics, v_opacities_out, v_colors):
-        means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, inv_viewmats, radii, colors = ctx.saved_tensors
-        width, height, eps2d, calc_comp, degree, flags, inv_r, inv_c = ctx.args
+        means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, radii = ctx.saved_tensors
+        width, height, eps2d, calc_comp, degree, flags, shade_in_projection = ctx.args
         need = ctx.needs_input_grad
         device = means.device
         N, C = means.shape[0], viewmats.shape[0]
@@ -105,32 +109,37 @@ class PrepareFn(torch.autograd.Function):
         v_dc = torch.empty(lead + tuple(dc.shape), dtype=torch.float32, device=device)
         v_rest = v_dc if sh_rest is None or K == 1 else torch.empty(lead + tuple(rest.shape), dtype=torch.float32,
                                                                     device=device)  # fmt: skip
-        # the SH directions' gradient is written into v_means, to which project_bwd adds its own (in place)
+        # the twin's SH directions' gradient is written into v_means, to which project_bwd adds its own (in place)
         v_means = v_dirs = torch.empty(lead + (N, 3), dtype=torch.float32, device=device)
         v_quats = torch.empty(lead + (N, 4), dtype=torch.float32, device=device)
         v_scales = torch.empty(lead + (N, 3), dtype=torch.float32, device=device)
         v_opacities = torch.empty(lead + tuple(opacities.shape), dtype=torch.float32, device=device)
-        lib, group = group_library(device, "project_bwd.metal", "project_bwd", "SPLAT_PROJECT_BWD_GROUP",
-                                   PROJECT_BWD_GROUP)  # fmt: skip
+        lib, group = project_bwd_library(device)
         n_groups = (N + group - 1) // group
         camera_grad = bool(need[6] or need[7])
         part = torch.empty((C, n_groups, 16), dtype=torch.float32, device=device) if camera_grad else v_means
+        flags |= NO_V_DEPTHS if v_depths is None else 0
+        if shade_in_projection:  # the SH colour's backward inside project_bwd (its layout and sizes in the flags)
+            flags |= SHADE | (SH_APART if sh_rest is not None else 0)
+            flags |= (int(degree) << SH_DEGREE_SHIFT) | (K << SH_K_SHIFT)
+        else:  # the unfused twin: sh_fused_bwd writes the directions' gradient, project_bwd adds it
+            flags |= MEANS_SH
         if C * N > 0:
-            library(device, "sh_bwd.metal").sh_fused_bwd(
-                means, inv_viewmats, dc, rest, radii, v_colors, colors, v_dc, v_rest, v_dirs,
-                C, N, K, int(degree), dc_stride, rest_stride, rest_offset, inv_r, inv_c, **grid_1d(C * N),
-            )  # fmt: skip
+            if not shade_in_projection:
+                library(device, "sh_bwd.metal").sh_fused_bwd(
+                    means, viewmats, dc, rest, radii, v_colors, v_dc, v_rest, v_dirs,
+                    C, N, K, int(degree), dc_stride, rest_stride, rest_offset, **grid_1d(C * N),
+                )  # fmt: skip
             lib.project_bwd(
                 means, quats, scales, viewmats, Ks, radii, v_means2d,
                 v_depths.contiguous() if v_depths is not None else v_means2d, v_conics, v_means2d,
                 v_means, v_quats, v_scales, part,
                 N, int(width), int(height), float(eps2d), int(bool(calc_comp)), int(camera_grad), n_groups,
-                opacities, v_opacities_out, v_dirs, v_opacities,
-                flags | MEANS_SH | (NO_V_DEPTHS if v_depths is None else 0) | (INV_COLUMN_MAJOR if inv_r == 1 else 0),
-                dc, rest, inv_viewmats, K, threads=(n_groups * group, C), group_size=(group, 1),
+                opacities, v_opacities_out, v_dirs, v_opacities, flags, v_colors, dc, rest, v_dc, v_rest,
+                threads=(n_groups * group, C), group_size=(group, 1),
             )  # fmt: skip
         v_viewmats = v_Ks = None
-        if camera_grad:
+        if camera_grad:  # projection's (the SH directions' gradient to the camera position is not taken here)
             total = part.sum(dim=1) if C * N > 0 else torch.zeros((C, 16), dtype=torch.float32, device=device)
             v_viewmats, v_Ks = camera_grads(total, bool(need[6]), bool(need[7]))
         if C > 1:
@@ -154,8 +163,7 @@ class PrepareFn(torch.autograd.Function):
             v_sh_rest if need[5] else None,
             v_viewmats if need[6] else None,
             v_Ks if need[7] else None,
-            None,  # inv_viewmats: only without a viewmat gradient (rasterization.py), so it needs none
-            None, None, None, None, None, None, None, None, None, None,  # width .. sigmoid_opacities
+            None, None, None, None, None, None, None, None, None, None, None,  # width .. shade_in_projection
         )  # fmt: skip
 
 
@@ -168,7 +176,6 @@ def project_and_shade(
     sh_rest: Optional[Tensor],  # [N, K-1, 3] or None
     viewmats: Tensor,  # [C, 4, 4], no gradient through its inverse
     Ks: Tensor,  # [C, 3, 3]
-    inv_viewmats: Tensor,  # [C, 4, 4] torch.linalg.inv_ex(viewmats)[0]: camera positions at [:, :3, 3]
     width: int,
     height: int,
     eps2d: float,
@@ -179,6 +186,7 @@ def project_and_shade(
     sh_degree: int,
     exp_scales: bool = False,
     sigmoid_opacities: bool = False,
+    shade_in_projection: bool = True,  # False: the unfused twin (project_fwd, then sh_fused_fwd), for tests
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """radii [C,N] int32, means2d [C,N,2], depths [C,N], conics [C,N,3], opacities [C,N], colours [C,N,3]."""
     N = means.shape[0]
@@ -192,10 +200,8 @@ def project_and_shade(
     for t in tensors:
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError("[project_and_shade] every tensor must be contiguous float32")
-    if inv_viewmats.dtype != torch.float32 or inv_viewmats.stride() not in ((16, 4, 1), (16, 1, 4)):
-        raise ValueError("[project_and_shade] inv_viewmats must be float32 [C, 4, 4], row- or column-major")
     return PrepareFn.apply(
-        means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, inv_viewmats, int(width), int(height), float(eps2d),
+        means, quats, scales, opacities, sh_dc, sh_rest, viewmats, Ks, int(width), int(height), float(eps2d),
         float(near_plane), float(far_plane), float(radius_clip), bool(calc_compensations), int(sh_degree),
-        bool(exp_scales), bool(sigmoid_opacities),
+        bool(exp_scales), bool(sigmoid_opacities), bool(shade_in_projection),
     )  # fmt: skip

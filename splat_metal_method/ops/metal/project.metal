@@ -6,9 +6,9 @@
 #define PROJECT_FUSED 1              // cull as rasterization.py's glue, write opacities_out / v_opacities
 #define PROJECT_EXP_SCALES 2         // scales are logs: exp here, and the chain rule in backward
 #define PROJECT_SIGMOID_OPACITIES 4  // opacities are logits: sigmoid here, and its derivative in backward
-#define PROJECT_CAMPOS 8             // inv_viewmats is bound (SH colours): culls a camera whose position is not finite
+#define PROJECT_CAMPOS 8             // SH colours: culls a camera whose position (common.h) is not finite
 #define PROJECT_MEANS_SH 16          // backward: v_means_sh (the SH directions' gradient) is added to v_means
-#define PROJECT_SH_APART 64          // the SH bands as splatfacto keeps them: band 0 and the others in two tensors
+#define PROJECT_SHADE 256            // the SH colour too, in this thread (else sh.metal's sh_fused_fwd, its twin)
 
 // project_fwd: one thread per (camera, gaussian), flat index idx = c*N + n < C*N.
 // Why it is shaped so: each output element depends on one gaussian and one camera only, so threads
@@ -23,9 +23,16 @@
 //     splat_params_finite, splat_viewmat_finite), near < depth < far, det(cov2d + eps2d I) > 0,
 //     radius > radius_clip, its 3-sigma square touches the image, and means2d, conic, radius (and the
 //     compensation ratio when asked) are finite with radius < 2^31 (splat_projection_finite, checked
-//     before (int)radius, which is undefined otherwise); radius = ceil(3 sqrt(b + sqrt(max(b^2 - det, 0.01)))).
+//     before (int)radius, which is undefined otherwise); radius = ceil(3 sqrt(b + sqrt(max(b^2 - det, 0.01))));
+//   * fused (PROJECT_FUSED, prepare.py), also: its activated opacity is finite, the camera's 16 view matrix
+//     entries and (PROJECT_CAMPOS) its position are (common.h splat_camera_finite), and with PROJECT_SHADE
+//     its colour in this camera, computed here before the activation from the (degree+1)^2 bands in use
+//     (sh.h splat_sh_color: each coefficient read once, never re-read to be tested), is finite: a
+//     non-finite coefficient in use makes it non-finite. opacities_out is 0 wherever radius is 0, else the
+//     opacity (x the compensation); colours are clamp_min(c + 0.5, 0), 0.5 where radius is 0.
 // Bounds: idx < C*N < 2^32 (checked on the host); compensations is written only if calc_comp != 0
-// (otherwise the host passes a 1-element placeholder).
+// (otherwise the host passes a 1-element placeholder); coefficient reads stay inside the gaussian's row
+// because K >= (degree+1)^2 (checked on the host).
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void project_fwd(
     const device float* means [[buffer(0)]],     // [N, 3]
@@ -49,14 +56,15 @@ kernel void project_fwd(
     constant long& calc_comp [[buffer(18)]],
     // The fused preparation (prepare.py, PROJECT_* flags; 0: the plain stage, buffers 19-23 are placeholders):
     const device float* opacities [[buffer(19)]],  // [N] (logits with PROJECT_SIGMOID_OPACITIES)
-    const device float* sh_dc [[buffer(20)]],      // SH band 0: [N, 3] with PROJECT_SH_APART, else [N, K, 3] (all bands)
-    const device float* sh_rest [[buffer(21)]],    // SH bands 1..K-1: [N, K-1, 3] with PROJECT_SH_APART, else = sh_dc
-    const device float* inv_viewmats [[buffer(22)]],  // [C, 4, 4] inv(viewmats): camera c's position at [c, 0:3, 3]
+    const device float* sh_dc [[buffer(20)]],      // PROJECT_SHADE: band 0 of gaussian n at sh_dc[n * dc_stride]
+    const device float* sh_rest [[buffer(21)]],    // bands k >= 1 at sh_rest[n * rest_stride + rest_offset + 3 (k - 1)]
+    device float* colors [[buffer(22)]],           // [C, N, 3] activated SH colours (PROJECT_SHADE)
     device float* opacities_out [[buffer(23)]],    // [C, N] opacity (x compensation) the rasterizer composites
     constant long& flags [[buffer(24)]],
-    constant long& sh_k [[buffer(25)]],  // SH coefficients per gaussian (K)
-    constant long& inv_row_stride [[buffer(26)]],  // inv_viewmats[c, r, k] at c * 16 + r * row + k * col
-    constant long& inv_col_stride [[buffer(27)]],  // (torch.linalg.inv_ex returns column-major matrices)
+    constant long& degree [[buffer(25)]],          // SH degree in use, 0..4
+    constant long& dc_stride [[buffer(26)]],
+    constant long& rest_stride [[buffer(27)]],
+    constant long& rest_offset [[buffer(28)]],
     uint idx [[thread_position_in_grid]]) {
   if ((long)idx >= C * N) {
     return;
@@ -64,20 +72,27 @@ kernel void project_fwd(
   const long cam = (long)idx / N;
   const long g = (long)idx - cam * N;
   const bool fused = (flags & PROJECT_FUSED) != 0;
-  // Fused: what rasterization.py's glue culls besides projection (its "x * 0 == 0" tests): a gaussian
-  // whose activated opacity or any of its sh_k SH coefficients is not finite, and a camera whose 16 view
-  // matrix entries or position are not finite. Culled there: zeros below and opacity 0; kept: the
-  // opacity times the compensation (0 where projection culls), written at the end.
+  const bool shade = (flags & PROJECT_SHADE) != 0;
+  // Fused: what rasterization.py's glue culls besides projection (its "x * 0 == 0" tests), on values this
+  // thread computes: the activated opacity, the camera's position and (below) the colour.
   float opacity = 0.0f;
   bool keep = true;
+  float campos[3] = {0.0f, 0.0f, 0.0f};
   if (fused) {
     opacity = opacities[g];
     if ((flags & PROJECT_SIGMOID_OPACITIES) != 0) {
       opacity = 1.0f / (1.0f + exp(-opacity));
     }
-    keep = splat_fused_keep(opacity, sh_dc, sh_rest, g, sh_k, (flags & PROJECT_SH_APART) != 0, viewmats,
-                            inv_viewmats, cam, (flags & PROJECT_CAMPOS) != 0, inv_row_stride, inv_col_stride);
-    opacities_out[idx] = (keep && calc_comp == 0) ? opacity : 0.0f;
+    if ((flags & PROJECT_CAMPOS) != 0) {
+      splat_camera_position(viewmats + cam * 16, campos);
+    }
+    keep = isfinite(opacity) && splat_camera_finite(viewmats + cam * 16, campos);
+    opacities_out[idx] = 0.0f;
+  }
+  if (shade) {
+    colors[3 * idx + 0] = 0.5f;  // clamp_min(0 + 0.5, 0) where culled
+    colors[3 * idx + 1] = 0.5f;
+    colors[3 * idx + 2] = 0.5f;
   }
 
   // Culled entries: zeros everywhere (overwritten below if the gaussian survives).
@@ -173,6 +188,17 @@ kernel void project_fwd(
       (calc_comp != 0 && !isfinite(ratio))) {
     return;
   }
+  if (shade) {  // the colour, from the coefficients in use, each read once (sh.h)
+    float rgb[3];
+    splat_sh_color(degree, mx - campos[0], my - campos[1], mz - campos[2], sh_dc + g * dc_stride,
+                   sh_rest + g * rest_stride + rest_offset, rgb);
+    if (!(isfinite(rgb[0]) && isfinite(rgb[1]) && isfinite(rgb[2]))) {
+      return;  // a non-finite coefficient in use (or a colour past float32): culled
+    }
+    colors[3 * idx + 0] = sh_activate(rgb[0] + 0.5f);
+    colors[3 * idx + 1] = sh_activate(rgb[1] + 0.5f);
+    colors[3 * idx + 2] = sh_activate(rgb[2] + 0.5f);
+  }
   radii[idx] = (int)radius;
   means2d[2 * idx + 0] = u;
   means2d[2 * idx + 1] = v;
@@ -180,10 +206,11 @@ kernel void project_fwd(
   conics[3 * idx + 0] = conic_a;
   conics[3 * idx + 1] = conic_b;
   conics[3 * idx + 2] = conic_c;
+  const float comp = ratio > 0.0f ? sqrt(ratio) : 0.0f;
   if (calc_comp != 0) {
-    compensations[idx] = ratio > 0.0f ? sqrt(ratio) : 0.0f;
+    compensations[idx] = comp;
   }
   if (fused) {
-    opacities_out[idx] = calc_comp != 0 ? opacity * compensations[idx] : opacity;
+    opacities_out[idx] = calc_comp != 0 ? opacity * comp : opacity;
   }
 }

@@ -58,7 +58,7 @@ def project_fwd(
             means, quats, scales, viewmats, Ks, radii, means2d, depths, conics, comp,
             C, N, int(width), int(height), float(eps2d), float(near_plane), float(far_plane),
             float(radius_clip), int(bool(calc_compensations)),
-            means, means, means, means, depths, 0, 1, 4, 1,  # the plain stage: no fused preparation (prepare.py)
+            means, means, means, means, depths, 0, 0, 0, 0, 0,  # the plain stage: no fused preparation (prepare.py)
             **grid_1d(C * N),
         )  # fmt: skip
     elif calc_compensations:

@@ -70,8 +70,14 @@ inline void mat3_mul_at(thread const float* a, thread const float* b, thread flo
 #define PROJECT_SIGMOID_OPACITIES 4
 #define PROJECT_MEANS_SH 16
 #define PROJECT_NO_V_DEPTHS 32  // the depths fed nothing: v_depths is a placeholder, read as 0
-#define PROJECT_SH_APART 64
-#define PROJECT_INV_COLUMN_MAJOR 128  // inv_viewmats[c, r, k] at 16 c + r + 4 k (else 16 c + 4 r + k)
+#define PROJECT_SH_APART 64      // (PROJECT_SHADE) the SH bands as splatfacto keeps them: band 0 and the others apart
+#define PROJECT_SHADE 256        // the SH colour's backward too, in this thread (else sh_bwd.metal's sh_fused_bwd, its
+                                 // twin, wrote v_means_sh): coefficient gradients and the direction's, into v_means
+// (PROJECT_SHADE) the SH degree in use and the coefficients per gaussian K ride in flags' bits 16-19 and 20-27: a
+// kernel has 31 buffer slots, and this one uses them all.
+#define PROJECT_SH_DEGREE_SHIFT 16
+#define PROJECT_SH_K_SHIFT 20
+// A culled entry (radius 0, for any reason) had opacity 0 and constant outputs: every gradient is 0.
 [[max_total_threads_per_threadgroup(SPLAT_PROJECT_BWD_GROUP)]]
 kernel void project_bwd(
     const device float* means [[buffer(0)]],       // [N, 3]
@@ -102,10 +108,14 @@ kernel void project_bwd(
                                                      // v_means itself (each thread reads its row before writing it)
     device float* v_opacities [[buffer(24)]],        // [C, N] d loss / d opacities (the input)
     constant long& flags [[buffer(25)]],
-    const device float* sh_dc [[buffer(26)]],         // the forward's SH coefficients and inverse view matrices,
-    const device float* sh_rest [[buffer(27)]],       // as project_fwd reads them (splat_fused_keep; column-major
-    const device float* inv_viewmats [[buffer(28)]],  // inverses with PROJECT_INV_COLUMN_MAJOR)
-    constant long& sh_k [[buffer(29)]],
+    // PROJECT_SHADE (else placeholders): the SH coefficients as project_fwd read them (band 0 of gaussian n at
+    // sh_dc[n * dc_stride], bands k >= 1 at sh_rest[n * rest_stride + rest_offset + 3 (k - 1)]; the layout from
+    // PROJECT_SH_APART and K), d loss / d colours, and their gradients [C, N, .] in the same layout.
+    const device float* v_colors [[buffer(26)]],  // [C, N, 3]
+    const device float* sh_dc [[buffer(27)]],
+    const device float* sh_rest [[buffer(28)]],
+    device float* v_sh_dc [[buffer(29)]],
+    device float* v_sh_rest [[buffer(30)]],
     uint2 gpos [[thread_position_in_grid]],
     uint2 tgp [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -118,12 +128,17 @@ kernel void project_bwd(
   const long cam = (long)gpos.y;
   const long idx = cam * N + g;
   const bool active = g < N && radii[idx] > 0;
+  const bool shade = (flags & PROJECT_SHADE) != 0;
+  const long sh_k = (flags >> PROJECT_SH_K_SHIFT) & 255, sh_degree = (flags >> PROJECT_SH_DEGREE_SHIFT) & 15;
+  const bool apart = (flags & PROJECT_SH_APART) != 0;
+  const long dc_stride = apart ? 3 : 3 * sh_k, rest_stride = apart ? 3 * (sh_k - 1) : 3 * sh_k;
+  const long rest_offset = apart ? 0 : 3;
 
   float vR[9] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // d/d viewmat[0:3, 0:3]
   float vt[3] = {0.0f, 0.0f, 0.0f};                                        // d/d viewmat[0:3, 3]
   float vK[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                  // d/d (fx, fy, cx, cy)
   float opacity = 0.0f;  // activated (fused)
-  if ((flags & PROJECT_FUSED) != 0 && g < N) {
+  if ((flags & PROJECT_FUSED) != 0 && active) {
     opacity = opacities[g];
     if ((flags & PROJECT_SIGMOID_OPACITIES) != 0) {
       opacity = 1.0f / (1.0f + exp(-opacity));
@@ -266,10 +281,20 @@ kernel void project_bwd(
       v_mc[1] += -fy / tz2 * vJ[5];
     }
 
+    // ---- the SH colour (PROJECT_SHADE): coefficient gradients, and the direction's, which is the mean's ----
+    float v_sh[3] = {0.0f, 0.0f, 0.0f};
+    if (shade) {
+      float campos[3];
+      splat_camera_position(V, campos);  // common.h, as project_fwd
+      splat_sh_color_bwd(sh_degree, sh_k, m[0] - campos[0], m[1] - campos[1], m[2] - campos[2], sh_dc + g * dc_stride,
+                         sh_rest + g * rest_stride + rest_offset, v_colors + 3 * idx, v_sh_dc + idx * dc_stride,
+                         v_sh_rest + idx * rest_stride + rest_offset, v_sh);  // sh.h, as sh_fused_bwd
+    }
+
     // ---- world -> camera ----
     for (int k = 0; k < 3; ++k) {
       const float v_m = Rv[0 * 3 + k] * v_mc[0] + Rv[1 * 3 + k] * v_mc[1] + Rv[2 * 3 + k] * v_mc[2];
-      v_means[3 * idx + k] = (flags & PROJECT_MEANS_SH) != 0 ? v_m + v_means_sh[3 * idx + k] : v_m;
+      v_means[3 * idx + k] = (flags & PROJECT_MEANS_SH) != 0 ? v_m + v_means_sh[3 * idx + k] : (shade ? v_m + v_sh[k] : v_m);
     }
     if ((flags & PROJECT_FUSED) != 0) {
       if ((flags & PROJECT_SIGMOID_OPACITIES) != 0) {
@@ -342,19 +367,10 @@ kernel void project_bwd(
       v_quats[4 * idx + k] = 0.0f;
     }
     if ((flags & PROJECT_FUSED) != 0) {
-      // culled by projection only: without compensation its opacity was composited as is, so its gradient
-      // passes; culled by the glue's checks (or with compensation 0), it is 0
-      float v_opacity = 0.0f;
-      const bool column_major = (flags & PROJECT_INV_COLUMN_MAJOR) != 0;
-      if (calc_comp == 0 && g < N &&
-          splat_fused_keep(opacity, sh_dc, sh_rest, g, sh_k, (flags & PROJECT_SH_APART) != 0, viewmats,
-                           inv_viewmats, cam, true, column_major ? 1 : 4, column_major ? 4 : 1)) {
-        v_opacity = v_opacities_out[idx];
-        if ((flags & PROJECT_SIGMOID_OPACITIES) != 0) {
-          v_opacity = v_opacity * (1.0f - opacity) * opacity;
-        }
-      }
-      v_opacities[idx] = v_opacity;
+      v_opacities[idx] = 0.0f;  // culled: its opacity_out was the constant 0
+    }
+    if (shade) {
+      splat_sh_color_bwd_zero(sh_k, v_sh_dc + idx * dc_stride, v_sh_rest + idx * rest_stride + rest_offset);
     }
   }
 

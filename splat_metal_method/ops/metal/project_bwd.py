@@ -65,7 +65,8 @@ def project_bwd(
             v_compensations.contiguous() if v_compensations is not None else v_depths,
             v_means, v_quats, v_scales, part,
             N, int(width), int(height), float(eps2d), int(v_compensations is not None), int(camera_grad), n_groups,
-            v_depths, v_depths, v_depths, v_means, 0, v_depths, v_depths, v_depths, 1,  # plain: not fused (prepare.py)
+            v_depths, v_depths, v_depths, v_means, 0,  # plain: not fused (prepare.py)
+            v_depths, v_depths, v_depths, v_means, v_means,  # nor the SH colour's backward
             threads=(n_groups * group, C), group_size=(group, 1),
         )  # fmt: skip
     v_viewmats = v_Ks = None

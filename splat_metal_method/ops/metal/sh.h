@@ -171,4 +171,89 @@ inline SplatShBasisGrad splat_sh_basis_grad(long degree, float x, float y, float
   return b;
 }
 
+#ifdef __METAL_VERSION__
+// torch.clamp_min(x, 0): x where x > 0 or x is NaN, else 0 (the sign of a zero is that of 0).
+inline float sh_activate(float x) {
+  return (x > 0.0f || isnan(x)) ? x : 0.0f;
+}
+
+// Metal only (device pointers; the CPU backend does not see it): the colour of the fused preparation, before
+// its activation, of a gaussian whose band-0 coefficients are at dc[0:3] and bands k >= 1 at rest[3 (k - 1)],
+// seen along the unnormalised direction (dx, dy, dz) (normalised as F.normalize: d / max(|d|, 1e-12)), from
+// the first (degree + 1)^2 bands, each coefficient read once. sh.metal's sh_fused_fwd and project.metal's
+// project_fwd (PROJECT_SHADE) both call it: one source of the fused colour.
+inline void splat_sh_color(long degree, float dx, float dy, float dz, const device float* dc, const device float* rest,
+                           thread float* rgb) {
+  const float norm = max(sqrt(dx * dx + dy * dy + dz * dz), 1e-12f);
+  const SplatShBasis basis = splat_sh_basis(degree, dx / norm, dy / norm, dz / norm);
+  const int n_bases = (int)((degree + 1) * (degree + 1));
+  float r = basis.v[0] * dc[0], g = basis.v[0] * dc[1], b = basis.v[0] * dc[2];
+  for (int k = 1; k < n_bases; ++k) {
+    r += basis.v[k] * rest[3 * (k - 1) + 0];
+    g += basis.v[k] * rest[3 * (k - 1) + 1];
+    b += basis.v[k] * rest[3 * (k - 1) + 2];
+  }
+  rgb[0] = r;
+  rgb[1] = g;
+  rgb[2] = b;
+}
+
+// The backward of splat_sh_color and the activation clamp_min(c + 0.5, 0), given d loss / d (activated colour)
+// v_rgb[0:3]: writes d loss / d coefficient of every one of the K rows (v_dc[0:3], v_rest[3 (k - 1)]; 0 beyond
+// the bands in use) and returns d loss / d (dx, dy, dz), the unnormalised direction, in v_dir. The colour is
+// recomputed (bit for bit the forward's): clamp_min passes the gradient where the activated colour is > 0.
+// v_dir = normalise_vjp(sum_k (d basis_k / d n) (coeff_k . v)), normalise_vjp(g) = (g - n (n . g)) / |d| for
+// |d| > 1e-12, g / 1e-12 below (F.normalize's clamp). sh_bwd.metal's sh_fused_bwd and project_bwd.metal's
+// project_bwd (PROJECT_SHADE) both call it.
+inline void splat_sh_color_bwd(long degree, long K, float dx, float dy, float dz, const device float* dc,
+                               const device float* rest, const device float* v_rgb, device float* v_dc,
+                               device float* v_rest, thread float* v_dir) {
+  const float len = sqrt(dx * dx + dy * dy + dz * dz);
+  const float norm = max(len, 1e-12f);
+  const float x = dx / norm, y = dy / norm, z = dz / norm;
+  float rgb[3];
+  splat_sh_color(degree, dx, dy, dz, dc, rest, rgb);
+  const float vr = sh_activate(rgb[0] + 0.5f) > 0.0f ? v_rgb[0] : 0.0f;
+  const float vg = sh_activate(rgb[1] + 0.5f) > 0.0f ? v_rgb[1] : 0.0f;
+  const float vb = sh_activate(rgb[2] + 0.5f) > 0.0f ? v_rgb[2] : 0.0f;
+  const SplatShBasisGrad basis = splat_sh_basis_grad(degree, x, y, z);
+  const long n_bases = (degree + 1) * (degree + 1);
+  v_dc[0] = basis.v[0] * vr;
+  v_dc[1] = basis.v[0] * vg;
+  v_dc[2] = basis.v[0] * vb;
+  float gx = 0.0f, gy = 0.0f, gz = 0.0f;  // d loss / d (x, y, z) of the normalised direction
+  for (long k = 1; k < K; ++k) {
+    device float* vrow = v_rest + 3 * (k - 1);
+    if (k < n_bases) {
+      vrow[0] = basis.v[k] * vr;
+      vrow[1] = basis.v[k] * vg;
+      vrow[2] = basis.v[k] * vb;
+      const device float* row = rest + 3 * (k - 1);
+      const float w = row[0] * vr + row[1] * vg + row[2] * vb;
+      gx += basis.dx[k] * w;
+      gy += basis.dy[k] * w;
+      gz += basis.dz[k] * w;
+    } else {
+      vrow[0] = 0.0f;
+      vrow[1] = 0.0f;
+      vrow[2] = 0.0f;
+    }
+  }
+  const float proj = len > 1e-12f ? x * gx + y * gy + z * gz : 0.0f;
+  v_dir[0] = (gx - x * proj) / norm;
+  v_dir[1] = (gy - y * proj) / norm;
+  v_dir[2] = (gz - z * proj) / norm;
+}
+
+// The coefficient gradients of a culled entry: 0 in every one of the K rows.
+inline void splat_sh_color_bwd_zero(long K, device float* v_dc, device float* v_rest) {
+  for (int k = 0; k < 3; ++k) {
+    v_dc[k] = 0.0f;
+  }
+  for (long k = 0; k < 3 * (K - 1); ++k) {
+    v_rest[k] = 0.0f;
+  }
+}
+#endif
+
 #endif  // SPLAT_SH_H

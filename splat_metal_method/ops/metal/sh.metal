@@ -14,10 +14,7 @@
 //   * activate != 0 applies the public API's colour activation, torch.clamp_min(c + 0.5, 0) (NaN
 //     stays NaN, as clamp_min keeps it), in the same float32 operations; activate == 0 returns c.
 // Bounds: coefficient reads stay inside coeffs[idx, 0:(degree+1)^2, 0:3] because K >= (degree+1)^2.
-// torch.clamp_min(x, 0): x where x > 0 or x is NaN, else 0 (the sign of a zero is that of 0).
-inline float sh_activate(float x) {
-  return (x > 0.0f || isnan(x)) ? x : 0.0f;
-}
+// sh_activate (sh.h): the public API's colour activation, clamp_min(c + 0.5, 0) given c + 0.5.
 
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void sh_fwd(
@@ -65,56 +62,62 @@ kernel void sh_fwd(
   colors[3 * idx + 2] = b;
 }
 
-// sh_fused_fwd: sh_fwd of the fused preparation (prepare.py), one thread per (camera, gaussian), flat index
-// idx = c*N + n < C*N: the direction is means[n] - inv(viewmats)[c, 0:3, 3] (rasterization.py's glue computed it in
-// PyTorch, the same float32 subtraction), the coefficients are read where splatfacto keeps them (band 0
-// at sh_dc[n * dc_stride], bands k >= 1 at sh_rest[n * rest_stride + rest_offset + 3 (k - 1)]; one [N, K, 3]
-// tensor is dc = rest = it, dc_stride = rest_stride = 3 K, rest_offset = 3), the mask is radii > 0 and
-// the colour is activated (clamp_min(c + 0.5, 0)). Same arithmetic as sh_fwd otherwise.
+// sh_fused_fwd: the SH half of the fused preparation's unfused twin (prepare.py: project_fwd without
+// PROJECT_SHADE, then this), kept as the reference project_fwd's PROJECT_SHADE is tested against. One thread
+// per (camera, gaussian), flat index idx = c*N + n < C*N: the direction is means[n] minus camera c's position
+// (common.h splat_camera_position, as project_fwd), the coefficients are read where splatfacto keeps them
+// (band 0 at sh_dc[n * dc_stride], bands k >= 1 at sh_rest[n * rest_stride + rest_offset + 3 (k - 1)]; one
+// [N, K, 3] tensor is dc = rest = it, dc_stride = rest_stride = 3 K, rest_offset = 3), the mask is radii > 0
+// and the colour is activated (clamp_min(c + 0.5, 0)); the colour itself is sh.h's splat_sh_color, as in
+// project_fwd. Where it is not finite the entry is culled as project_fwd culls it: radius, means2d, depth,
+// conic and opacity 0, colour 0.5.
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void sh_fused_fwd(
-    const device float* means [[buffer(0)]],    // [N, 3]
-    const device float* inv_viewmats [[buffer(1)]],  // [C, 4, 4] inv(viewmats): camera c's position at [c, 0:3, 3]
+    const device float* means [[buffer(0)]],     // [N, 3]
+    const device float* viewmats [[buffer(1)]],  // [C, 4, 4]
     const device float* sh_dc [[buffer(2)]],
     const device float* sh_rest [[buffer(3)]],
-    const device int* radii [[buffer(4)]],      // [C, N]
-    device float* colors [[buffer(5)]],         // [C, N, 3]
+    device int* radii [[buffer(4)]],             // [C, N] project_fwd's
+    device float* colors [[buffer(5)]],          // [C, N, 3]
     constant long& C [[buffer(6)]],
     constant long& N [[buffer(7)]],
     constant long& degree [[buffer(8)]],
     constant long& dc_stride [[buffer(9)]],
     constant long& rest_stride [[buffer(10)]],
     constant long& rest_offset [[buffer(11)]],
-    constant long& inv_row_stride [[buffer(12)]],  // inv_viewmats[c, r, k] at c * 16 + r * row + k * col
-    constant long& inv_col_stride [[buffer(13)]],  // (torch.linalg.inv_ex returns column-major matrices)
+    device float* means2d [[buffer(12)]],        // [C, N, 2]  project_fwd's outputs, zeroed
+    device float* depths [[buffer(13)]],         // [C, N]     where the colour culls
+    device float* conics [[buffer(14)]],         // [C, N, 3]
+    device float* opacities_out [[buffer(15)]],  // [C, N]
     uint idx [[thread_position_in_grid]]) {
   if ((long)idx >= C * N) {
     return;
   }
   const long cam = (long)idx / N;
   const long g = (long)idx - cam * N;
+  colors[3 * idx + 0] = 0.5f;  // clamp_min(0 + 0.5, 0) where culled
+  colors[3 * idx + 1] = 0.5f;
+  colors[3 * idx + 2] = 0.5f;
   if (radii[idx] <= 0) {
-    colors[3 * idx + 0] = 0.5f;  // clamp_min(0 + 0.5, 0)
-    colors[3 * idx + 1] = 0.5f;
-    colors[3 * idx + 2] = 0.5f;
     return;
   }
-  const float dx = means[3 * g + 0] - inv_viewmats[16 * cam + 0 * inv_row_stride + 3 * inv_col_stride];
-  const float dy = means[3 * g + 1] - inv_viewmats[16 * cam + 1 * inv_row_stride + 3 * inv_col_stride];
-  const float dz = means[3 * g + 2] - inv_viewmats[16 * cam + 2 * inv_row_stride + 3 * inv_col_stride];
-  const float norm = max(sqrt(dx * dx + dy * dy + dz * dz), 1e-12f);
-  const float x = dx / norm, y = dy / norm, z = dz / norm;
-  const SplatShBasis basis = splat_sh_basis(degree, x, y, z);  // sh.h
-  const int n_bases = (int)((degree + 1) * (degree + 1));
-  const device float* dc = sh_dc + g * dc_stride;
-  const device float* rest = sh_rest + g * rest_stride + rest_offset;
-  float r = basis.v[0] * dc[0], gr = basis.v[0] * dc[1], b = basis.v[0] * dc[2];
-  for (int k = 1; k < n_bases; ++k) {
-    r += basis.v[k] * rest[3 * (k - 1) + 0];
-    gr += basis.v[k] * rest[3 * (k - 1) + 1];
-    b += basis.v[k] * rest[3 * (k - 1) + 2];
+  float campos[3];
+  splat_camera_position(viewmats + cam * 16, campos);
+  float rgb[3];
+  splat_sh_color(degree, means[3 * g + 0] - campos[0], means[3 * g + 1] - campos[1], means[3 * g + 2] - campos[2],
+                 sh_dc + g * dc_stride, sh_rest + g * rest_stride + rest_offset, rgb);
+  if (!(isfinite(rgb[0]) && isfinite(rgb[1]) && isfinite(rgb[2]))) {
+    radii[idx] = 0;
+    means2d[2 * idx + 0] = 0.0f;
+    means2d[2 * idx + 1] = 0.0f;
+    depths[idx] = 0.0f;
+    conics[3 * idx + 0] = 0.0f;
+    conics[3 * idx + 1] = 0.0f;
+    conics[3 * idx + 2] = 0.0f;
+    opacities_out[idx] = 0.0f;
+    return;
   }
-  colors[3 * idx + 0] = sh_activate(r + 0.5f);
-  colors[3 * idx + 1] = sh_activate(gr + 0.5f);
-  colors[3 * idx + 2] = sh_activate(b + 0.5f);
+  colors[3 * idx + 0] = sh_activate(rgb[0] + 0.5f);
+  colors[3 * idx + 1] = sh_activate(rgb[1] + 0.5f);
+  colors[3 * idx + 2] = sh_activate(rgb[2] + 0.5f);
 }

@@ -92,33 +92,33 @@ kernel void sh_bwd(
   }
 }
 
-// sh_fused_bwd: sh_bwd of the fused preparation (sh.metal sh_fused_fwd), one thread per (camera, gaussian),
-// idx = c*N + n < C*N: the direction is means[n] - inv(viewmats)[c, 0:3, 3], the mask radii > 0, the colour activated
-// (`colors` is the forward's output), the coefficient gradients are written in the layout the
-// coefficients were read (v_sh_dc[idx * dc_stride], v_sh_rest[idx * rest_stride + rest_offset + 3 (k - 1)],
-// every one of the K rows: 0 beyond (degree+1)^2 and where masked), and v_dirs [C, N, 3] is the gradient
-// of the direction, which is that of means[n] (projection's backward adds it). Same arithmetic as sh_bwd.
+// sh_fused_bwd: the SH half of the fused preparation's unfused twin backward (prepare.py: this, then project_bwd
+// with PROJECT_MEANS_SH), kept as the reference project_bwd's PROJECT_SHADE is tested against. One thread per
+// (camera, gaussian), idx = c*N + n < C*N: the direction is means[n] minus camera c's position (common.h
+// splat_camera_position), the mask radii > 0 (0 also where the forward's colour culled), the colour recomputed
+// (no [C, N, 3] colours kept for the backward) and its gradient taken by sh.h's splat_sh_color_bwd, as in
+// project_bwd; the coefficient gradients are written in the layout the coefficients were read
+// (v_sh_dc[idx * dc_stride], v_sh_rest[idx * rest_stride + rest_offset + 3 (k - 1)], every one of the K rows: 0
+// beyond (degree+1)^2 and where masked), and v_dirs [C, N, 3] is the gradient of the direction, which is that
+// of means[n] (projection's backward adds it).
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void sh_fused_bwd(
     const device float* means [[buffer(0)]],     // [N, 3]
-    const device float* inv_viewmats [[buffer(1)]],  // [C, 4, 4] inv(viewmats): camera c's position at [c, 0:3, 3]
+    const device float* viewmats [[buffer(1)]],  // [C, 4, 4]
     const device float* sh_dc [[buffer(2)]],
     const device float* sh_rest [[buffer(3)]],
     const device int* radii [[buffer(4)]],       // [C, N]
     const device float* v_colors [[buffer(5)]],  // [C, N, 3]
-    const device float* colors [[buffer(6)]],    // [C, N, 3] forward output (activated)
-    device float* v_sh_dc [[buffer(7)]],
-    device float* v_sh_rest [[buffer(8)]],
-    device float* v_dirs [[buffer(9)]],          // [C, N, 3]
-    constant long& C [[buffer(10)]],
-    constant long& N [[buffer(11)]],
-    constant long& K [[buffer(12)]],
-    constant long& degree [[buffer(13)]],
-    constant long& dc_stride [[buffer(14)]],
-    constant long& rest_stride [[buffer(15)]],
-    constant long& rest_offset [[buffer(16)]],
-    constant long& inv_row_stride [[buffer(17)]],  // inv_viewmats[c, r, k] at c * 16 + r * row + k * col
-    constant long& inv_col_stride [[buffer(18)]],
+    device float* v_sh_dc [[buffer(6)]],
+    device float* v_sh_rest [[buffer(7)]],
+    device float* v_dirs [[buffer(8)]],          // [C, N, 3]
+    constant long& C [[buffer(9)]],
+    constant long& N [[buffer(10)]],
+    constant long& K [[buffer(11)]],
+    constant long& degree [[buffer(12)]],
+    constant long& dc_stride [[buffer(13)]],
+    constant long& rest_stride [[buffer(14)]],
+    constant long& rest_offset [[buffer(15)]],
     uint idx [[thread_position_in_grid]]) {
   if ((long)idx >= C * N) {
     return;
@@ -127,52 +127,20 @@ kernel void sh_fused_bwd(
   const long g = (long)idx - cam * N;
   device float* vdc = v_sh_dc + (long)idx * dc_stride;
   device float* vrest = v_sh_rest + (long)idx * rest_stride + rest_offset;
-  const long n_bases = (degree + 1) * (degree + 1);
   if (radii[idx] <= 0) {
-    for (int k = 0; k < 3; ++k) {
-      vdc[k] = 0.0f;
-      v_dirs[3 * idx + k] = 0.0f;
-    }
-    for (long k = 0; k < 3 * (K - 1); ++k) {
-      vrest[k] = 0.0f;
-    }
+    splat_sh_color_bwd_zero(K, vdc, vrest);
+    v_dirs[3 * idx + 0] = 0.0f;
+    v_dirs[3 * idx + 1] = 0.0f;
+    v_dirs[3 * idx + 2] = 0.0f;
     return;
   }
-  const float dx = means[3 * g + 0] - inv_viewmats[16 * cam + 0 * inv_row_stride + 3 * inv_col_stride];
-  const float dy = means[3 * g + 1] - inv_viewmats[16 * cam + 1 * inv_row_stride + 3 * inv_col_stride];
-  const float dz = means[3 * g + 2] - inv_viewmats[16 * cam + 2 * inv_row_stride + 3 * inv_col_stride];
-  const float len = sqrt(dx * dx + dy * dy + dz * dz);
-  const float norm = max(len, 1e-12f);
-  const float x = dx / norm, y = dy / norm, z = dz / norm;
-  const float vr = colors[3 * idx + 0] > 0.0f ? v_colors[3 * idx + 0] : 0.0f;
-  const float vg = colors[3 * idx + 1] > 0.0f ? v_colors[3 * idx + 1] : 0.0f;
-  const float vb = colors[3 * idx + 2] > 0.0f ? v_colors[3 * idx + 2] : 0.0f;
-  const SplatShBasisGrad basis = splat_sh_basis_grad(degree, x, y, z);  // sh.h
-
-  const device float* rest = sh_rest + g * rest_stride + rest_offset;
-  vdc[0] = basis.v[0] * vr;
-  vdc[1] = basis.v[0] * vg;
-  vdc[2] = basis.v[0] * vb;
-  float gx = 0.0f, gy = 0.0f, gz = 0.0f;  // d loss / d (x, y, z) of the normalised direction
-  for (long k = 1; k < K; ++k) {
-    device float* vrow = vrest + 3 * (k - 1);
-    if (k < n_bases) {
-      vrow[0] = basis.v[k] * vr;
-      vrow[1] = basis.v[k] * vg;
-      vrow[2] = basis.v[k] * vb;
-      const device float* row = rest + 3 * (k - 1);
-      const float w = row[0] * vr + row[1] * vg + row[2] * vb;
-      gx += basis.dx[k] * w;
-      gy += basis.dy[k] * w;
-      gz += basis.dz[k] * w;
-    } else {
-      vrow[0] = 0.0f;
-      vrow[1] = 0.0f;
-      vrow[2] = 0.0f;
-    }
-  }
-  const float proj = len > 1e-12f ? x * gx + y * gy + z * gz : 0.0f;
-  v_dirs[3 * idx + 0] = (gx - x * proj) / norm;
-  v_dirs[3 * idx + 1] = (gy - y * proj) / norm;
-  v_dirs[3 * idx + 2] = (gz - z * proj) / norm;
+  float campos[3];
+  splat_camera_position(viewmats + cam * 16, campos);
+  float v_dir[3];
+  splat_sh_color_bwd(degree, K, means[3 * g + 0] - campos[0], means[3 * g + 1] - campos[1], means[3 * g + 2] - campos[2],
+                     sh_dc + g * dc_stride, sh_rest + g * rest_stride + rest_offset, v_colors + 3 * idx, vdc, vrest,
+                     v_dir);  // sh.h
+  v_dirs[3 * idx + 0] = v_dir[0];
+  v_dirs[3 * idx + 1] = v_dir[1];
+  v_dirs[3 * idx + 2] = v_dir[2];
 }
