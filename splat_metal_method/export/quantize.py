@@ -139,7 +139,8 @@ EXACT_LIMIT = 1 << 28  # N x k distances per iteration up to which the palette i
 CELL_FACTOR = 4  # coarse cells: 4 sqrt(k) (1,024 for 65,536 entries, 64 entries each)
 COARSE_SAMPLE = 32  # points per coarse cell its k-means trains on
 CELL_ITERATIONS = 5  # k-means iterations within a cell
-PROBES = 8  # nearest cells whose entries each point is compared with in the refinement
+PROBES = 8  # nearest cells whose entries a cell's points are compared with in the refinement, at least
+REFINE_DISTANCES = 1 << 26  # more probes while N x probed entries per iteration stays under this
 REFINE_ITERATIONS = 4  # global Lloyd iterations after the two-level palette
 
 
@@ -191,7 +192,13 @@ def _means(x: np.ndarray, labels: np.ndarray, k: int, rng: np.random.Generator) 
     """[k, D] float32 means of the points of each label (sums in float64, in the points' order); an
     empty label gets a point drawn by ``rng``."""
     counts = np.bincount(labels, minlength=k)
-    sums = np.stack([np.bincount(labels, weights=x[:, j], minlength=k) for j in range(x.shape[1])], 1)
+    if len(labels) <= 1 << 16:  # a cell's points: sorted by label and summed per run, one call for all D
+        used = np.flatnonzero(counts)
+        sums = np.zeros((k, x.shape[1]))
+        sums[used] = np.add.reduceat(x[np.argsort(labels, kind="stable")].astype(np.float64),
+                                     np.r_[0, np.cumsum(counts[used])[:-1]], axis=0)  # fmt: skip
+    else:
+        sums = np.stack([np.bincount(labels, weights=x[:, j], minlength=k) for j in range(x.shape[1])], 1)
     centroids = sums / np.maximum(counts, 1)[:, None]
     empty = np.flatnonzero(counts == 0)
     if len(empty):
@@ -203,18 +210,21 @@ def two_level(x: np.ndarray, k: int, iterations: int, device: torch.device, seed
     """k-means of x [N, D] into k entries for large N x k, as faiss trains large codebooks:
 
     1. k-means (``iterations``) of COARSE_SAMPLE points per cell into C = 4 sqrt(k) coarse cells;
-       every point goes to its nearest cell (N x C distances, once);
+       every point goes to its nearest cell (N x C distances, once); the points are then sorted by
+       cell, so each cell's points are one contiguous block;
     2. in each cell, CELL_ITERATIONS of k-means of its points into its share of k (proportional
        to its size, as faiss's rebalancing);
     3. REFINE_ITERATIONS global Lloyd iterations in which the points of a cell are compared with the
-       entries of the NEIGHBOURS cells nearest to it (its own included; an inverted file probed per
-       cell, Jégou et al. 2011), which moves points that the cell boundaries put with the wrong
-       entries; then the final assignment the same way.
+       entries of the PROBES cells nearest to it (its own included; an inverted file probed per
+       cell, Jégou et al. 2011): one dense distance block per cell, its points x its neighbours'
+       entries, which moves points that the cell boundaries put with the wrong entries; then the
+       final assignment the same way.
 
-    Per point that is C + (CELL_ITERATIONS + 3 NEIGHBOURS) k/C distances instead of (iterations +
-    1) k: ~3,000 instead of 720,000 for 65,536 entries. Cells are independent (each has its own
-    seeded generator), so they run on all cores and give the same result on any number of them.
-    docs/export.md has the measured cost and error against exact k-means."""
+    Per point that is C + (CELL_ITERATIONS + 1) k/C + (REFINE_ITERATIONS + 1) PROBES k/C distances
+    instead of (iterations + 1) k: ~4,000 instead of 720,000 for 65,536 entries. Cells are
+    independent (each has its own seeded generator), so they run on all cores and give the same
+    result on any number of them. docs/export.md has the measured cost and error against exact
+    k-means."""
     from concurrent.futures import ThreadPoolExecutor
 
     n = x.shape[0]
@@ -222,18 +232,23 @@ def two_level(x: np.ndarray, k: int, iterations: int, device: torch.device, seed
     rng = np.random.default_rng(seed)
     sample = x[np.sort(rng.permutation(n)[: COARSE_SAMPLE * cells])]
     coarse = lloyd(sample, cells, iterations, device, rng)[0]
-    probes = nearest(x, coarse, device, min(PROBES, cells))[0]  # [N, P] each point's nearest cells, nearest first
-    cell = probes[:, 0]
+    cell = nearest(x, coarse, device)[0]  # [N] each point's nearest cell
     sizes = np.bincount(cell, minlength=cells)
     share = np.diff(np.r_[0, np.cumsum(sizes) * k // n])  # entries per cell, summing to k, <= its points
     first = np.r_[0, np.cumsum(share)]  # cell c owns entries first[c]..first[c+1]
-    members = np.split(np.argsort(cell, kind="stable"), np.cumsum(sizes)[:-1])  # points of each cell, ascending
+    order = np.argsort(cell, kind="stable")  # points by cell, ascending within a cell
+    xs = x[order]  # [N, D] cell c's points are xs[start[c]:start[c+1]]
+    start = np.r_[0, np.cumsum(sizes)]
+    probed = min(cells, max(PROBES, REFINE_DISTANCES // (n * k // cells)))
+    probes = nearest(coarse, coarse, device, probed)[0]  # [C, P] each cell's nearest cells, itself first
+    candidates = [np.concatenate([np.arange(first[d], first[d + 1]) for d in probes[c]]) for c in range(cells)]
+    candidates = [cand if len(cand) else np.arange(k) for cand in candidates]  # (neighbours without entries)
     centroids = np.zeros((k, x.shape[1]), np.float32)
-    labels = np.zeros(n, np.int64)
+    sorted_labels = np.zeros(n, np.int64)
     done = [0]
 
     def fine(c: int) -> None:
-        pts = x[members[c]]
+        pts = xs[start[c] : start[c + 1]]
         if share[c] and len(pts) > share[c]:
             pts = lloyd(pts, share[c], CELL_ITERATIONS, device, np.random.default_rng([seed, c]))[0]
         centroids[first[c] : first[c + 1]] = pts[: share[c]]
@@ -241,24 +256,18 @@ def two_level(x: np.ndarray, k: int, iterations: int, device: torch.device, seed
         if progress is not None and done[0] % 64 == 0:
             progress("SH palette, per cell", done[0], cells)
 
-    p = probes.shape[1]
-    pairs = np.argsort(probes.reshape(-1), kind="stable")  # (point, probe) pairs grouped by cell
-    pairs = np.split(pairs, np.cumsum(np.bincount(probes.reshape(-1), minlength=cells))[:-1])
-    pair_dist = np.full(n * p, np.inf, np.float32)  # per (point, probe): nearest entry of that cell
-    pair_label = np.zeros(n * p, np.int64)
+    def assign(c: int) -> None:  # cell c's points against its probed cells' entries; cells write apart
+        if sizes[c]:
+            arg = nearest(xs[start[c] : start[c + 1]], centroids[candidates[c]], device)[0]
+            sorted_labels[start[c] : start[c + 1]] = candidates[c][arg]  # equal distances: the nearer cell's
 
-    def assign(c: int) -> None:  # the points probing cell c against its entries; cells write apart
-        if len(pairs[c]) and share[c]:
-            arg, dist = nearest(x[pairs[c] // p], centroids[first[c] : first[c + 1]], device)
-            pair_dist[pairs[c]], pair_label[pairs[c]] = dist, arg + first[c]
-
+    labels = np.zeros(n, np.int64)
     workers = (os.cpu_count() or 1) if device.type == "cpu" else 1  # numpy releases the GIL; one GPU queue
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(fine, range(cells)))
         for it in range(REFINE_ITERATIONS + 1):
             list(pool.map(assign, range(cells)))
-            pick = np.argmin(pair_dist.reshape(n, p), axis=1)  # equal distances: the nearer cell's entry
-            labels = pair_label.reshape(n, p)[np.arange(n), pick]
+            labels[order] = sorted_labels
             if it == REFINE_ITERATIONS:
                 break
             centroids[:] = _means(x, labels, k, rng)
@@ -270,14 +279,19 @@ def two_level(x: np.ndarray, k: int, iterations: int, device: torch.device, seed
 def nearest(x: np.ndarray, c: np.ndarray, device: torch.device, k: int = 1) -> Tuple[np.ndarray, np.ndarray]:
     """For each row of x [N, D], its nearest row of c [M, D]: (index [N] int64, squared distance
     less |x|^2 [N] float32); with k > 1, the k nearest indices [N, k], nearest first (no distances).
-    In chunks of at most 2^24 distances; on the CPU with numpy (whose argmin is several times
-    faster than torch's; the same bytes whatever the load), elsewhere with torch on ``device``."""
+    In chunks of at most 2^20 distances (4 MB: they stay in the cache, and no large temporary is
+    made); on the CPU with numpy (whose argmin is several times faster than torch's; the same bytes
+    whatever the load), elsewhere with torch on ``device``."""
     c_sq = (c * c).sum(1)
-    step = max(1, (1 << 24) // c.shape[0])
+    step = max(1, (1 << 20) // c.shape[0])
     idx, dist = [], []
+    if device.type != "cpu":
+        cd, c_sq_d = torch.from_numpy(c).to(device), torch.from_numpy(c_sq).to(device)
     for s in range(0, x.shape[0], step):
         if device.type == "cpu":
-            d = c_sq[None, :] - 2 * (x[s : s + step] @ c.T)  # |x|^2 is the same for every centroid
+            d = x[s : s + step] @ c.T  # [n, M]; |x|^2 is the same for every centroid
+            d *= -2
+            d += c_sq
             if k == 1:
                 idx.append(np.argmin(d, axis=1))
                 dist.append(np.take_along_axis(d, idx[-1][:, None], axis=1)[:, 0])
@@ -289,8 +303,7 @@ def nearest(x: np.ndarray, c: np.ndarray, device: torch.device, k: int = 1) -> T
                     )
                 )
         else:
-            cd = torch.from_numpy(c).to(device)
-            d = torch.from_numpy(c_sq).to(device)[None, :] - 2 * (torch.from_numpy(x[s : s + step]).to(device) @ cd.T)
+            d = torch.addmm(c_sq_d, torch.from_numpy(x[s : s + step]).to(device), cd.T, alpha=-2)
             if k == 1:
                 v, i = torch.min(d, dim=1)
                 idx.append(i.cpu().numpy())
