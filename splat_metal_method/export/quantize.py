@@ -8,8 +8,10 @@ ties broken by index.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Callable, Optional, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -166,20 +168,38 @@ def kmeans(
     if n <= k:
         return x.copy(), np.arange(n, dtype=np.int64)
     device = torch.device("cpu") if device is None else torch.device(device)
-    if n * k <= EXACT_LIMIT:
-        return lloyd(x, k, iterations, device, np.random.default_rng(seed), progress)
-    return two_level(x, k, iterations, device, seed, progress)
+    with _cpu_threads(device) as pool:
+        if n * k <= EXACT_LIMIT:
+            return lloyd(x, k, iterations, device, np.random.default_rng(seed), progress, pool)
+        return two_level(x, k, iterations, device, seed, progress, pool)
 
 
-def lloyd(x: np.ndarray, k: int, iterations: int, device: torch.device, rng: np.random.Generator, progress=None):
+@contextlib.contextmanager
+def _cpu_threads(device: torch.device) -> Iterator[Optional[ThreadPoolExecutor]]:
+    """A pool of one thread per core for the work on the CPU (numpy releases the GIL in its products
+    and reductions), with the BLAS library itself held to one thread meanwhile: its own threads
+    spin-wait between the many small products (measured: a third of the palette's CPU time, most
+    of it in the kernel). None on a GPU (one queue; MPS is not safe from several threads)."""
+    if device.type != "cpu":
+        yield None
+        return
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1, user_api="blas"), ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        yield pool
+
+
+def lloyd(x: np.ndarray, k: int, iterations: int, device: torch.device, rng: np.random.Generator, progress=None,
+          pool: Optional[ThreadPoolExecutor] = None):  # fmt: skip
     """Exact k-means: k distinct points drawn by ``rng`` as seeds, then ``iterations`` rounds of
-    nearest-centroid assignment (the N x k distances, on ``device``) and centroid means (float64, on
-    the host); an empty cluster is re-seeded with a drawn point. x [N, D] float32, N > k."""
+    nearest-centroid assignment (the N x k distances, on ``device``; over ``pool`` when given) and
+    centroid means (float64, on the host); an empty cluster is re-seeded with a drawn point.
+    x [N, D] float32, N > k."""
     n = x.shape[0]
     centroids = x[np.sort(rng.permutation(n)[:k])]
     labels = np.zeros(n, np.int64)
     for it in range(iterations + 1):
-        labels = nearest(x, centroids, device)[0]
+        labels = nearest(x, centroids, device, pool=pool)[0]
         if it == iterations:
             break
         centroids = _means(x, labels, k, rng)
@@ -206,7 +226,8 @@ def _means(x: np.ndarray, labels: np.ndarray, k: int, rng: np.random.Generator) 
     return centroids.astype(np.float32)
 
 
-def two_level(x: np.ndarray, k: int, iterations: int, device: torch.device, seed: int, progress=None):
+def two_level(x: np.ndarray, k: int, iterations: int, device: torch.device, seed: int, progress=None,
+              pool: Optional[ThreadPoolExecutor] = None):  # fmt: skip
     """k-means of x [N, D] into k entries for large N x k, as faiss trains large codebooks:
 
     1. k-means (``iterations``) of COARSE_SAMPLE points per cell into C = 4 sqrt(k) coarse cells;
@@ -225,14 +246,12 @@ def two_level(x: np.ndarray, k: int, iterations: int, device: torch.device, seed
     independent (each has its own seeded generator), so they run on all cores and give the same
     result on any number of them. docs/export.md has the measured cost and error against exact
     k-means."""
-    from concurrent.futures import ThreadPoolExecutor
-
     n = x.shape[0]
     cells = min(k, int(round(CELL_FACTOR * np.sqrt(k))))
     rng = np.random.default_rng(seed)
     sample = x[np.sort(rng.permutation(n)[: COARSE_SAMPLE * cells])]
-    coarse = lloyd(sample, cells, iterations, device, rng)[0]
-    cell = nearest(x, coarse, device)[0]  # [N] each point's nearest cell
+    coarse = lloyd(sample, cells, iterations, device, rng, pool=pool)[0]
+    cell = nearest(x, coarse, device, pool=pool)[0]  # [N] each point's nearest cell
     sizes = np.bincount(cell, minlength=cells)
     share = np.diff(np.r_[0, np.cumsum(sizes) * k // n])  # entries per cell, summing to k, <= its points
     first = np.r_[0, np.cumsum(share)]  # cell c owns entries first[c]..first[c+1]
@@ -262,52 +281,49 @@ def two_level(x: np.ndarray, k: int, iterations: int, device: torch.device, seed
             sorted_labels[start[c] : start[c + 1]] = candidates[c][arg]  # equal distances: the nearer cell's
 
     labels = np.zeros(n, np.int64)
-    workers = (os.cpu_count() or 1) if device.type == "cpu" else 1  # numpy releases the GIL; one GPU queue
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(fine, range(cells)))
-        for it in range(REFINE_ITERATIONS + 1):
-            list(pool.map(assign, range(cells)))
-            labels[order] = sorted_labels
-            if it == REFINE_ITERATIONS:
-                break
-            centroids[:] = _means(x, labels, k, rng)
-            if progress is not None:
-                progress("SH palette, refining", it + 1, REFINE_ITERATIONS)
+    each = map if pool is None else pool.map
+    list(each(fine, range(cells)))
+    for it in range(REFINE_ITERATIONS + 1):
+        list(each(assign, range(cells)))
+        labels[order] = sorted_labels
+        if it == REFINE_ITERATIONS:
+            break
+        centroids[:] = _means(x, labels, k, rng)
+        if progress is not None:
+            progress("SH palette, refining", it + 1, REFINE_ITERATIONS)
     return centroids, labels
 
 
-def nearest(x: np.ndarray, c: np.ndarray, device: torch.device, k: int = 1) -> Tuple[np.ndarray, np.ndarray]:
+def nearest(x: np.ndarray, c: np.ndarray, device: torch.device, k: int = 1,
+            pool: Optional[ThreadPoolExecutor] = None) -> Tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """For each row of x [N, D], its nearest row of c [M, D]: (index [N] int64, squared distance
     less |x|^2 [N] float32); with k > 1, the k nearest indices [N, k], nearest first (no distances).
     In chunks of at most 2^20 distances (4 MB: they stay in the cache, and no large temporary is
-    made); on the CPU with numpy (whose argmin is several times faster than torch's; the same bytes
-    whatever the load), elsewhere with torch on ``device``."""
-    c_sq = (c * c).sum(1)
+    made), over ``pool`` when given; on the CPU with numpy (whose argmin is several times faster
+    than torch's; the same bytes whatever the load or the number of threads), elsewhere with torch
+    on ``device``."""
+    c_sq = (c * c).sum(1)  # [M]
     step = max(1, (1 << 20) // c.shape[0])
-    idx, dist = [], []
     if device.type != "cpu":
         cd, c_sq_d = torch.from_numpy(c).to(device), torch.from_numpy(c_sq).to(device)
-    for s in range(0, x.shape[0], step):
+
+    def chunk(s: int):
         if device.type == "cpu":
             d = x[s : s + step] @ c.T  # [n, M]; |x|^2 is the same for every centroid
             d *= -2
             d += c_sq
             if k == 1:
-                idx.append(np.argmin(d, axis=1))
-                dist.append(np.take_along_axis(d, idx[-1][:, None], axis=1)[:, 0])
-            else:
-                part = np.argpartition(d, k - 1, axis=1)[:, :k]
-                idx.append(
-                    np.take_along_axis(
-                        part, np.argsort(np.take_along_axis(d, part, axis=1), axis=1, kind="stable"), axis=1
-                    )
-                )
-        else:
-            d = torch.addmm(c_sq_d, torch.from_numpy(x[s : s + step]).to(device), cd.T, alpha=-2)
-            if k == 1:
-                v, i = torch.min(d, dim=1)
-                idx.append(i.cpu().numpy())
-                dist.append(v.cpu().numpy())
-            else:
-                idx.append(torch.topk(d, k, dim=1, largest=False).indices.cpu().numpy())
-    return np.concatenate(idx).astype(np.int64), (np.concatenate(dist) if dist else np.zeros(0, np.float32))
+                i = np.argmin(d, axis=1)
+                return i, np.take_along_axis(d, i[:, None], axis=1)[:, 0]
+            part = np.argpartition(d, k - 1, axis=1)[:, :k]
+            by_distance = np.argsort(np.take_along_axis(d, part, axis=1), axis=1, kind="stable")
+            return np.take_along_axis(part, by_distance, axis=1), None
+        d = torch.addmm(c_sq_d, torch.from_numpy(x[s : s + step]).to(device), cd.T, alpha=-2)
+        if k == 1:
+            v, i = torch.min(d, dim=1)
+            return i.cpu().numpy(), v.cpu().numpy()
+        return torch.topk(d, k, dim=1, largest=False).indices.cpu().numpy(), None
+
+    parts = list((map if pool is None else pool.map)(chunk, range(0, x.shape[0], step)))
+    idx = np.concatenate([i for i, _ in parts]).astype(np.int64)
+    return idx, (np.concatenate([d for _, d in parts]) if k == 1 else np.zeros(0, np.float32))

@@ -51,7 +51,7 @@ from .quantize import codebook_1d, kmeans, morton_order, palette_size
 VERSION = 2
 KMEANS_ITERATIONS = 10  # splat-transform's default (--iterations)
 ZIP_TIME = (1980, 1, 1, 0, 0, 0)
-WEBP_OPTIONS = dict(lossless=True, quality=100, method=4, exact=True)  # exact: keep RGB under A = 0
+WEBP_OPTIONS = dict(lossless=True, quality=50, method=4, exact=True)  # exact: keep RGB under A = 0; quality: effort
 
 
 @dataclass
