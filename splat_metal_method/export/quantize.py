@@ -137,7 +137,7 @@ def palette_size(n: int) -> int:
     return int(min(64.0, 2.0 ** np.floor(np.log2(n / 1024))) * 1024)
 
 
-EXACT_LIMIT = 1 << 28  # N x k distances per iteration up to which the palette is exact k-means
+EXACT_LIMIT = 1 << 29  # N x k distances per iteration up to which the palette is exact k-means (N < 32,768)
 CELL_FACTOR = 4  # coarse cells: 4 sqrt(k) (1,024 for 65,536 entries, 64 entries each)
 COARSE_SAMPLE = 32  # points per coarse cell its k-means trains on
 CELL_ITERATIONS = 5  # k-means iterations within a cell
@@ -158,7 +158,8 @@ def kmeans(
     with N <= k every point is its own centroid. ``progress(step, done, total)`` is called as the
     work advances.
 
-    Up to N x k = EXACT_LIMIT (2^28; e.g. 16,384 points into 16,384): exact Lloyd iterations
+    Up to N x k = EXACT_LIMIT (2^29: every N below 32,768 with splat-transform's palette size, at
+    most ~16 s of CPU): exact Lloyd iterations
     (``lloyd``). Beyond, the N x k distances per iteration are what make it slow (1.5M x 65,536 x
     45 dimensions: ~10^13 operations per iteration), and the palette is built as faiss trains its
     large inverted-file codebooks (faiss.contrib.clustering.two_level_clustering; Nistér & Stewénius
