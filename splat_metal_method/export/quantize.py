@@ -237,12 +237,13 @@ def two_level(x: np.ndarray, k: int, iterations: int, device: torch.device, seed
     2. in each cell, CELL_ITERATIONS of k-means of its points into its share of k (proportional
        to its size, as faiss's rebalancing);
     3. REFINE_ITERATIONS global Lloyd iterations in which the points of a cell are compared with the
-       entries of the PROBES cells nearest to it (its own included; an inverted file probed per
-       cell, Jégou et al. 2011): one dense distance block per cell, its points x its neighbours'
-       entries, which moves points that the cell boundaries put with the wrong entries; then the
-       final assignment the same way.
+       entries of the P cells nearest to it (its own included; an inverted file probed per cell,
+       Jégou et al. 2011; P = PROBES, or more while N x P x k/C stays under REFINE_DISTANCES, i.e.
+       where N is small): one dense distance block per cell, its points x its neighbours' entries,
+       which moves points that the cell boundaries put with the wrong entries; then the final
+       assignment the same way.
 
-    Per point that is C + (CELL_ITERATIONS + 1) k/C + (REFINE_ITERATIONS + 1) PROBES k/C distances
+    Per point that is C + (CELL_ITERATIONS + 1) k/C + (REFINE_ITERATIONS + 1) P k/C distances
     instead of (iterations + 1) k: ~4,000 instead of 720,000 for 65,536 entries. Cells are
     independent (each has its own seeded generator), so they run on all cores and give the same
     result on any number of them. docs/export.md has the measured cost and error against exact
