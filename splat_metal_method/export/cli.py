@@ -184,7 +184,7 @@ def _check_run(config_path: Path):
         )
     from nerfstudio.configs.method_configs import all_methods
 
-    if config.method_name not in all_methods:  # eval_setup looks its datamanager up there
+    if config.method_name not in all_methods:  # as ns-export refuses it (eval_setup looks the method up)
         raise ExportError(
             f"{config_path} is a {config.method_name!r} run, a method not installed here "
             f"(installed: {', '.join(sorted(all_methods))})."
