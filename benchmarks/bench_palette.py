@@ -3,11 +3,14 @@ on the same SH vectors, relative RMS error and CPU seconds (of the process: the 
 machine does not change them; wall seconds are printed too).
 
     python benchmarks/bench_palette.py 30000:4096 40000:32768 1500000:65536 [--no-exact-above 100000]
+    python benchmarks/bench_palette.py --checkpoint outputs/.../nerfstudio_models/step-000000999.ckpt
 
 The SH vectors: bands 1-3 (45 values, channel-major) as bench_export_scale.py makes them (4,096
 shared "materials", Laplace, per band 0.12 / 0.06 / 0.03, the channels alike, times a per-gaussian
 gain, plus a per-gaussian Laplace part at 0.3 of that scale), --seed 0 (docs/export.md's 30,000-point
-row: --seed 3). Exact k-means at 1.5M is ~10^14 operations: skipped above --no-exact-above points.
+row: --seed 3), or with --checkpoint the SH of a trained run's checkpoint (the gaussians the export
+keeps: opacity >= 1/255) into the export's palette size. Exact k-means at 1.5M is ~10^14 operations:
+skipped above --no-exact-above points.
 """
 
 from __future__ import annotations
@@ -31,18 +34,30 @@ def sh_vectors(n: int, seed: int) -> np.ndarray:  # [N, 45] channel-major
     return rest.transpose(0, 2, 1).reshape(n, -1).astype(np.float32)
 
 
+def checkpoint_sh(path: str) -> np.ndarray:  # [N, 45] channel-major, the gaussians the export keeps
+    import torch
+
+    state = torch.load(path, map_location="cpu", mmap=True)["pipeline"]
+    rest = state["_model.gauss_params.features_rest"].numpy()  # [N, 15, 3]
+    keep = state["_model.gauss_params.opacities"].numpy()[:, 0] >= -5.5373  # opacity >= 1/255
+    return np.ascontiguousarray(rest[keep].transpose(0, 2, 1).reshape(int(keep.sum()), -1), np.float32)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("sizes", nargs="+", help="points:palette, e.g. 40000:32768")
+    parser.add_argument("sizes", nargs="*", help="points:palette, e.g. 40000:32768")
+    parser.add_argument("--checkpoint", help="a trained run's step-*.ckpt: its SH instead of generated ones")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-exact-above", type=int, default=100_000)
     args = parser.parse_args()
     from splat_metal_method.export import quantize
 
     print("| points → palette | exact k-means | two-level palette |\n|---|---:|---:|")
-    for size in args.sizes:
-        n, k = map(int, size.split(":"))
-        x = sh_vectors(n, args.seed)
+    rows = [(None, None)] if args.checkpoint else [tuple(map(int, size.split(":"))) for size in args.sizes]
+    for n, k in rows:
+        x = sh_vectors(n, args.seed) if n else checkpoint_sh(args.checkpoint)
+        if k is None:
+            n, k = len(x), quantize.palette_size(len(x))
         cells = []
         for mode, limit in (("exact", 1 << 62), ("two-level", 0)):
             if mode == "exact" and n > args.no_exact_above:

@@ -1,5 +1,7 @@
 """Export a trained run as the files splat viewers and apps load (``splat-metal-export``).
 
+- ``checkpoint``: the run's gaussians read from the checkpoint ``ns-export`` loads, without
+  building its pipeline.
 - ``gaussians``: the gaussians ``ns-export gaussian-splat`` writes (same selection, same values),
   taken once from the loaded model and shared by every format.
 - ``splat_file``: antimatter15's ``.splat`` (32 bytes per gaussian, no view-dependent colour).
@@ -9,7 +11,7 @@
 - ``ply_file``: the .ply bytes of nerfstudio's ``write_ply``, a block of rows at a time (also what
   ``ns-export gaussian-splat`` writes with, through engine/reliability.py's patch).
 - ``quantize``: Morton order, 256-entry 1-D codebooks and the k-means SH palette they share (exact,
-  or a two-level codebook beyond 2^28 distances per iteration).
+  or a two-level codebook beyond 2^29 distances per iteration).
 - ``progress``: the rich progress bars and per-file times of the command.
 - ``playcanvas``: writes either PlayCanvas format for the command.
 - ``cli``: the tyro command.

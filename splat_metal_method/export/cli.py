@@ -3,9 +3,11 @@
     splat-metal-export --load-config outputs/.../config.yml --output-dir exports/ --format ply splat spz
     splat-metal-export --load-config outputs/.../config.yml --output-dir exports/ --format sog compressed-ply
 
-The run is loaded as ``ns-export`` loads it (nerfstudio's ``eval_setup``: the same device choice,
-cuda if available else cpu, and the same checkpoint, the latest; splat-metal's checkpoint allow-list
-applies because importing this package installs it). Any splatfacto run works, not only splat-metal.
+The run's gaussians are read from the checkpoint ``ns-export`` loads (the newest readable one;
+splat-metal's checkpoint allow-list applies because importing this package installs it) without
+building its pipeline (checkpoint.py: seconds instead of nerfstudio's ``eval_setup``, which loads
+the datamanager too); the .sog's k-means runs where eval_setup would put the model (cuda if
+available, else the best device this machine has). Any splatfacto run works, not only splat-metal.
 
 ``.ply`` is byte for byte what ``ns-export gaussian-splat`` writes (nerfstudio's ``write_ply`` bytes
 over the same columns, written a block at a time: ply_file.py); ``.splat``, ``.spz``, ``.sog`` and ``.compressed.ply`` are described in
@@ -81,21 +83,20 @@ class ExportSplats:
         targets = [self.output_dir / f"{self.output_name}.{EXTENSIONS.get(fmt, fmt)}" for fmt in formats]
         _check_config_file(self.load_config)
         _prepare_output_dir(self.output_dir, targets)
-        _check_run(self.load_config)
+        config = _check_run(self.load_config)
 
-        from nerfstudio.models.splatfacto import SplatfactoModel
-        from nerfstudio.utils.eval_utils import eval_setup
         from nerfstudio.utils.rich_utils import CONSOLE
 
+        from .checkpoint import CheckpointProblem, load_run
         from .gaussians import export_gaussians
 
         started = time.perf_counter()
-        _, pipeline, checkpoint, step = eval_setup(self.load_config, test_mode="inference")
-        loaded = time.perf_counter() - started
-        model = pipeline.model
-        if not isinstance(model, SplatfactoModel):  # _check_run read the config; the checkpoint may differ
-            raise ExportError(f"{self.load_config} loads a {type(model).__name__}, not a gaussian-splatting model")
+        try:
+            model, checkpoint, step = load_run(config)
+        except CheckpointProblem as e:
+            raise ExportError(f"{e}; nothing was written.") from None
         g = export_gaussians(model, obb=None if self.obb_center is None else obb_parts)  # type: ignore[arg-type]
+        loaded = time.perf_counter() - started
         dropped = ", ".join(
             f"{n:,} {why}" for n, why in ((g.n_cropped, "outside the box"), (g.n_nonfinite, "with NaN/Inf"),
                                           (g.n_low_opacity, "below opacity 1/255")) if n
@@ -163,8 +164,8 @@ def _prepare_output_dir(out: Path, targets: List[Path]) -> None:
             raise ExportError(f"{target} is a folder; remove it or choose another --output-name.")
 
 
-def _check_run(config_path: Path) -> None:
-    """The config is a nerfstudio run of a gaussian-splatting method and has a checkpoint."""
+def _check_run(config_path: Path):
+    """The config (returned) is a nerfstudio run of a gaussian-splatting method and has a checkpoint."""
     import yaml
     from nerfstudio.engine.trainer import TrainerConfig
     from nerfstudio.models.splatfacto import SplatfactoModelConfig
@@ -183,7 +184,7 @@ def _check_run(config_path: Path) -> None:
         )
     from nerfstudio.configs.method_configs import all_methods
 
-    if config.method_name not in all_methods:  # eval_setup looks its datamanager up there
+    if config.method_name not in all_methods:  # as ns-export refuses it (eval_setup looks the method up)
         raise ExportError(
             f"{config_path} is a {config.method_name!r} run, a method not installed here "
             f"(installed: {', '.join(sorted(all_methods))})."
@@ -195,6 +196,7 @@ def _check_run(config_path: Path) -> None:
             + (" (a relative path: run from the folder ns-train ran in)" if not Path(ckpt_dir).is_absolute() else "")
             + "."
         )
+    return config
 
 
 def _write_all(g, formats: List[str], targets: List[Path], device=None) -> dict:

@@ -8,8 +8,10 @@ ties broken by index.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Callable, Optional, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -135,11 +137,12 @@ def palette_size(n: int) -> int:
     return int(min(64.0, 2.0 ** np.floor(np.log2(n / 1024))) * 1024)
 
 
-EXACT_LIMIT = 1 << 28  # N x k distances per iteration up to which the palette is exact k-means
+EXACT_LIMIT = 1 << 29  # N x k distances per iteration up to which the palette is exact k-means (N < 32,768)
 CELL_FACTOR = 4  # coarse cells: 4 sqrt(k) (1,024 for 65,536 entries, 64 entries each)
 COARSE_SAMPLE = 32  # points per coarse cell its k-means trains on
 CELL_ITERATIONS = 5  # k-means iterations within a cell
-PROBES = 8  # nearest cells whose entries each point is compared with in the refinement
+PROBES = 8  # nearest cells whose entries a cell's points are compared with in the refinement, at least
+REFINE_DISTANCES = 1 << 26  # more probes while N x probed entries per iteration stays under this
 REFINE_ITERATIONS = 4  # global Lloyd iterations after the two-level palette
 
 
@@ -155,7 +158,8 @@ def kmeans(
     with N <= k every point is its own centroid. ``progress(step, done, total)`` is called as the
     work advances.
 
-    Up to N x k = EXACT_LIMIT (2^28; e.g. 16,384 points into 16,384): exact Lloyd iterations
+    Up to N x k = EXACT_LIMIT (2^29: every N below 32,768 with splat-transform's palette size, at
+    most ~16 s of CPU): exact Lloyd iterations
     (``lloyd``). Beyond, the N x k distances per iteration are what make it slow (1.5M x 65,536 x
     45 dimensions: ~10^13 operations per iteration), and the palette is built as faiss trains its
     large inverted-file codebooks (faiss.contrib.clustering.two_level_clustering; Nistér & Stewénius
@@ -165,20 +169,38 @@ def kmeans(
     if n <= k:
         return x.copy(), np.arange(n, dtype=np.int64)
     device = torch.device("cpu") if device is None else torch.device(device)
-    if n * k <= EXACT_LIMIT:
-        return lloyd(x, k, iterations, device, np.random.default_rng(seed), progress)
-    return two_level(x, k, iterations, device, seed, progress)
+    with _cpu_threads(device) as pool:
+        if n * k <= EXACT_LIMIT:
+            return lloyd(x, k, iterations, device, np.random.default_rng(seed), progress, pool)
+        return two_level(x, k, iterations, device, seed, progress, pool)
 
 
-def lloyd(x: np.ndarray, k: int, iterations: int, device: torch.device, rng: np.random.Generator, progress=None):
+@contextlib.contextmanager
+def _cpu_threads(device: torch.device) -> Iterator[Optional[ThreadPoolExecutor]]:
+    """A pool of one thread per core for the work on the CPU (numpy releases the GIL in its products
+    and reductions), with the BLAS library itself held to one thread meanwhile: its own threads
+    spin-wait between the many small products (measured: a third of the palette's CPU time, most
+    of it in the kernel). None on a GPU (one queue; MPS is not safe from several threads)."""
+    if device.type != "cpu":
+        yield None
+        return
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1, user_api="blas"), ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        yield pool
+
+
+def lloyd(x: np.ndarray, k: int, iterations: int, device: torch.device, rng: np.random.Generator, progress=None,
+          pool: Optional[ThreadPoolExecutor] = None):  # fmt: skip
     """Exact k-means: k distinct points drawn by ``rng`` as seeds, then ``iterations`` rounds of
-    nearest-centroid assignment (the N x k distances, on ``device``) and centroid means (float64, on
-    the host); an empty cluster is re-seeded with a drawn point. x [N, D] float32, N > k."""
+    nearest-centroid assignment (the N x k distances, on ``device``; over ``pool`` when given) and
+    centroid means (float64, on the host); an empty cluster is re-seeded with a drawn point.
+    x [N, D] float32, N > k."""
     n = x.shape[0]
     centroids = x[np.sort(rng.permutation(n)[:k])]
     labels = np.zeros(n, np.int64)
     for it in range(iterations + 1):
-        labels = nearest(x, centroids, device)[0]
+        labels = nearest(x, centroids, device, pool=pool)[0]
         if it == iterations:
             break
         centroids = _means(x, labels, k, rng)
@@ -191,7 +213,13 @@ def _means(x: np.ndarray, labels: np.ndarray, k: int, rng: np.random.Generator) 
     """[k, D] float32 means of the points of each label (sums in float64, in the points' order); an
     empty label gets a point drawn by ``rng``."""
     counts = np.bincount(labels, minlength=k)
-    sums = np.stack([np.bincount(labels, weights=x[:, j], minlength=k) for j in range(x.shape[1])], 1)
+    if len(labels) <= 1 << 16:  # a cell's points: sorted by label and summed per run, one call for all D
+        used = np.flatnonzero(counts)
+        sums = np.zeros((k, x.shape[1]))
+        sums[used] = np.add.reduceat(x[np.argsort(labels, kind="stable")].astype(np.float64),
+                                     np.r_[0, np.cumsum(counts[used])[:-1]], axis=0)  # fmt: skip
+    else:
+        sums = np.stack([np.bincount(labels, weights=x[:, j], minlength=k) for j in range(x.shape[1])], 1)
     centroids = sums / np.maximum(counts, 1)[:, None]
     empty = np.flatnonzero(counts == 0)
     if len(empty):
@@ -199,41 +227,49 @@ def _means(x: np.ndarray, labels: np.ndarray, k: int, rng: np.random.Generator) 
     return centroids.astype(np.float32)
 
 
-def two_level(x: np.ndarray, k: int, iterations: int, device: torch.device, seed: int, progress=None):
+def two_level(x: np.ndarray, k: int, iterations: int, device: torch.device, seed: int, progress=None,
+              pool: Optional[ThreadPoolExecutor] = None):  # fmt: skip
     """k-means of x [N, D] into k entries for large N x k, as faiss trains large codebooks:
 
     1. k-means (``iterations``) of COARSE_SAMPLE points per cell into C = 4 sqrt(k) coarse cells;
-       every point goes to its nearest cell (N x C distances, once);
+       every point goes to its nearest cell (N x C distances, once); the points are then sorted by
+       cell, so each cell's points are one contiguous block;
     2. in each cell, CELL_ITERATIONS of k-means of its points into its share of k (proportional
        to its size, as faiss's rebalancing);
     3. REFINE_ITERATIONS global Lloyd iterations in which the points of a cell are compared with the
-       entries of the NEIGHBOURS cells nearest to it (its own included; an inverted file probed per
-       cell, Jégou et al. 2011), which moves points that the cell boundaries put with the wrong
-       entries; then the final assignment the same way.
+       entries of the P cells nearest to it (its own included; an inverted file probed per cell,
+       Jégou et al. 2011; P = PROBES, or more while N x P x k/C stays under REFINE_DISTANCES, i.e.
+       where N is small): one dense distance block per cell, its points x its neighbours' entries,
+       which moves points that the cell boundaries put with the wrong entries; then the final
+       assignment the same way.
 
-    Per point that is C + (CELL_ITERATIONS + 3 NEIGHBOURS) k/C distances instead of (iterations +
-    1) k: ~3,000 instead of 720,000 for 65,536 entries. Cells are independent (each has its own
-    seeded generator), so they run on all cores and give the same result on any number of them.
-    docs/export.md has the measured cost and error against exact k-means."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    Per point that is C + (CELL_ITERATIONS + 1) k/C + (REFINE_ITERATIONS + 1) P k/C distances
+    instead of (iterations + 1) k: ~4,000 instead of 720,000 for 65,536 entries. Cells are
+    independent (each has its own seeded generator), so they run on all cores and give the same
+    result on any number of them. docs/export.md has the measured cost and error against exact
+    k-means."""
     n = x.shape[0]
     cells = min(k, int(round(CELL_FACTOR * np.sqrt(k))))
     rng = np.random.default_rng(seed)
     sample = x[np.sort(rng.permutation(n)[: COARSE_SAMPLE * cells])]
-    coarse = lloyd(sample, cells, iterations, device, rng)[0]
-    probes = nearest(x, coarse, device, min(PROBES, cells))[0]  # [N, P] each point's nearest cells, nearest first
-    cell = probes[:, 0]
+    coarse = lloyd(sample, cells, iterations, device, rng, pool=pool)[0]
+    cell = nearest(x, coarse, device, pool=pool)[0]  # [N] each point's nearest cell
     sizes = np.bincount(cell, minlength=cells)
     share = np.diff(np.r_[0, np.cumsum(sizes) * k // n])  # entries per cell, summing to k, <= its points
     first = np.r_[0, np.cumsum(share)]  # cell c owns entries first[c]..first[c+1]
-    members = np.split(np.argsort(cell, kind="stable"), np.cumsum(sizes)[:-1])  # points of each cell, ascending
+    order = np.argsort(cell, kind="stable")  # points by cell, ascending within a cell
+    xs = x[order]  # [N, D] cell c's points are xs[start[c]:start[c+1]]
+    start = np.r_[0, np.cumsum(sizes)]
+    probed = min(cells, max(PROBES, REFINE_DISTANCES // (n * k // cells)))
+    probes = nearest(coarse, coarse, device, probed)[0]  # [C, P] each cell's nearest cells, itself first
+    candidates = [np.concatenate([np.arange(first[d], first[d + 1]) for d in probes[c]]) for c in range(cells)]
+    candidates = [cand if len(cand) else np.arange(k) for cand in candidates]  # (neighbours without entries)
     centroids = np.zeros((k, x.shape[1]), np.float32)
-    labels = np.zeros(n, np.int64)
+    sorted_labels = np.zeros(n, np.int64)
     done = [0]
 
     def fine(c: int) -> None:
-        pts = x[members[c]]
+        pts = xs[start[c] : start[c + 1]]
         if share[c] and len(pts) > share[c]:
             pts = lloyd(pts, share[c], CELL_ITERATIONS, device, np.random.default_rng([seed, c]))[0]
         centroids[first[c] : first[c + 1]] = pts[: share[c]]
@@ -241,60 +277,55 @@ def two_level(x: np.ndarray, k: int, iterations: int, device: torch.device, seed
         if progress is not None and done[0] % 64 == 0:
             progress("SH palette, per cell", done[0], cells)
 
-    p = probes.shape[1]
-    pairs = np.argsort(probes.reshape(-1), kind="stable")  # (point, probe) pairs grouped by cell
-    pairs = np.split(pairs, np.cumsum(np.bincount(probes.reshape(-1), minlength=cells))[:-1])
-    pair_dist = np.full(n * p, np.inf, np.float32)  # per (point, probe): nearest entry of that cell
-    pair_label = np.zeros(n * p, np.int64)
+    def assign(c: int) -> None:  # cell c's points against its probed cells' entries; cells write apart
+        if sizes[c]:
+            arg = nearest(xs[start[c] : start[c + 1]], centroids[candidates[c]], device)[0]
+            sorted_labels[start[c] : start[c + 1]] = candidates[c][arg]  # equal distances: the nearer cell's
 
-    def assign(c: int) -> None:  # the points probing cell c against its entries; cells write apart
-        if len(pairs[c]) and share[c]:
-            arg, dist = nearest(x[pairs[c] // p], centroids[first[c] : first[c + 1]], device)
-            pair_dist[pairs[c]], pair_label[pairs[c]] = dist, arg + first[c]
-
-    workers = (os.cpu_count() or 1) if device.type == "cpu" else 1  # numpy releases the GIL; one GPU queue
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(fine, range(cells)))
-        for it in range(REFINE_ITERATIONS + 1):
-            list(pool.map(assign, range(cells)))
-            pick = np.argmin(pair_dist.reshape(n, p), axis=1)  # equal distances: the nearer cell's entry
-            labels = pair_label.reshape(n, p)[np.arange(n), pick]
-            if it == REFINE_ITERATIONS:
-                break
-            centroids[:] = _means(x, labels, k, rng)
-            if progress is not None:
-                progress("SH palette, refining", it + 1, REFINE_ITERATIONS)
+    labels = np.zeros(n, np.int64)
+    each = map if pool is None else pool.map
+    list(each(fine, range(cells)))
+    for it in range(REFINE_ITERATIONS + 1):
+        list(each(assign, range(cells)))
+        labels[order] = sorted_labels
+        if it == REFINE_ITERATIONS:
+            break
+        centroids[:] = _means(x, labels, k, rng)
+        if progress is not None:
+            progress("SH palette, refining", it + 1, REFINE_ITERATIONS)
     return centroids, labels
 
 
-def nearest(x: np.ndarray, c: np.ndarray, device: torch.device, k: int = 1) -> Tuple[np.ndarray, np.ndarray]:
+def nearest(x: np.ndarray, c: np.ndarray, device: torch.device, k: int = 1,
+            pool: Optional[ThreadPoolExecutor] = None) -> Tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """For each row of x [N, D], its nearest row of c [M, D]: (index [N] int64, squared distance
     less |x|^2 [N] float32); with k > 1, the k nearest indices [N, k], nearest first (no distances).
-    In chunks of at most 2^24 distances; on the CPU with numpy (whose argmin is several times
-    faster than torch's; the same bytes whatever the load), elsewhere with torch on ``device``."""
-    c_sq = (c * c).sum(1)
-    step = max(1, (1 << 24) // c.shape[0])
-    idx, dist = [], []
-    for s in range(0, x.shape[0], step):
+    In chunks of at most 2^20 distances (4 MB: they stay in the cache, and no large temporary is
+    made), over ``pool`` when given; on the CPU with numpy (whose argmin is several times faster
+    than torch's; the same bytes whatever the load or the number of threads), elsewhere with torch
+    on ``device``."""
+    c_sq = (c * c).sum(1)  # [M]
+    step = max(1, (1 << 20) // c.shape[0])
+    if device.type != "cpu":
+        cd, c_sq_d = torch.from_numpy(c).to(device), torch.from_numpy(c_sq).to(device)
+
+    def chunk(s: int):
         if device.type == "cpu":
-            d = c_sq[None, :] - 2 * (x[s : s + step] @ c.T)  # |x|^2 is the same for every centroid
+            d = x[s : s + step] @ c.T  # [n, M]; |x|^2 is the same for every centroid
+            d *= -2
+            d += c_sq
             if k == 1:
-                idx.append(np.argmin(d, axis=1))
-                dist.append(np.take_along_axis(d, idx[-1][:, None], axis=1)[:, 0])
-            else:
-                part = np.argpartition(d, k - 1, axis=1)[:, :k]
-                idx.append(
-                    np.take_along_axis(
-                        part, np.argsort(np.take_along_axis(d, part, axis=1), axis=1, kind="stable"), axis=1
-                    )
-                )
-        else:
-            cd = torch.from_numpy(c).to(device)
-            d = torch.from_numpy(c_sq).to(device)[None, :] - 2 * (torch.from_numpy(x[s : s + step]).to(device) @ cd.T)
-            if k == 1:
-                v, i = torch.min(d, dim=1)
-                idx.append(i.cpu().numpy())
-                dist.append(v.cpu().numpy())
-            else:
-                idx.append(torch.topk(d, k, dim=1, largest=False).indices.cpu().numpy())
-    return np.concatenate(idx).astype(np.int64), (np.concatenate(dist) if dist else np.zeros(0, np.float32))
+                i = np.argmin(d, axis=1)
+                return i, np.take_along_axis(d, i[:, None], axis=1)[:, 0]
+            part = np.argpartition(d, k - 1, axis=1)[:, :k]
+            by_distance = np.argsort(np.take_along_axis(d, part, axis=1), axis=1, kind="stable")
+            return np.take_along_axis(part, by_distance, axis=1), None
+        d = torch.addmm(c_sq_d, torch.from_numpy(x[s : s + step]).to(device), cd.T, alpha=-2)
+        if k == 1:
+            v, i = torch.min(d, dim=1)
+            return i.cpu().numpy(), v.cpu().numpy()
+        return torch.topk(d, k, dim=1, largest=False).indices.cpu().numpy(), None
+
+    parts = list((map if pool is None else pool.map)(chunk, range(0, x.shape[0], step)))
+    idx = np.concatenate([i for i, _ in parts]).astype(np.int64)
+    return idx, (np.concatenate([d for _, d in parts]) if k == 1 else np.zeros(0, np.float32))

@@ -442,3 +442,16 @@ def test_failure_in_one_format_writes_none(edit_run, tmp_path):
     assert "do not fit the format's 24-bit fixed point" in message and "nothing was written" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["splat.ply"]
     assert (tmp_path / "splat.ply").read_bytes() == b"old ply"
+
+
+def test_checkpoint_that_does_not_fit_its_config(edit_run, tmp_path):
+    """splat-metal-export reads the tensors from the checkpoint itself (export/checkpoint.py): a
+    checkpoint whose SH does not fit the config's SH degree is one line, nothing written."""
+
+    def sh3_rest(params):
+        params["features_rest"] = torch.zeros(params["means"].shape[0], 15, 3)
+
+    message = _export(edit_run("misfit", sh3_rest), tmp_path / "out")
+    assert "features_rest is (" in message and ", 15, 3), not (" in message and "SH degree 0" in message, message
+    assert "nothing was written" in message and "\n" not in message
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
