@@ -140,7 +140,7 @@ def render_step(scene: Scene, width: int, height: int, capacities, gt: torch.Ten
         height=height, sh_degree=SH_DEGREE, absgrad=True, backend="metal", scales_are_log=True,
         opacities_are_logits=True, isect_capacity=capacities, composite_background=background, composite_squeeze=True,
     )  # fmt: skip
-    rgb = meta["rgb"]  # [H, W, 3]
+    rgb = meta["rgb"]  # [H, W, 3]: the metal rasterizer composites
     loss, _, _ = l1_ssim_loss(rgb, gt, 0.2, "metal", stats=False)
     loss.backward()
 

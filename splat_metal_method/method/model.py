@@ -384,7 +384,7 @@ class SplatMetalModel(SplatfactoModel):
             colors, sh_degree, raw["colors_rest"] = torch.sigmoid(colors).squeeze(1), None, None  # [N, 3]
 
         # clamp(color + (1 - alpha) * background, 0, 1), splatfacto's composite: inside the rasterizer's kernels
-        # on the metal backend (rasterization's composite_background), ops/composite.py's op elsewhere.
+        # on the metal backend (rasterization's composite_background), ops/composite.py's op otherwise.
         background = self._get_background_color().to(device)
         bilateral = self.config.use_bilateral_grid and self.training  # it takes rgb [1, H, W, 3]
         # A distributed training step renders this rank's camera from every rank's shard (ops/distributed.py).
@@ -427,7 +427,7 @@ class SplatMetalModel(SplatfactoModel):
             )
 
         rgb = self.info.pop("rgb", None)  # [H, W, 3] unless bilateral
-        if rgb is None:  # the distributed render
+        if rgb is None:  # a render whose rasterizer did not composite (rasterization's composite_background)
             rgb = composite_background(render, alpha, background, backend, squeeze=not bilateral)
         if bilateral:
             if camera.metadata is not None and "cam_idx" in camera.metadata:

@@ -315,12 +315,12 @@ def rasterization(
     [N, K-1, 3]). The metal backend applies them inside its kernels (ops/metal/prepare.py); the others
     apply them first, as splatfacto does, with the same result.
 
-    ``composite_background`` (not a gsplat argument; [3], no gradient): meta["rgb"] is then splatfacto's
+    ``composite_background`` (not a gsplat argument; [3], no gradient): where the backend's rasterizer
+    composites (metal: its kernels, forward and backward, no composite launches), meta["rgb"] is splatfacto's
     composite of the render over it, ``clamp(render_colors[..., :3] + (1 - render_alphas) * background, 0, 1)``
-    ([C,H,W,3], or [H,W,3] with ``composite_squeeze`` and one camera), differentiable in the render. The
-    metal backend writes it from the rasterizer's kernels, forward and backward (no composite launches);
-    the others, and the metal backend where those do not cover (backgrounds given, depth chunks, fewer than
-    3 channels), run ops/composite.py's composite_background on the render."""
+    ([C,H,W,3], or [H,W,3] with ``composite_squeeze`` and one camera), differentiable in the render. Where it
+    does not (other backends; backgrounds given, depth chunks), meta has no "rgb": the caller composites
+    (ops/composite.py's composite_background, the unfused twin)."""
     if rasterize_mode not in ("classic", "antialiased"):
         raise ValueError(f"[rasterization] rasterize_mode must be 'classic' or 'antialiased', got {rasterize_mode!r}")
     if composite_background is not None and render_mode not in ("RGB", "RGB+D", "RGB+ED"):
@@ -364,15 +364,12 @@ def rasterization(
         from gsplat.rendering import rasterization as gsplat_rasterization
 
         quats = zero_quats_to_identity(quats)
-        render_colors, render_alphas, meta = gsplat_rasterization(
+        return gsplat_rasterization(
             means, quats, scales, opacities, colors, viewmats, Ks, width, height,
             near_plane=near_plane, far_plane=far_plane, radius_clip=radius_clip, eps2d=eps2d,
             sh_degree=sh_degree, packed=packed, tile_size=tile_size, backgrounds=backgrounds,
             render_mode=render_mode, sparse_grad=sparse_grad, absgrad=absgrad, rasterize_mode=rasterize_mode,
         )  # fmt: skip
-        if composite_background is not None:
-            meta["rgb"] = _composite(render_colors, render_alphas, composite_background, name, composite_squeeze)
-        return render_colors, render_alphas, meta
     if packed or sparse_grad:
         raise ValueError(f"[rasterization] packed/sparse_grad are only supported by backend 'gsplat' (using {name!r})")
     C, N = viewmats.shape[0], means.shape[0]
@@ -441,8 +438,6 @@ def rasterization(
             ops, chunks, means2d, conics, colors.contiguous(), opacities.contiguous(), radii, depths,
             width, height, tile_size, tile_width, tile_height, backgrounds, absgrad,
         )  # fmt: skip
-    if composite_background is not None and rgb is None:  # the unfused twin (the first 3 channels: not depth)
-        rgb = _composite(render_colors, render_alphas, composite_background, name, composite_squeeze)
     if render_mode in ("ED", "RGB+ED"):
         render_colors = torch.cat(
             [render_colors[..., :-1], render_colors[..., -1:] / render_alphas.clamp(min=1e-10)], dim=-1
@@ -484,9 +479,3 @@ def _fuses_composite(background: Tensor, backgrounds: Optional[Tensor], colors: 
     return (backgrounds is None and colors.shape[-1] >= 3 and tuple(background.shape) == (3,)
             and background.dtype == torch.float32 and background.device == colors.device
             and not background.requires_grad and background.is_contiguous())  # fmt: skip
-
-
-def _composite(render_colors: Tensor, render_alphas: Tensor, background: Tensor, backend: str, squeeze: bool) -> Tensor:
-    from .composite import composite_background
-
-    return composite_background(render_colors, render_alphas, background, backend, squeeze=squeeze)

@@ -394,7 +394,8 @@ def test_no_integer_cumsum_on_the_metal_training_path(audits):
 # fused L1 + SSIM loss (ops/loss.py), the NaN/Inf guard's flag read a step late, one Cameras per training
 # image, and the rasterization op's own glue (sort, culling, projection autograd, SH activation).
 STEADY_STEP_HOST_READS = 0
-STEADY_STEP_ATEN_DISPATCHES = 90  # issue 30's target (measured 79 on this scene)
+# issue 30's target was 90 (measured 79); issue 38 put the background composite into the rasterizer's kernels
+STEADY_STEP_ATEN_DISPATCHES = 77  # measured 74 on this scene
 
 
 @pytest.fixture(scope="module")

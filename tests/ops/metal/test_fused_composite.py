@@ -151,6 +151,7 @@ def test_fused_composite_cuts_launches_and_aten_ops():
     v = (torch.randn(1, scene.height, scene.width, 3, generator=g),) * 3
     counted = {}
     for kind in ("fused", "twin"):
+        _step(kind, case, scene, colors, _background(case, g), v)  # first calls: workspace buffers, caches
         with step_ledger.count(kind) as led:
             _step(kind, case, scene, colors, _background(case, g), v)
         counted[kind] = led
@@ -187,18 +188,20 @@ def test_planted_errors_fail_the_comparison(monkeypatch):
         monkeypatch.undo()
 
 
-def test_composite_falls_back_where_the_kernels_do_not_fuse():
-    """gsplat backgrounds given with composite_background, the reference backend, depth chunks: meta["rgb"]
-    is ops/composite.py's composite of the render; a render without colours has nothing to composite."""
+def test_composite_is_left_to_the_caller_where_the_rasterizer_does_not_fuse():
+    """gsplat backgrounds given with composite_background, the reference backend, depth chunks: meta has no
+    "rgb" (the caller composites, as the model does: the unfused twin); a render without colours has
+    nothing to composite."""
     scene, colors, g = _scene(Case())
     bg3 = torch.tensor([0.25, 0.5, 1.0])
     for kwargs in ({"backgrounds": torch.rand(1, 3, generator=g)}, {"backend": "reference"}, {"max_intersections": 5}):
         kwargs = {"backend": "metal", **kwargs}
-        render, alpha, meta = rasterization(
+        _, _, meta = rasterization(
             scene.means, scene.quats, scene.scales, scene.opacities, colors, scene.viewmats, scene.Ks, scene.width,
             scene.height, composite_background=bg3, **kwargs,
         )  # fmt: skip
-        torch.testing.assert_close(meta["rgb"], composite_background_reference(render, alpha, bg3), rtol=0, atol=1e-6)
+        assert "rgb" not in meta, kwargs
+        assert "max_intersections" not in kwargs or meta["depth_chunks"] > 1
     with pytest.raises(ValueError, match="composite_background"):
         rasterization(scene.means, scene.quats, scene.scales, scene.opacities, colors, scene.viewmats, scene.Ks,
                       scene.width, scene.height, render_mode="D", composite_background=bg3, backend="metal")  # fmt: skip
