@@ -205,3 +205,78 @@ def test_composite_is_left_to_the_caller_where_the_rasterizer_does_not_fuse():
     with pytest.raises(ValueError, match="composite_background"):
         rasterization(scene.means, scene.quats, scene.scales, scene.opacities, colors, scene.viewmats, scene.Ks,
                       scene.width, scene.height, render_mode="D", composite_background=bg3, backend="metal")  # fmt: skip
+
+
+def test_the_self_check_covers_the_fused_composite(monkeypatch):
+    """kernel_checks.stage_checks (the self-check's and the doctor's) compares the fused composite with the
+    reference's rasterizer + composite, as stage "rasterize" (a failure routes the render to the unfused
+    twin), and a planted rgb 1% off fails it."""
+    from splat_metal_method.ops import reference
+    from splat_metal_method.ops.stage_fallback import stage_of
+    from splat_metal_method.verify import kernel_checks
+
+    def composite_checks():
+        checks = kernel_checks.stage_checks(torch.device("cpu"), metal_ops, reference, 40, 27, channels=(3,),
+                                            sh_degrees=(), modes=("classic",), backgrounds=False, n=120, cameras=1)  # fmt: skip
+        return [c for c in checks if "fused composite" in c.stage]
+
+    checks = composite_checks()
+    assert [c.direction for c in checks] == ["forward", "backward"] and all(c.ok for c in checks), checks
+    assert stage_of(checks[0].stage) == "rasterize"
+    right = metal_ops.rasterize_to_pixels_composite
+    monkeypatch.setattr(metal_ops, "rasterize_to_pixels_composite",
+                        lambda *a, **k: tuple(t * f for t, f in zip(right(*a, **k), (1.0, 1.0, 1.01))))  # fmt: skip
+    assert [c.ok for c in composite_checks()] == [False, False]
+
+
+def test_the_model_renders_the_same_rgb_and_gradients_with_the_composite_fused(monkeypatch):
+    """SplatMetalModel.get_outputs (training, random background, SH colours): its rgb from the rasterizer's fused
+    composite and the gradients of a loss on it equal those of the unfused twin (the metal backend without
+    rasterize_to_pixels_composite: the model composites with ops/composite.py)."""
+    from nerfstudio.cameras.cameras import Cameras
+    from nerfstudio.data.scene_box import SceneBox
+
+    from splat_metal_method.method.model import SplatMetalModelConfig
+
+    gen = torch.Generator().manual_seed(1)
+    means = torch.rand(80, 3, generator=gen) - 0.5
+    colors = (torch.rand(80, 3, generator=gen) * 255).to(torch.uint8)
+    model = SplatMetalModelConfig(backend="metal", background_color="random").setup(
+        scene_box=SceneBox(aabb=torch.tensor([[-1.0, -1, -1], [1, 1, 1]])), num_train_data=1, metadata={},
+        seed_points=(means, colors),
+    )  # fmt: skip
+    model.config.num_downscales = 0
+    model.step = 2000  # SH degree 2
+    model.optimizers = {}  # the strategy's step_pre_backward takes them (the trainer sets them)
+    model.train()
+    c2w = torch.tensor([[1.0, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 2.5]])[None]  # OpenGL: looking at the origin
+    camera = Cameras(camera_to_worlds=c2w, fx=40.0, fy=40.0, cx=20.5, cy=14.0, width=41, height=29)
+    v = torch.randn(29, 41, 3, generator=gen)
+
+    def run():
+        torch.manual_seed(3)  # the same random background both times
+        for p in model.gauss_params.values():
+            p.grad = None
+        rgb = model.get_outputs(camera)["rgb"]
+        (rgb * v).sum().backward()
+        return rgb.detach(), {k: p.grad.clone() for k, p in model.gauss_params.items()}
+
+    runtime_counts = {}
+    from splat_metal_method.ops.metal import runtime
+
+    runtime.reset_launch_counts()
+    fused = run()
+    runtime_counts["fused"] = runtime.launch_counts()
+    assert int(model.info["n_intersections"]) > 100  # the camera sees the gaussians
+    monkeypatch.delattr(metal_ops, "rasterize_to_pixels_composite")
+    runtime.reset_launch_counts()
+    twin = run()
+    runtime_counts["twin"] = runtime.launch_counts()
+    assert "composite_fwd" not in runtime_counts["fused"] and runtime_counts["twin"]["composite_fwd"] == 1
+    assert fused[0].shape == (29, 41, 3) and 0 < fused[0].mean() < 1
+    torch.testing.assert_close(fused[0], twin[0], rtol=0, atol=0)
+    # the same arithmetic, summed by float atomics in another order (isotropic seed gaussians: the quaternions'
+    # gradients are rounding noise, ~1e-7)
+    for k, g in twin[1].items():
+        _close(f"v_{k}", fused[1][k], g, rtol=1e-5, atol=1e-6)
+    assert twin[1]["means"].abs().max() > 1e-2 and twin[1]["features_dc"].abs().max() > 1e-2
