@@ -137,22 +137,21 @@ def expected_intersections(
 def render_step(scene: Scene, width: int, height: int, capacities, gt: torch.Tensor, background: torch.Tensor,
                 cam: Tuple[torch.Tensor, torch.Tensor]):  # fmt: skip
     """One steady training render as the model runs it (its camera already on the device, `cam`):
-    rasterization, composite, fused loss, backward."""
+    rasterization with the composite fused in, fused loss, backward."""
     from ..ops import rasterization
-    from ..ops.composite import composite_background
     from ..ops.loss import l1_ssim_loss
 
     for p in scene.params():
         p.grad = None
     viewmats, Ks = cam
-    render, alpha, _ = rasterization(
+    _, _, meta = rasterization(
         means=scene.means, quats=scene.quats, scales=scene.log_scales, opacities=scene.opacity_logits,
         colors=scene.features_dc, colors_rest=scene.features_rest, viewmats=viewmats, Ks=Ks, width=width,
         height=height, sh_degree=SH_DEGREE, absgrad=True, backend="metal", scales_are_log=True,
-        opacities_are_logits=True, isect_capacity=capacities,
+        opacities_are_logits=True, isect_capacity=capacities, composite_background=background, composite_squeeze=True,
     )  # fmt: skip
-    rgb = composite_background(render, alpha, background, "metal", squeeze=True)  # [H, W, 3]
-    loss, _, _ = l1_ssim_loss(rgb, gt, 0.2, "metal")
+    rgb = meta["rgb"]  # [H, W, 3]: the metal rasterizer composites
+    loss, _, _ = l1_ssim_loss(rgb, gt, 0.2, "metal", stats=False)
     loss.backward()
 
 

@@ -384,17 +384,21 @@ class SplatMetalModel(SplatfactoModel):
             colors = torch.cat((colors[:, None, :], colors_rest), dim=1)  # [N, K, 3]
             colors, sh_degree, raw["colors_rest"] = torch.sigmoid(colors).squeeze(1), None, None  # [N, 3]
 
+        # clamp(color + (1 - alpha) * background, 0, 1), splatfacto's composite: inside the rasterizer's kernels
+        # on the metal backend (rasterization's composite_background), ops/composite.py's op otherwise.
+        background = self._get_background_color().to(device)
+        bilateral = self.config.use_bilateral_grid and self.training  # it takes rgb [1, H, W, 3]
         # A distributed training step renders this rank's camera from every rank's shard (ops/distributed.py).
-        rasterize, padded = rasterization, {}
+        rasterize, padded = rasterization, {"composite_background": background, "composite_squeeze": not bilateral}
         if self.training and distributed.active():
             from ..ops.distributed import distributed_rasterization as rasterize
 
             if raw["colors_rest"] is not None:
                 colors = torch.cat((colors[:, None, :], colors_rest), dim=1)  # [N, K, 3]
             scales, opacities = torch.exp(scales), torch.sigmoid(opacities).squeeze(-1)
-            raw = {}
+            raw, padded = {}, {}
         elif self.training:  # Metal: intersection lists padded to this model's capacities, no host read
-            padded = {"isect_capacity": self.isect_capacities}
+            padded["isect_capacity"] = self.isect_capacities
         render, alpha, self.info = rasterize(
             means=params["means"],
             quats=params["quats"],
@@ -423,10 +427,9 @@ class SplatMetalModel(SplatfactoModel):
                 self.gauss_params, self.optimizers, self.strategy_state, self.step, self.info
             )
 
-        background = self._get_background_color().to(device)
-        # clamp(color + (1 - alpha) * background, 0, 1): one kernel each way on the metal backend (ops/composite.py)
-        bilateral = self.config.use_bilateral_grid and self.training  # it takes rgb [1, H, W, 3]
-        rgb = composite_background(render, alpha, background, backend, squeeze=not bilateral)  # [H, W, 3] unless
+        rgb = self.info.pop("rgb", None)  # [H, W, 3] unless bilateral
+        if rgb is None:  # a render whose rasterizer did not composite (rasterization's composite_background)
+            rgb = composite_background(render, alpha, background, backend, squeeze=not bilateral)
         if bilateral:
             if camera.metadata is not None and "cam_idx" in camera.metadata:
                 rgb = self._apply_bilateral_grid(rgb, camera.metadata["cam_idx"], H, W)
@@ -475,7 +478,7 @@ class SplatMetalModel(SplatfactoModel):
             mask = self._downscale_if_required(batch["mask"]).to(self.device)  # [H, W, 1]
             assert mask.shape[:2] == gt_img.shape[:2] == pred_img.shape[:2]
             gt_img, pred_img = gt_img * mask, pred_img * mask
-        main_loss, _, _ = l1_ssim_loss(pred_img, gt_img, self.config.ssim_lambda, self.config.backend)
+        main_loss, _, _ = l1_ssim_loss(pred_img, gt_img, self.config.ssim_lambda, self.config.backend, stats=False)
         if self.config.use_scale_regularization and self.step % 10 == 0:  # splatfacto's formula
             scale_exp = torch.exp(self.scales)
             ratio = scale_exp.amax(dim=-1) / scale_exp.amin(dim=-1)

@@ -15,7 +15,7 @@ with torch ops, splatfacto's own formula.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -39,8 +39,11 @@ def l1_ssim_loss_reference(pred: Tensor, gt: Tensor, ssim_lambda: float) -> Tupl
     return loss, l1, ssim
 
 
-def l1_ssim_loss(pred: Tensor, gt: Tensor, ssim_lambda: float, backend: str = "auto") -> Tuple[Tensor, Tensor, Tensor]:
-    """(loss, l1, ssim), 0-dim each, of pred and gt [H, W, C] or [B, H, W, C] (module docstring)."""
+def l1_ssim_loss(pred: Tensor, gt: Tensor, ssim_lambda: float, backend: str = "auto",
+                 stats: bool = True) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:  # fmt: skip
+    """(loss, l1, ssim), 0-dim each, of pred and gt [H, W, C] or [B, H, W, C] (module docstring). Without
+    ``stats`` l1 and ssim are None (a training step needs the loss only: the metal kernels then allocate
+    two tensors fewer)."""
     if pred.shape != gt.shape or pred.dim() not in (3, 4):
         raise ValueError(f"[l1_ssim_loss] pred and gt must both be [H, W, C] or [B, H, W, C], got "
                          f"{list(pred.shape)} and {list(gt.shape)}")  # fmt: skip
@@ -50,8 +53,9 @@ def l1_ssim_loss(pred: Tensor, gt: Tensor, ssim_lambda: float, backend: str = "a
     if resolve_backend(backend, pred.device) == "metal" and _metal_covers(pred, gt) and "loss" not in failed():
         from .metal.loss import l1_ssim_loss as metal_loss
 
-        return metal_loss(pred.contiguous(), gt.contiguous(), ssim_lambda)
-    return l1_ssim_loss_reference(pred, gt, ssim_lambda)
+        return metal_loss(pred.contiguous(), gt.contiguous(), ssim_lambda, stats)
+    loss, l1, ssim = l1_ssim_loss_reference(pred, gt, ssim_lambda)
+    return (loss, l1, ssim) if stats else (loss, None, None)
 
 
 def _metal_covers(pred: Tensor, gt: Tensor) -> bool:

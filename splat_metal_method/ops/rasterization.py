@@ -304,6 +304,8 @@ def rasterization(
     scales_are_log: bool = False,
     opacities_are_logits: bool = False,
     colors_rest: Optional[Tensor] = None,  # [N, K-1, 3]
+    composite_background: Optional[Tensor] = None,  # [3]
+    composite_squeeze: bool = False,
 ) -> Tuple[Tensor, Tensor, Dict]:
     """Renders C cameras. Returns render_colors [C,H,W,D'], render_alphas [C,H,W,1] and the meta
     dict gsplat 1.4's DefaultStrategy reads (means2d with grad and, if asked, absgrad; radii [C,N];
@@ -322,9 +324,20 @@ def rasterization(
     log-scales: exp is applied), ``opacities_are_logits`` (opacities [N] or [N, 1] are logits: sigmoid),
     ``colors_rest`` (with sh_degree: colors is the SH band 0 [N, 3] and colors_rest the others
     [N, K-1, 3]). The metal backend applies them inside its kernels (ops/metal/prepare.py); the others
-    apply them first, as splatfacto does, with the same result."""
+    apply them first, as splatfacto does, with the same result.
+
+    ``composite_background`` (not a gsplat argument; [3], no gradient): where the backend's rasterizer
+    composites (metal: its kernels, forward and backward, no composite launches), meta["rgb"] is splatfacto's
+    composite of the render over it, ``clamp(render_colors[..., :3] + (1 - render_alphas) * background, 0, 1)``
+    ([C,H,W,3], or [H,W,3] with ``composite_squeeze`` and one camera), differentiable in the render. Where it
+    does not (other backends; backgrounds given, depth chunks), meta has no "rgb": the caller composites
+    (ops/composite.py's composite_background, the unfused twin)."""
     if rasterize_mode not in ("classic", "antialiased"):
         raise ValueError(f"[rasterization] rasterize_mode must be 'classic' or 'antialiased', got {rasterize_mode!r}")
+    if composite_background is not None and render_mode not in ("RGB", "RGB+D", "RGB+ED"):
+        raise ValueError(
+            f"[rasterization] composite_background composites colours: render_mode {render_mode!r} has none"
+        )
     name = resolve_backend(backend, means.device)
     ops = backend_module(name) if name != "gsplat" else None
     fused = (
@@ -398,7 +411,7 @@ def rasterization(
         from . import chunked
 
         chunks = chunked.plan(means2d, radii, depths, tile_size, tile_width, tile_height, int(max_intersections))
-    n_intersections = None
+    n_intersections, rgb = None, None
     if chunks is None:
         # With the caller's capacities, on Metal: padded lists, no host read of the intersection count.
         padded = getattr(ops, "isect_tiles_padded", None) if isect_capacity is not None else None
@@ -410,10 +423,21 @@ def rasterization(
                 means2d, radii, depths, tile_size, tile_width, tile_height
             )
             isect_offsets = ops.isect_offset_encode(isect_ids, C, tile_width, tile_height)
-        render_colors, render_alphas = ops.rasterize_to_pixels(
-            means2d, conics, colors.contiguous(), opacities.contiguous(), width, height, tile_size,
-            isect_offsets, flatten_ids, backgrounds, absgrad,
-        )  # fmt: skip
+        fused_composite = getattr(ops, "rasterize_to_pixels_composite", None)
+        if (
+            composite_background is not None
+            and fused_composite is not None
+            and _fuses_composite(composite_background, backgrounds, colors)
+        ):  # the metal backend: splatfacto's composite inside the rasterizer's kernels
+            render_colors, render_alphas, rgb = fused_composite(
+                means2d, conics, colors.contiguous(), opacities.contiguous(), width, height, tile_size,
+                isect_offsets, flatten_ids, composite_background, absgrad, composite_squeeze,
+            )  # fmt: skip
+        else:
+            render_colors, render_alphas = ops.rasterize_to_pixels(
+                means2d, conics, colors.contiguous(), opacities.contiguous(), width, height, tile_size,
+                isect_offsets, flatten_ids, backgrounds, absgrad,
+            )  # fmt: skip
         if padded is not None:  # meta: the [C, th, tw] offsets; the count stays on the device
             n_intersections = isect_offsets[-1:]
             isect_offsets = isect_offsets[:-1].view(C, tile_height, tile_width)
@@ -453,4 +477,14 @@ def rasterization(
         "backend": name,
         "depth_chunks": 1 if chunks is None else chunks.n_chunks,
     }
+    if rgb is not None:
+        meta["rgb"] = rgb  # splatfacto's composite (composite_background)
     return render_colors, render_alphas, meta
+
+
+def _fuses_composite(background: Tensor, backgrounds: Optional[Tensor], colors: Tensor) -> bool:
+    """Whether the metal backend's rasterizer composites over ``background`` itself: a [3] float32 tensor
+    without gradient on the render's device, no gsplat backgrounds, at least 3 channels."""
+    return (backgrounds is None and colors.shape[-1] >= 3 and tuple(background.shape) == (3,)
+            and background.dtype == torch.float32 and background.device == colors.device
+            and not background.requires_grad and background.is_contiguous())  # fmt: skip

@@ -171,7 +171,8 @@ def stage_checks(
 ) -> List[Check]:
     """Stages of the backend contract, forward and backward, `fast` vs `ref`, on one seeded scene: the
     projection in each rasterize mode, SH at each degree, intersection + sort at `tile_size`, and the
-    rasterizer at `tile_size` for each channel count (with or without absgrad and backgrounds).
+    rasterizer at `tile_size` for each channel count (with or without absgrad and backgrounds; without
+    backgrounds and with 3+ channels also with splatfacto's background composite fused in).
     The doctor checks every option; the self-check (self_check.py) what one run will use. Draws no
     numbers from torch's global generator (training runs after this must not change)."""
     scene, W, H = random_scene(device, n=n, width=width, height=height, cameras=cameras)
@@ -231,7 +232,33 @@ def stage_checks(
             ),
             raster_in, fast, ref, device,
         )  # fmt: skip
+        if D >= 3 and "backgrounds" not in raster_in:  # what a training step and a viewer render run
+            checks += _compare_stage(
+                f"rasterize (tile {ts}, {D} channels, fused composite{', absgrad' if absgrad else ''})",
+                lambda m, **x: _rasterize_composite(m, x, W, H, ts, offsets, flat_r, absgrad), raster_in, fast, ref,
+                device,
+            )  # fmt: skip
     return checks
+
+
+_COMPOSITE_BG = (0.25, 0.5, 1.0)  # a fixed background (drawn from no generator)
+
+
+def _rasterize_composite(m, x, W, H, ts, offsets, flatten_ids, absgrad):
+    """(render, alpha, rgb): the backend's rasterizer with splatfacto's background composite fused in where it
+    has one (metal's rasterize_to_pixels_composite), else rasterize_to_pixels and ops/composite.py's expression
+    (the reference; its unfused twin)."""
+    from ..ops.composite import composite_background_reference
+
+    bg = torch.tensor(_COMPOSITE_BG, device=x["colors"].device)
+    fused = getattr(m, "rasterize_to_pixels_composite", None)
+    if fused is not None:
+        return fused(
+            x["means2d"], x["conics"], x["colors"], x["opacities"], W, H, ts, offsets, flatten_ids, bg, absgrad
+        )
+    rc, ra = m.rasterize_to_pixels(x["means2d"], x["conics"], x["colors"], x["opacities"], W, H, ts, offsets,
+                                   flatten_ids, None, absgrad)  # fmt: skip
+    return rc, ra, composite_background_reference(rc, ra, bg)
 
 
 def covariance_checks(device: torch.device, backend: str) -> List[Check]:

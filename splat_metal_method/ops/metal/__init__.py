@@ -46,6 +46,7 @@ __all__ = [
     "rasterize_to_pixels_fwd",
     "rasterize_depth_chunk",
     "project_and_shade",  # not a contract stage: rasterization.py's fused preparation (prepare.py)
+    "rasterize_to_pixels_composite",  # not a contract stage: rasterization.py's fused composite
 ]
 
 
@@ -53,42 +54,50 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
     """rasterize_to_pixels: rasterize.metal forward (which also records final transmittance and last
     contributor per pixel), rasterize_bwd.metal backward. With absgrad, the per-pixel
     |d loss / d means2d| sums are added into the buffer the wrapper attached as means2d.absgrad at
-    forward time (the reference does the same)."""
+    forward time (the reference does the same). With ``composite_bg`` ([3]) a third output, rgb, is
+    splatfacto's background composite fused into both kernels (rasterize_to_pixels_composite); its
+    unfused twin is rasterize_to_pixels + ops/composite.py. Gradients of unused outputs are not
+    materialised (no zeros allocated): the kernel reads what it is given."""
 
     @staticmethod
     def forward(ctx, means2d, conics, colors, opacities, backgrounds, width, height, tile_size,
-                isect_offsets, flatten_ids, absgrad_buf):  # fmt: skip
+                isect_offsets, flatten_ids, absgrad_buf, composite_bg=None, squeeze=False):  # fmt: skip
         # One pass plan for forward and backward: at most one host sync (rasterize.plan_passes).
-        grid = (colors.shape[0], -(-height // tile_size), -(-width // tile_size))  # (C, tile_height, tile_width)
+        C = colors.shape[0]
+        grid = (C, -(-height // tile_size), -(-width // tile_size))  # (C, tile_height, tile_width)
         plan = plan_passes(
             isect_offsets, flatten_ids.numel(), tile_size, _rasterize.RASTER_CHUNK, colors.shape[1], grid
         )
+        rgb = None
+        if composite_bg is not None:  # squeeze: one camera's rgb as [H, W, 3] (no view op)
+            shape = (height, width, 3) if squeeze and C == 1 else (C, height, width, 3)
+            rgb = torch.empty(shape, dtype=torch.float32, device=colors.device)
         render_colors, render_alphas, transmittance, last_ids = rasterize_to_pixels_fwd(
             means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, backgrounds,
-            chunk=_rasterize.RASTER_CHUNK, plan=plan,
+            chunk=_rasterize.RASTER_CHUNK, plan=plan, composite_bg=composite_bg, rgb_out=rgb,
         )  # fmt: skip
+        # render_colors is an output: saved as itself, autograd would detach it twice (at save and unpack)
+        render_saved = render_colors.detach() if rgb is not None else None
         ctx.save_for_backward(means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids,
-                              transmittance, last_ids)  # fmt: skip
+                              transmittance, last_ids, composite_bg, render_saved)  # fmt: skip
         ctx.args = (width, height, tile_size, plan)
         ctx.absgrad_buf = absgrad_buf
-        return render_colors, render_alphas
+        ctx.set_materialize_grads(False)
+        return (render_colors, render_alphas) if rgb is None else (render_colors, render_alphas, rgb)
 
     @staticmethod
-    def backward(ctx, v_render_colors, v_render_alphas):
+    def backward(ctx, v_render_colors, v_render_alphas, v_rgb=None):
         (means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, transmittance,
-         last_ids) = ctx.saved_tensors  # fmt: skip
+         last_ids, composite_bg, render_colors) = ctx.saved_tensors  # fmt: skip
         width, height, tile_size, plan = ctx.args
         need = ctx.needs_input_grad
         if not (any(need[:5]) or ctx.absgrad_buf is not None):
-            return (None,) * 11
-        if v_render_colors is None:
-            v_render_colors = colors.new_zeros(colors.shape[0], height, width, colors.shape[2])
-        if v_render_alphas is None:
-            v_render_alphas = colors.new_zeros(colors.shape[0], height, width, 1)
+            return (None,) * 13
         v_means2d, v_conics, v_colors, v_opacities, v_backgrounds = rasterize_to_pixels_bwd(
             means2d, conics, colors, opacities, backgrounds, width, height, tile_size, isect_offsets,
-            flatten_ids, transmittance, last_ids, v_render_colors.contiguous(), v_render_alphas.contiguous(),
+            flatten_ids, transmittance, last_ids, v_render_colors, v_render_alphas,
             absgrad_out=ctx.absgrad_buf, chunk=_rasterize.RASTER_CHUNK, plan=plan,
+            composite=(composite_bg, render_colors, v_rgb) if composite_bg is not None else None,
         )  # fmt: skip
         return (
             v_means2d if need[0] else None,
@@ -102,6 +111,8 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
             None,
             None,
             None,  # width, height, tile_size, offsets, flatten_ids, absgrad buffer
+            None,
+            None,  # composite_bg (no gradient: rasterize_to_pixels_composite's condition), squeeze
         )
 
 
@@ -250,6 +261,35 @@ def rasterize_to_pixels(
     return _RasterizeToPixelsFn.apply(
         means2d, conics, colors, opacities, backgrounds, int(width), int(height), int(tile_size),
         isect_offsets, flatten_ids, absgrad_buf,
+    )  # fmt: skip
+
+
+def rasterize_to_pixels_composite(
+    means2d: Tensor,  # [C, N, 2]
+    conics: Tensor,  # [C, N, 3]
+    colors: Tensor,  # [C, N, D], D >= 3
+    opacities: Tensor,  # [C, N]
+    width: int,
+    height: int,
+    tile_size: int,
+    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32, or [C * th * tw + 1] (padded lists)
+    flatten_ids: Tensor,  # [M] int32
+    composite_bg: Tensor,  # [3] float32, no gradient
+    absgrad: bool = False,
+    squeeze: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Not a contract stage (rasterization.py's fused composite, Metal only): rasterize_to_pixels without
+    backgrounds, plus splatfacto's background composite rgb = clamp(render_colors[..., :3] + (1 - render_alphas)
+    * composite_bg, 0, 1) written by the same kernel and differentiated inside rasterize_bwd (no composite
+    launches, no gradient buffers for it). rgb is [C,H,W,3], or [H,W,3] with ``squeeze`` and one camera.
+    The unfused twin is rasterize_to_pixels + ops/composite.py's composite_background, the same bits."""
+    absgrad_buf = None
+    if absgrad:
+        absgrad_buf = torch.zeros(means2d.shape, dtype=means2d.dtype, device=means2d.device)
+        means2d.absgrad = absgrad_buf
+    return _RasterizeToPixelsFn.apply(
+        means2d, conics, colors, opacities, None, int(width), int(height), int(tile_size),
+        isect_offsets, flatten_ids, absgrad_buf, composite_bg, bool(squeeze),
     )  # fmt: skip
 
 

@@ -118,3 +118,9 @@ inline bool splat_camera_finite(const device float* V, thread const float* p) {
   }
   return keep;
 }
+
+// splatfacto's background composite clamp(x, 0, 1), as torch.clamp (NaN stays NaN): train.metal's
+// composite_fwd and rasterize.metal's fused composite. Its gradient passes where 0 <= x <= 1.
+inline float splat_clamp01(float x) {
+  return isnan(x) ? x : min(max(x, 0.0f), 1.0f);
+}

@@ -15,7 +15,8 @@
 //   It writes, per SSIM pixel and channel, the three partial derivatives of the SSIM value S with respect
 //   to the blurred maps it depends on through pred (mu_x, E[X^2], E[XY]), which the backward blurs once
 //   more, and per group the sums of |gt - pred| and of S (a threadgroup tree: fixed order, deterministic).
-// l1_ssim_reduce: one threadgroup sums the per-group sums (fixed order) and writes loss, L1 and SSIM.
+// l1_ssim_reduce: one threadgroup sums the per-group sums (fixed order) and writes loss and, when asked
+//   (has_stats), L1 and SSIM (the training step's loss needs neither: two allocations fewer).
 // l1_ssim_bwd: one thread per pixel of pred; the same tiling, with the transposed blur of the partials
 //   (a window sum over the SSIM pixels whose window covers this pixel):
 //     dS_sum/dX[q] = blurT(g_mu)[q] + 2 X[q] blurT(g_xx)[q] + Y[q] blurT(g_xy)[q]
@@ -145,13 +146,14 @@ kernel void l1_ssim_fwd(
 kernel void l1_ssim_reduce(
     const device float* sums [[buffer(0)]],  // [groups, 2]
     device float* loss [[buffer(1)]],        // [] (1 - lambda) * L1 + lambda * (1 - SSIM)
-    device float* l1_out [[buffer(2)]],      // [] mean |gt - pred|
-    device float* ssim_out [[buffer(3)]],    // [] mean SSIM
+    device float* l1_out [[buffer(2)]],      // [] mean |gt - pred|, or [1] placeholder
+    device float* ssim_out [[buffer(3)]],    // [] mean SSIM, or [1] placeholder
     constant long& groups [[buffer(4)]],
     constant float& n_l1 [[buffer(5)]],      // B * H * W * C
     constant float& n_ssim [[buffer(6)]],    // B * H' * W' * C
     constant float& w_l1 [[buffer(7)]],      // 1 - lambda
     constant float& w_ssim [[buffer(8)]],    // lambda
+    constant long& has_stats [[buffer(9)]],  // write l1_out and ssim_out
     uint tid [[thread_index_in_threadgroup]]) {
   threadgroup float s_sum[2 * LOSS_THREADS];
   float l1 = 0.0f, ssim = 0.0f;
@@ -164,8 +166,10 @@ kernel void l1_ssim_reduce(
   loss_tree_sum(s_sum, tid);
   if (tid == 0) {
     const float mean_l1 = s_sum[0] / n_l1, mean_ssim = s_sum[LOSS_THREADS] / n_ssim;
-    l1_out[0] = mean_l1;
-    ssim_out[0] = mean_ssim;
+    if (has_stats != 0) {
+      l1_out[0] = mean_l1;
+      ssim_out[0] = mean_ssim;
+    }
     loss[0] = w_l1 * mean_l1 + w_ssim * (1.0f - mean_ssim);  // splatfacto's expression
   }
 }

@@ -39,6 +39,10 @@
 // Resuming a depth chunk (has_resume != 0, ops/chunked.py): pass 0 starts each pixel from trans_in
 // (the transmittance after the earlier chunks) and stopped_in instead of T = 1, and the final pass
 // also writes pixel_done (then [C, H, W]), the stop state the next chunk resumes from.
+// Fused composite (has_composite != 0, the training step's and the viewer's render; D >= 3): the final
+// pass also writes rgb = clamp(render_colors[:3] + (1 - render_alphas) * composite_bg, 0, 1), splatfacto's
+// composite of the rendered image over its background (train.metal composite_fwd, its unfused twin), in
+// the same float32 operations (1 - render_alpha, then the product and the sum), so the same bits.
 // Threadgroup memory: TILE_PIXELS * (4 + 8 + 16 + 4 / 8) bytes = 7.3 KB for 16x16 tiles. Nothing
 // assumes 32-wide simdgroups (Apple's width) or full ones: tiles of 1 to 32 pixels a side.
 [[max_total_threads_per_threadgroup(SPLAT_RASTER_THREADS)]]
@@ -68,6 +72,9 @@ kernel void rasterize_fwd(
     const device int* stopped_in [[buffer(22)]],     // [C, H, W] or [1] placeholder
     constant long& has_resume [[buffer(23)]],
     constant long& row0 [[buffer(24)]],              // first tile row of this dispatch, of [C * tile_height]
+    const device float* composite_bg [[buffer(25)]], // [3], or [1] placeholder
+    device float* rgb [[buffer(26)]],                // [C, H, W, 3], or [1] placeholder
+    constant long& has_composite [[buffer(27)]],
     uint3 tgp [[threadgroup_position_in_grid]],
     uint3 lid [[thread_position_in_threadgroup]],
     uint tid [[thread_index_in_threadgroup]],
@@ -182,10 +189,15 @@ kernel void rasterize_fwd(
     transmittance[pix] = T;
     last_ids[pix] = last;
     if (final_pass) {
-      render_alphas[pix] = 1.0f - T;
+      const float render_alpha = 1.0f - T;
+      render_alphas[pix] = render_alpha;
       for (int k = 0; k < SPLAT_CHANNELS; ++k) {
         const float bg = has_background != 0 ? backgrounds[cam * SPLAT_CHANNELS + k] : 0.0f;
-        render_colors[pix * SPLAT_CHANNELS + k] = acc[k] + T * bg;
+        const float out = acc[k] + T * bg;
+        render_colors[pix * SPLAT_CHANNELS + k] = out;
+        if (has_composite != 0 && k < 3) {
+          rgb[pix * 3 + k] = splat_clamp01(out + (1.0f - render_alpha) * composite_bg[k]);
+        }
       }
       if (has_resume != 0) {
         pixel_done[pix] = done ? 1 : 0;

@@ -177,10 +177,14 @@ def rasterize_to_pixels_fwd(
     trans_in: Optional[Tensor] = None,  # [C, H, W]: resume a depth chunk from this transmittance ...
     stopped_in: Optional[Tensor] = None,  # [C, H, W] bool ... and stop state
     stopped_out: Optional[Tensor] = None,  # [C, H, W] int32, written when resuming: the stop state after
+    composite_bg: Optional[Tensor] = None,  # [3] float32: also write splatfacto's composite into rgb_out ...
+    rgb_out: Optional[Tensor] = None,  # ... [C, H, W, 3] (or [H, W, 3] for one camera) float32 contiguous
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Runs rasterize_fwd. Returns render_colors [C,H,W,D], render_alphas [C,H,W,1] and, for the
     backward pass, transmittance [C,H,W] (final T) and last_ids [C,H,W] int32 (index into
     flatten_ids of the last contributing gaussian, -1 if none).
+    With ``composite_bg`` (D >= 3, not when resuming), the fused composite: rgb_out = clamp(render_colors[..., :3]
+    + (1 - render_alphas) * composite_bg, 0, 1), the bits of train.metal's composite_fwd.
 
     Host sync: none when the caller passes ``plan`` (plan_passes, which the backward pass reuses) or
     when plan_passes needs none (see there); otherwise one, to read the tile list lengths. Passes are
@@ -211,6 +215,13 @@ def rasterize_to_pixels_fwd(
         if tuple(backgrounds.shape) != (C, D) or backgrounds.dtype != torch.float32:
             raise ValueError(f"[{op}] backgrounds must be [C,D] = {[C, D]} float32, got "
                              f"{list(backgrounds.shape)} {backgrounds.dtype}")  # fmt: skip
+    if composite_bg is not None:
+        if D < 3 or trans_in is not None or rgb_out is None or rgb_out.numel() != C * height * width * 3:
+            raise ValueError(f"[{op}] the fused composite needs D >= 3 (got {D}), no resume and rgb_out of "
+                             f"{C * height * width * 3} elements")  # fmt: skip
+        if tuple(composite_bg.shape) != (3,) or composite_bg.dtype != torch.float32 or not composite_bg.is_contiguous():
+            raise ValueError(f"[{op}] composite_bg must be a contiguous [3] float32 tensor, got "
+                             f"{list(composite_bg.shape)} {composite_bg.dtype}")  # fmt: skip
     M = flatten_ids.numel()
 
     render_colors = torch.empty((C, height, width, D), dtype=torch.float32, device=device)
@@ -247,12 +258,14 @@ def rasterize_to_pixels_fwd(
     inputs = (means2d.contiguous(), conics.contiguous(), colors.contiguous(), opacities.contiguous(), bg)
     offsets, flatten_ids = isect_offsets.contiguous().view(-1), flatten_ids.contiguous()
     per_pixel = (render_colors, render_alphas, transmittance, last_ids, pixel_done)
+    composite = (composite_bg, rgb_out, 1) if composite_bg is not None else (opacities, opacities, 0)
     total_tiles = C * tile_width * tile_height + int(padded)  # padded: the last tile ends at the end slot
     for d in plan.dispatches:
         b = band(d, C, tile_size, tile_width, tile_height, rows)
         runtime.reserve_work(device, d.work)
         lib.rasterize_fwd(
             *inputs, offsets, flatten_ids, *per_pixel, int(width), int(height), tile_width, tile_height, total_tiles,
-            M, int(backgrounds is not None), d.pass_index, plan.chunk, *resume_bufs, int(resume), b.row0, **b.grid,
+            M, int(backgrounds is not None), d.pass_index, plan.chunk, *resume_bufs, int(resume), b.row0,
+            *composite, **b.grid,
         )  # fmt: skip
     return render_colors, render_alphas, transmittance, last_ids

@@ -18,11 +18,55 @@
 #error "SPLAT_BWD_BATCH must be in 1..RASTER_THREADS (one loading thread per gaussian)"
 #endif
 
+// Bits of `flags` (rasterize_bwd.py BWD_*): what this launch reads and writes.
+#define SPLAT_BWD_BACKGROUND 1  // backgrounds [C, D] were composited by the forward
+#define SPLAT_BWD_ABSGRAD 2     // accumulate |d loss / d means2d| per pixel into v_means2d_abs
+#define SPLAT_BWD_COMPOSITE 4   // the forward's fused composite: v_rgb, render_out and composite_bg are bound
+#define SPLAT_BWD_V_COLORS 8    // v_render_colors is bound (else it is zero)
+#define SPLAT_BWD_V_ALPHAS 16   // v_render_alphas is bound (else it is zero)
+
 // Colour gradients are reduced four channels at a time (simd_sum of a float4).
 #define SPLAT_COLOR_VEC4 ((SPLAT_CHANNELS + 3) / 4)
 // Per gaussian and simdgroup, the reduced quantities q scattered to device memory:
 //   q = 0,1,2: conic; 3: opacity; 4,5: means2d; 6,7: |means2d| (absgrad); 8 + k: colour channel k.
 #define SPLAT_BWD_QUANTITIES (8 + SPLAT_CHANNELS)
+
+// Tile merge (SPLAT_BWD_MERGE = 1, rasterize_bwd.py TILE_MERGE; off by default until a Mac measures it):
+// instead of one device atomic per quantity and simdgroup, each simdgroup stores its reduced quantities of
+// a batch's gaussians in threadgroup memory (s_part[simdgroup][slot][q], zeroed per batch), and after the
+// batch one thread per (slot, q) sums the simdgroups' values in simdgroup order and issues ONE device atomic
+// per gaussian, quantity and tile (none when the sum is 0). Costs one barrier more per batch and
+// MERGE_SG x BATCH x QUANTITIES floats of threadgroup memory, so its batches are smaller (variants.bwd_batch).
+// MERGE_SG is the simdgroups of a group at width 32 (Apple's); a GPU that forms more simdgroups per group
+// takes the direct path (`merge` below is uniform over the group).
+#ifndef SPLAT_BWD_MERGE
+#define SPLAT_BWD_MERGE 0
+#endif
+#define SPLAT_BWD_MERGE_SG ((SPLAT_RASTER_THREADS + 31) / 32)
+#if SPLAT_BWD_MERGE
+#define SPLAT_BWD_PART_FLOATS (SPLAT_BWD_MERGE_SG * SPLAT_BWD_BATCH * SPLAT_BWD_QUANTITIES)
+#else
+#define SPLAT_BWD_PART_FLOATS 1
+#endif
+
+// Adds quantity q (the numbering above) of gaussian g to its gradient buffer.
+inline void bwd_atomic_add(int q, long g, float value, device atomic_float* v_means2d, device atomic_float* v_conics,
+                           device atomic_float* v_colors, device atomic_float* v_opacities,
+                           device atomic_float* v_means2d_abs, bool absgrad) {
+  if (q < 3) {
+    atomic_fetch_add_explicit(&v_conics[3 * g + q], value, memory_order_relaxed);
+  } else if (q == 3) {
+    atomic_fetch_add_explicit(&v_opacities[g], value, memory_order_relaxed);
+  } else if (q < 6) {
+    atomic_fetch_add_explicit(&v_means2d[2 * g + (q - 4)], value, memory_order_relaxed);
+  } else if (q < 8) {
+    if (absgrad) {
+      atomic_fetch_add_explicit(&v_means2d_abs[2 * g + (q - 6)], value, memory_order_relaxed);
+    }
+  } else {
+    atomic_fetch_add_explicit(&v_colors[g * SPLAT_CHANNELS + (q - 8)], value, memory_order_relaxed);
+  }
+}
 
 // rasterize_bwd: one threadgroup per (tile x, tile y, camera), one thread per pixel of the tile
 // (grid = (tile_width*TS, tile_height*TS, C), group = (TS, TS, 1)); the launch geometry of
@@ -42,6 +86,11 @@
 //   v_sigma = -opacity exp(-sigma) v_alpha, v_conic = (dx^2/2, dx dy, dy^2/2) v_sigma,
 //   v_mean = v_sigma (a dx + b dy, b dx + c dy), v_opacity = exp(-sigma) v_alpha.
 // absgrad accumulates |v_mean| per pixel before summing, as gsplat does.
+// Fused composite (flags & COMPOSITE; rasterize.metal's): rgb_k = clamp(x_k, 0, 1) with
+// x_k = render_colors_k + (1 - render_alpha) composite_bg_k, recomputed here from the forward's outputs in
+// its operations (the same bits); g_k = v_rgb_k where 0 <= x_k <= 1 (torch.clamp's gradient), else 0.
+// The composite adds g_k to v_c_k and, through T_final, sum_k g_k composite_bg_k to bg_dot: exactly what
+// train.metal's composite_bwd hands an unfused backward (v_colour = g, v_alpha = -sum_k g_k bg_k).
 //
 // Reduction: per gaussian, every simdgroup sums its pixels' contributions with simd_sum over float4s
 // (3 + ceil(D/4) reductions), then its lanes share the 8 + D quantities round-robin (the lane of rank
@@ -62,7 +111,8 @@
 // Loop invariant per batch (two barriers): barrier (everyone finished reading the previous batch);
 // threads tid < batch_size load gaussian (batch_end - 1 - tid) into slot tid, so slot 0 is the
 // furthest back; barrier; each simdgroup walks the slots in order.
-// Threadgroup memory: BATCH * (4 + 8 + 16 + 4 D) bytes = 10 KB for 16x16 tiles and D = 3.
+// Threadgroup memory: BATCH * (4 + 8 + 16 + 4 D) bytes = 10 KB for 16x16 tiles and D = 3 (the tile merge
+// adds BATCH * MERGE_SG * (8 + D) * 4: 24.5 KB in all at its batch of 64).
 [[max_total_threads_per_threadgroup(SPLAT_RASTER_THREADS)]]
 kernel void rasterize_bwd(
     const device float* means2d [[buffer(0)]],          // [C*N, 2]
@@ -89,15 +139,27 @@ kernel void rasterize_bwd(
     constant long& tile_height [[buffer(21)]],
     constant long& total_tiles [[buffer(22)]],          // C * tile_height * tile_width
     constant long& n_isects [[buffer(23)]],             // M
-    constant long& has_background [[buffer(24)]],
-    constant long& has_absgrad [[buffer(25)]],
-    constant long& pass_index [[buffer(26)]],
-    constant long& chunk [[buffer(27)]],
-    constant long& row0 [[buffer(28)]],                 // first tile row of this dispatch, of [C * tile_height]
+    constant long& flags [[buffer(24)]],                // SPLAT_BWD_* bits
+    constant long& pass_index [[buffer(25)]],
+    constant long& chunk [[buffer(26)]],
+    constant long& row0 [[buffer(27)]],                 // first tile row of this dispatch, of [C * tile_height]
+    const device float* composite_bg [[buffer(28)]],    // [3], or [1] placeholder
+    const device float* render_out [[buffer(29)]],      // [C, H, W, D] the forward's render_colors, or [1]
+    const device float* v_rgb [[buffer(30)]],           // [C, H, W, 3], or [1] placeholder
     uint3 tgp [[threadgroup_position_in_grid]],
     uint3 lid [[thread_position_in_threadgroup]],
-    uint tid [[thread_index_in_threadgroup]]) {
+    uint tid [[thread_index_in_threadgroup]],
+    uint sgid [[simdgroup_index_in_threadgroup]],
+    uint n_sg [[simdgroups_per_threadgroup]]) {
   threadgroup int s_ids[SPLAT_BWD_BATCH];
+  threadgroup float s_part[SPLAT_BWD_PART_FLOATS];  // [sg][slot][q] (one unused float without the merge)
+#if SPLAT_BWD_MERGE
+  const bool merge = n_sg <= SPLAT_BWD_MERGE_SG;
+#else
+  (void)sgid;
+  (void)n_sg;
+  (void)s_part;
+#endif
   threadgroup float2 s_xy[SPLAT_BWD_BATCH];
   threadgroup float4 s_conic_opac[SPLAT_BWD_BATCH];
   threadgroup float s_rgb[SPLAT_BWD_BATCH * SPLAT_CHANNELS];
@@ -137,17 +199,32 @@ kernel void rasterize_bwd(
     buf[k] = 0.0f;
     v_c[k] = 0.0f;
   }
+  const bool has_background = (flags & SPLAT_BWD_BACKGROUND) != 0;
+  const bool absgrad = (flags & SPLAT_BWD_ABSGRAD) != 0;
   if (inside) {
     T_final = transmittance[pix];
     T = T_final;
     bin_final = (long)last_ids[pix];
-    v_a = v_render_alphas[pix];
+    v_a = (flags & SPLAT_BWD_V_ALPHAS) != 0 ? v_render_alphas[pix] : 0.0f;
     for (int k = 0; k < SPLAT_CHANNELS; ++k) {
-      v_c[k] = v_render_colors[pix * SPLAT_CHANNELS + k];
-      if (has_background != 0) {
+      v_c[k] = (flags & SPLAT_BWD_V_COLORS) != 0 ? v_render_colors[pix * SPLAT_CHANNELS + k] : 0.0f;
+    }
+    float composite_dot = 0.0f;  // sum_k g_k composite_bg_k
+    if ((flags & SPLAT_BWD_COMPOSITE) != 0) {
+      const float t = 1.0f - (1.0f - T_final);  // 1 - render_alpha, as the forward computed it
+      for (int k = 0; k < 3 && k < SPLAT_CHANNELS; ++k) {
+        const float x = render_out[pix * SPLAT_CHANNELS + k] + t * composite_bg[k];
+        const float g = (x >= 0.0f && x <= 1.0f) ? v_rgb[pix * 3 + k] : 0.0f;
+        v_c[k] += g;
+        composite_dot += g * composite_bg[k];
+      }
+    }
+    for (int k = 0; k < SPLAT_CHANNELS; ++k) {
+      if (has_background) {
         bg_dot += backgrounds[cam * SPLAT_CHANNELS + k] * v_c[k];
       }
     }
+    bg_dot += composite_dot;
     if (pass_index > 0) {
       T = pix_T[pix];
       for (int k = 0; k < SPLAT_CHANNELS; ++k) {
@@ -175,6 +252,13 @@ kernel void rasterize_bwd(
         s_rgb[(int)tid * SPLAT_CHANNELS + k] = colors[(long)g * SPLAT_CHANNELS + k];
       }
     }
+#if SPLAT_BWD_MERGE
+    if (merge) {  // a simdgroup that skips a gaussian leaves its zeros
+      for (uint i = tid; i < n_sg * SPLAT_BWD_BATCH * SPLAT_BWD_QUANTITIES; i += SPLAT_RASTER_THREADS) {
+        s_part[i] = 0.0f;
+      }
+    }
+#endif
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // Slot t holds list position batch_end - 1 - t; start at the first one <= sg_bin_final.
@@ -232,24 +316,31 @@ kernel void rasterize_bwd(
       // Every lane now holds the simdgroup's sums; the quantities are shared out by lane rank.
       const long g = (long)s_ids[t];
       for (int q = sg_rank; q < SPLAT_BWD_QUANTITIES; q += sg_lanes) {
-        if (q < 4) {
-          if (q < 3) {
-            atomic_fetch_add_explicit(&v_conics[3 * g + q], g_conic_opac[q], memory_order_relaxed);
-          } else {
-            atomic_fetch_add_explicit(&v_opacities[g], g_conic_opac[3], memory_order_relaxed);
-          }
-        } else if (q < 6) {
-          atomic_fetch_add_explicit(&v_means2d[2 * g + (q - 4)], g_xy[q - 4], memory_order_relaxed);
-        } else if (q < 8) {
-          if (has_absgrad != 0) {
-            atomic_fetch_add_explicit(&v_means2d_abs[2 * g + (q - 6)], g_xy[q - 4], memory_order_relaxed);
-          }
-        } else {
-          const int k = q - 8;
-          atomic_fetch_add_explicit(&v_colors[g * SPLAT_CHANNELS + k], g_rgb[k / 4][k % 4], memory_order_relaxed);
+        const float value = q < 4 ? g_conic_opac[q] : (q < 8 ? g_xy[q - 4] : g_rgb[(q - 8) / 4][(q - 8) % 4]);
+#if SPLAT_BWD_MERGE
+        if (merge) {
+          s_part[((int)sgid * SPLAT_BWD_BATCH + t) * SPLAT_BWD_QUANTITIES + q] = value;
+          continue;
+        }
+#endif
+        bwd_atomic_add(q, g, value, v_means2d, v_conics, v_colors, v_opacities, v_means2d_abs, absgrad);
+      }
+    }
+#if SPLAT_BWD_MERGE
+    if (merge) {  // uniform: every thread reaches the barrier
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (uint i = tid; i < (uint)batch_size * SPLAT_BWD_QUANTITIES; i += SPLAT_RASTER_THREADS) {
+        const int t = (int)(i / SPLAT_BWD_QUANTITIES), q = (int)(i % SPLAT_BWD_QUANTITIES);
+        float value = 0.0f;
+        for (uint sg = 0; sg < n_sg; ++sg) {
+          value += s_part[((int)sg * SPLAT_BWD_BATCH + t) * SPLAT_BWD_QUANTITIES + q];
+        }
+        if (value != 0.0f) {  // a NaN is issued
+          bwd_atomic_add(q, (long)s_ids[t], value, v_means2d, v_conics, v_colors, v_opacities, v_means2d_abs, absgrad);
         }
       }
     }
+#endif
   }
 
   if (inside && more_passes) {

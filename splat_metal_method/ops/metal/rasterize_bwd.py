@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -11,7 +12,18 @@ from torch import Tensor
 from . import runtime
 from .kernels import tile_library
 from .rasterize import MAX_CHANNELS, RASTER_CHUNK, PassPlan, band, check_offsets, plan_passes
-from .variants import bwd_batch
+from .variants import bwd_batch, bwd_merge_defines
+
+# Bits of rasterize_bwd.metal's `flags` (SPLAT_BWD_*): what one launch reads.
+BWD_BACKGROUND, BWD_ABSGRAD, BWD_COMPOSITE, BWD_V_COLORS, BWD_V_ALPHAS = 1, 2, 4, 8, 16
+
+# The backward's tile merge (rasterize_bwd.metal SPLAT_BWD_MERGE): a gaussian's reduced gradients summed over
+# the simdgroups of its tile in threadgroup memory, then one device atomic per quantity and tile instead of one
+# per simdgroup (up to 8x fewer atomics at 16x16 tiles; the step ledger counts them), at the price of smaller
+# batches and a barrier more per batch. Off by default until a Mac measures it (a prototype in a msplat fork
+# regressed at small tiles); SPLAT_METAL_BWD_TILE_MERGE=1 turns it on for a process, and this flag, read at
+# each call, for a test or a benchmark.
+TILE_MERGE = os.environ.get("SPLAT_METAL_BWD_TILE_MERGE", "") not in ("", "0")
 
 
 def rasterize_to_pixels_bwd(
@@ -27,15 +39,19 @@ def rasterize_to_pixels_bwd(
     flatten_ids: Tensor,  # [M] int32
     transmittance: Tensor,  # [C, H, W] final T (from rasterize_to_pixels_fwd)
     last_ids: Tensor,  # [C, H, W] int32 (from rasterize_to_pixels_fwd)
-    v_render_colors: Tensor,  # [C, H, W, D]
-    v_render_alphas: Tensor,  # [C, H, W, 1]
+    v_render_colors: Optional[Tensor],  # [C, H, W, D], or None (zero)
+    v_render_alphas: Optional[Tensor],  # [C, H, W, 1], or None (zero)
     absgrad_out: Optional[Tensor] = None,  # [C, N, 2] float32 contiguous: |per-pixel grad| ADDED here
     chunk: Optional[int] = None,
     plan: Optional[PassPlan] = None,
+    composite: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None,  # (composite_bg [3], render_colors, v_rgb)
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Runs rasterize_bwd. Returns v_means2d [C,N,2], v_conics [C,N,3], v_colors [C,N,D],
     v_opacities [C,N] and v_backgrounds [C,D] (None without backgrounds). With ``absgrad_out``,
     sum over pixels of |per-pixel d loss / d means2d| is accumulated into it (gsplat's absgrad).
+    A gradient given as None is zero: nothing is allocated for it. ``composite``: the forward's fused
+    composite (rasterize_to_pixels_fwd's composite_bg), its background, the forward's render_colors and
+    the gradient v_rgb of its rgb ([C, H, W, 3] or [H, W, 3]; None: zero); not with backgrounds.
 
     Host sync: none when the caller passes ``plan`` (the autograd Function passes the forward's
     rasterize.plan_passes) or when plan_passes needs none; otherwise one. Each pass reserves its work
@@ -51,6 +67,8 @@ def rasterize_to_pixels_bwd(
         ("transmittance", transmittance, (C, height, width)), ("v_render_colors", v_render_colors, (C, height, width, D)),
         ("v_render_alphas", v_render_alphas, (C, height, width, 1)),
     ):  # fmt: skip
+        if t is None and name.startswith("v_"):
+            continue
         if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != device:
             raise ValueError(f"[{op}] {name} must be {list(shape)} float32 on {device}, "
                              f"got {list(t.shape)} {t.dtype} on {t.device}")  # fmt: skip
@@ -69,9 +87,16 @@ def rasterize_to_pixels_bwd(
     v_conics = torch.zeros((C, N, 3), dtype=torch.float32, device=device)
     v_colors = torch.zeros((C, N, D), dtype=torch.float32, device=device)
     v_opacities = torch.zeros((C, N), dtype=torch.float32, device=device)
+    composite_bg, render_out, v_rgb = composite if composite is not None else (None, None, None)
+    if composite is not None and (backgrounds is not None or D < 3 or render_out.shape != (C, height, width, D)
+                                  or (v_rgb is not None and v_rgb.numel() != C * height * width * 3)):  # fmt: skip
+        raise ValueError(f"[{op}] the fused composite's backward needs no backgrounds, D >= 3, the forward's "
+                         f"render_colors {[C, height, width, D]} and v_rgb of {C * height * width * 3} elements")  # fmt: skip
     v_backgrounds = None
     if backgrounds is not None:  # d colour / d bg = T_final per pixel
-        v_backgrounds = (v_render_colors * transmittance[..., None]).sum(dim=(1, 2))
+        v_backgrounds = torch.zeros((C, D), dtype=torch.float32, device=device)
+        if v_render_colors is not None:
+            v_backgrounds = (v_render_colors * transmittance[..., None]).sum(dim=(1, 2))
     if M == 0 or C * height * width == 0:
         return v_means2d, v_conics, v_colors, v_opacities, v_backgrounds
 
@@ -87,25 +112,34 @@ def rasterize_to_pixels_bwd(
     pix_buf = torch.empty((C, height, width, D), dtype=torch.float32, device=device) if multi else placeholder
     bg = backgrounds.contiguous() if backgrounds is not None else placeholder
     abs_buf = absgrad_out if absgrad_out is not None else placeholder
+    flags = ((BWD_BACKGROUND if backgrounds is not None else 0) | (BWD_ABSGRAD if absgrad_out is not None else 0)
+             | (BWD_COMPOSITE if v_rgb is not None else 0) | (BWD_V_COLORS if v_render_colors is not None else 0)
+             | (BWD_V_ALPHAS if v_render_alphas is not None else 0))  # fmt: skip
+    if not flags & (BWD_COMPOSITE | BWD_V_COLORS | BWD_V_ALPHAS):  # every incoming gradient is zero
+        return v_means2d, v_conics, v_colors, v_opacities, v_backgrounds
+    composite_bufs = (composite_bg.contiguous(), render_out.contiguous(), v_rgb.contiguous()) if v_rgb is not None \
+        else (placeholder,) * 3  # fmt: skip
 
     lib, rows = tile_library(
         device,
         "rasterize_bwd.metal",
         "rasterize_bwd",
         tile_size,
-        lambda rows: (("SPLAT_CHANNELS", D), ("SPLAT_BWD_BATCH", bwd_batch(tile_size, D, rows))),
-    )
+        (lambda rows: bwd_merge_defines(tile_size, D, rows)) if TILE_MERGE
+        else (lambda rows: (("SPLAT_CHANNELS", D), ("SPLAT_BWD_BATCH", bwd_batch(tile_size, D, rows)))),
+    )  # fmt: skip
     inputs = (means2d.contiguous(), conics.contiguous(), colors.contiguous(), opacities.contiguous(), bg)
     offsets, flatten_ids = isect_offsets.contiguous().view(-1), flatten_ids.contiguous()
-    per_pixel = (transmittance.contiguous(), last_ids.contiguous(), v_render_colors.contiguous(),
-                 v_render_alphas.contiguous(), pix_T, pix_buf)  # fmt: skip
+    per_pixel = (transmittance.contiguous(), last_ids.contiguous(),
+                 v_render_colors.contiguous() if v_render_colors is not None else placeholder,
+                 v_render_alphas.contiguous() if v_render_alphas is not None else placeholder, pix_T, pix_buf)  # fmt: skip
     total_tiles = C * tile_width * tile_height + int(padded)  # padded: the last tile ends at the end slot
     for d in plan.dispatches:  # a band is its first tile row, a kernel argument (rasterize.band)
         b = band(d, C, tile_size, tile_width, tile_height, rows)
         runtime.reserve_work(device, d.work * runtime.BWD_WORK_FACTOR)
         lib.rasterize_bwd(
             *inputs, offsets, flatten_ids, *per_pixel, v_means2d, v_conics, v_colors, v_opacities, abs_buf,
-            int(width), int(height), tile_width, tile_height, total_tiles, M, int(backgrounds is not None),
-            int(absgrad_out is not None), d.pass_index, plan.chunk, b.row0, **b.grid,
+            int(width), int(height), tile_width, tile_height, total_tiles, M, flags, d.pass_index, plan.chunk, b.row0,
+            *composite_bufs, **b.grid,
         )  # fmt: skip
     return v_means2d, v_conics, v_colors, v_opacities, v_backgrounds

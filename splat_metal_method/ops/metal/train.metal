@@ -106,12 +106,8 @@ kernel void nonfinite_flag(
 
 // composite_fwd: splatfacto's rgb = clamp(color + (1 - alpha) * background, 0, 1) of one rendered
 // camera, one thread per pixel p < P, in PyTorch's float32 operations and order (so the same bits);
-// clamp as torch.clamp (NaN stays NaN). color is [P, D] with D >= 3 (only the first 3 channels are
+// clamp as torch.clamp (NaN stays NaN: common.h splat_clamp01). color is [P, D] with D >= 3 (only the first 3 channels are
 // composited: "RGB+ED" renders carry depth last), alpha [P], background [3].
-inline float composite_clamp(float x) {
-  return isnan(x) ? x : min(max(x, 0.0f), 1.0f);
-}
-
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void composite_fwd(
     const device float* color [[buffer(0)]],       // [P, D]
@@ -126,7 +122,7 @@ kernel void composite_fwd(
   }
   const float t = 1.0f - alpha[p];
   for (int k = 0; k < 3; ++k) {
-    rgb[3 * (long)p + k] = composite_clamp(color[D * (long)p + k] + t * background[k]);
+    rgb[3 * (long)p + k] = splat_clamp01(color[D * (long)p + k] + t * background[k]);
   }
 }
 

@@ -49,14 +49,15 @@ PROJECT_BWD_GROUP = 256
 BWD_BATCH_BYTES = 28 * 1024
 
 
-def bwd_batch(tile_size: int, channels: int, rows: Optional[int] = None) -> int:
+def bwd_batch(tile_size: int, channels: int, rows: Optional[int] = None, merge: bool = False) -> int:
     """Gaussians per shared-memory batch of rasterize_bwd.metal: one per thread of a group (tile_size x
     rows pixels, the whole tile by default), fewer when D is large.
 
-    A gaussian takes 4 (id) + 8 (mean) + 16 (conic, opacity) + 4 D (colour) bytes; the batch is
-    rounded down to whole simdgroups (32) when it has to shrink."""
+    A gaussian takes 4 (id) + 8 (mean) + 16 (conic, opacity) + 4 D (colour) bytes, and with the tile merge
+    (SPLAT_BWD_MERGE) 4 (8 + D) more per simdgroup of 32 of the group; the batch is rounded down to whole
+    simdgroups (32) when it has to shrink."""
     threads = tile_size * (rows or tile_size)
-    per_gaussian = 4 + 8 + 16 + 4 * channels
+    per_gaussian = 4 + 8 + 16 + 4 * channels + (4 * (8 + channels) * -(-threads // 32) if merge else 0)
     batch = min(threads, BWD_BATCH_BYTES // per_gaussian)
     if batch < threads and batch >= 32:
         batch -= batch % 32
@@ -109,4 +110,12 @@ def standard_variants() -> dict:
             "rasterize_bwd.metal",
             (("SPLAT_CHANNELS", channels), ("SPLAT_BWD_BATCH", batch)),
         )
+    # the backward's tile merge (rasterize_bwd.py TILE_MERGE, off by default), for the RGB training step
+    variants["rasterize_bwd_rgb_merge"] = ("rasterize_bwd.metal", bwd_merge_defines(constants.TILE_SIZE, 3))
     return variants
+
+
+def bwd_merge_defines(tile_size: int, channels: int, rows: Optional[int] = None) -> tuple:
+    """The variant defines of rasterize_bwd.metal with the tile merge (SPLAT_BWD_MERGE)."""
+    batch = bwd_batch(tile_size, channels, rows, merge=True)
+    return (("SPLAT_CHANNELS", channels), ("SPLAT_BWD_BATCH", batch), ("SPLAT_BWD_MERGE", 1))

@@ -124,3 +124,26 @@ def test_the_self_check_verifies_the_loss_and_a_failed_check_falls_back(monkeypa
     fallback = loss_and_grad(pred, gt, 0.2, "metal")
     assert runtime.launch_counts() == {}
     assert_matches(fallback, loss_and_grad(pred, gt, 0.2, "reference"))
+
+
+@pytest.mark.parametrize("backend", ["metal", "reference"])
+def test_loss_without_stats_is_the_same_loss_in_fewer_allocations(backend):
+    """stats=False (the training step's call): l1 and ssim are None, the loss and its gradient the same
+    bits, and on the metal kernels two allocations fewer (the per-group sums live in a workspace buffer)."""
+    from splat_metal_method.bench import step_ledger
+
+    pred, gt = images((19, 26, 3), seed=9)
+    l1_ssim_loss(pred, gt, 0.2, backend)  # the workspace buffer for the sums, as after a first training step
+    counted, out = {}, {}
+    for stats in (True, False):
+        p = pred.clone().requires_grad_(True)
+        with step_ledger.count(str(stats)) as led:
+            loss, l1, ssim = l1_ssim_loss(p, gt, 0.2, backend, stats=stats)
+            (grad,) = torch.autograd.grad(loss, p)
+        counted[stats], out[stats] = led, (loss.detach(), grad, l1, ssim)
+    assert out[False][2] is None and out[False][3] is None and out[True][2] is not None
+    torch.testing.assert_close(out[False][0], out[True][0], rtol=0, atol=0)
+    torch.testing.assert_close(out[False][1], out[True][1], rtol=0, atol=0)
+    if backend == "metal":
+        assert counted[False].aten_allocations == counted[True].aten_allocations - 2
+        assert counted[False].kernel_launches == counted[True].kernel_launches == 3

@@ -104,6 +104,28 @@ def check_ascii(source: str, name: str) -> None:
             )
 
 
+def _params_before_body(head: str):
+    """The match `name(params)` that ends `head` (text before a `{`): the balanced parenthesis group right
+    before it, so a parenthesised macro earlier in the text (`#define N ((D + 3) / 4)`) is not taken for the
+    start of the parameter list. None if `head` does not end in such a group or it holds `{`, `}` or `;`."""
+    close = re.search(r"\)\s*(?:const\s*)?$", head)
+    if close is None:
+        return None
+    depth, j = 0, close.start()
+    while j >= 0:
+        depth += {")": 1, "(": -1}.get(head[j], 0)
+        if depth == 0:
+            break
+        j -= 1
+    if j < 0:
+        return None
+    name = re.search(r"\w+\s*$", head[:j])
+    return _SIGNATURE.match(head, name.start()) if name else None
+
+
+_SIGNATURE = re.compile(r"(\w+)\s*\(([^{};]*)\)\s*(?:const\s*)?$")
+
+
 def _functions(clean: str) -> dict[str, list[tuple[int, int, int, int]]]:
     """name -> [(params_open, params_close, body_open, body_close)] of every file-scope function."""
     out: dict[str, list] = {}
@@ -112,8 +134,8 @@ def _functions(clean: str) -> dict[str, list[tuple[int, int, int, int]]]:
         c = clean[i]
         if c == "{":
             if depth == 0:
-                m = re.search(r"(\w+)\s*\(([^{};]*)\)\s*(?:const\s*)?$", clean[max(0, i - 4000) : i])
                 head = clean[max(0, i - 4000) : i]
+                m = _params_before_body(head)
                 if (
                     m
                     and m.group(1) not in _NOT_CALLS
