@@ -163,3 +163,25 @@ def test_planted_bins_are_caught(plant, monkeypatch):
     params, viewmats = long_tile_scene(PLANT_SCENES[plant], 40, 24, (1, 0), 16, seed=1)
     exact = render(params, viewmats, 40, 24, 16)
     assert differences(render(params, viewmats, 40, 24, 16, caps=IntersectionCapacities()), exact) != []
+
+
+@pytest.mark.parametrize("width, height", [(70, 45), (33, 64)])
+def test_a_render_with_no_intersections_gets_empty_bins(width, height):
+    """Every gaussian behind the camera: the bins are empty, every tile's range is [0, 0) (the offsets are
+    written, not left as whatever the buffer held), the image is the background and the gradients are 0,
+    on a fresh renderer and on its later steps."""
+    n = 300
+    gen = torch.Generator().manual_seed(4)
+    means = torch.randn(n, 3, generator=gen)
+    means[:, 2] = -5.0  # [N, 3] all behind the camera
+    quats = torch.randn(n, 4, generator=gen)
+    scales = torch.full((n, 3), 0.1)
+    opacities = torch.full((n,), 0.8)
+    colors = torch.rand(n, 3, generator=gen)
+    viewmats = torch.eye(4)[None]  # [1, 4, 4]
+    caps = IntersectionCapacities()
+    for _ in range(3):
+        rgb, alpha, meta, grads = render((means, quats, scales, opacities, colors), viewmats, width, height, 16, caps)
+        assert rgb.abs().max() == 0 and alpha.abs().max() == 0
+        assert int(meta["isect_offsets"].min()) == 0 and int(meta["isect_offsets"].max()) == 0
+        assert all(g is None or (torch.isfinite(g).all() and g.abs().max() == 0) for g in grads)
