@@ -3,7 +3,7 @@
 nerfstudio's ``eval_setup`` (what ``ns-export`` runs) builds the whole pipeline, datamanager
 included, and only then loads the checkpoint into it: 10 s on an idle 2-core machine, 30-50 s on a
 loaded one, for an export that needs six tensors. ``load_run`` reads the same checkpoint (the one
-``eval_setup`` would load: patches/checkpoints.eval_checkpoint_in, the newest readable step-*.ckpt, or
+``eval_setup`` would load: patches/checkpoints.eval_checkpoint, the newest readable step-*.ckpt, or
 config.yml's load_step where this run has it) with ``torch.load(mmap=True)`` on the CPU (the
 tensors are mapped from the file, not copied), and gives ``export_gaussians`` an object with the
 attributes of a splatfacto model it reads (means, shs_0, shs_rest, opacities, scales, quats,
@@ -53,9 +53,9 @@ def load_run(run) -> Tuple[CheckpointModel, Path, int]:
     """(model view, checkpoint path, step) of a run (run_config.RunSettings: its checkpoint folder,
     config.yml's load_step and model settings). Raises patches.checkpoints.CheckpointError (one line) when no checkpoint
     can be used, CheckpointProblem when the chosen one holds no gaussians."""
-    from ..patches.checkpoints import CHECKPOINT_NAME, eval_checkpoint_in
+    from ..patches.checkpoints import CHECKPOINT_NAME, eval_checkpoint
 
-    path = eval_checkpoint_in(run.checkpoint_dir, run.load_step)
+    path = eval_checkpoint(run.checkpoint_dir, run.load_step)
     step = int(CHECKPOINT_NAME.fullmatch(path.name).group(1))  # type: ignore[union-attr]
     try:
         loaded = torch.load(path, map_location="cpu", mmap=True)

@@ -6,7 +6,8 @@
 The run's gaussians are read from the checkpoint ``ns-export`` loads (the newest readable one;
 splat-metal's checkpoint allow-list applies because importing this package installs it) without
 building its pipeline (checkpoint.py: seconds instead of nerfstudio's ``eval_setup``, which loads
-the datamanager too); the .sog's k-means runs where eval_setup would put the model (cuda if
+the datamanager too), and config.yml is read without importing the run's classes where it is a
+splatfacto-family run (run_config.py; anything else takes nerfstudio's full load and its checks); the .sog's k-means runs where eval_setup would put the model (cuda if
 available, else the best device this machine has). Any splatfacto run works, not only splat-metal.
 
 ``.ply`` is byte for byte what ``ns-export gaussian-splat`` writes (nerfstudio's ``write_ply`` bytes
