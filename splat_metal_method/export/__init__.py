@@ -1,5 +1,7 @@
 """Export a trained run as the files splat viewers and apps load (``splat-metal-export``).
 
+- ``run_config``: what the export needs of a run's config.yml, read without importing the run's
+  classes (splatfacto-family runs; anything else takes nerfstudio's full load).
 - ``checkpoint``: the run's gaussians read from the checkpoint ``ns-export`` loads, without
   building its pipeline.
 - ``gaussians``: the gaussians ``ns-export gaussian-splat`` writes (same selection, same values),

@@ -28,7 +28,9 @@ class CheckpointModel:
     """What export_gaussians reads of a splatfacto model, from a checkpoint's state dict."""
 
     params: Dict[str, torch.Tensor]  # PARAMS, [N, ...] float, on the CPU
-    config: object  # the run's model config (SplatfactoModelConfig): sh_degree, rasterize_mode
+    config: (
+        object  # the run's model config (SplatfactoModelConfig, or run_config.ModelSettings): sh_degree, rasterize_mode
+    )
     device: torch.device  # where eval_setup would have put the model (the .sog's k-means runs there)
 
     means = property(lambda self: self.params["means"])
@@ -47,13 +49,13 @@ class CheckpointProblem(Exception):
     """The checkpoint holds no usable gaussians; the message is the reason."""
 
 
-def load_run(config) -> Tuple[CheckpointModel, Path, int]:
-    """(model view, checkpoint path, step) of a run's config (a TrainerConfig whose model is a
-    SplatfactoModelConfig). Raises patches.checkpoints.CheckpointError (one line) when no checkpoint
+def load_run(run) -> Tuple[CheckpointModel, Path, int]:
+    """(model view, checkpoint path, step) of a run (run_config.RunSettings: its checkpoint folder,
+    config.yml's load_step and model settings). Raises patches.checkpoints.CheckpointError (one line) when no checkpoint
     can be used, CheckpointProblem when the chosen one holds no gaussians."""
     from ..patches.checkpoints import CHECKPOINT_NAME, eval_checkpoint
 
-    path = eval_checkpoint(config)
+    path = eval_checkpoint(run.checkpoint_dir, run.load_step)
     step = int(CHECKPOINT_NAME.fullmatch(path.name).group(1))  # type: ignore[union-attr]
     try:
         loaded = torch.load(path, map_location="cpu", mmap=True)
@@ -68,7 +70,7 @@ def load_run(config) -> Tuple[CheckpointModel, Path, int]:
         if not isinstance(value, torch.Tensor):
             raise CheckpointProblem(f"{path} holds no gaussians (no _model.gauss_params.{name} in its state)")
         params[name] = value
-    model_config = config.pipeline.model
+    model_config = run.model
     n = params["means"].shape[0]
     rest = (model_config.sh_degree + 1) ** 2 - 1
     shapes = {"means": (n, 3), "scales": (n, 3), "quats": (n, 4), "features_dc": (n, 3),

@@ -6,7 +6,8 @@
 The run's gaussians are read from the checkpoint ``ns-export`` loads (the newest readable one;
 splat-metal's checkpoint allow-list applies because importing this package installs it) without
 building its pipeline (checkpoint.py: seconds instead of nerfstudio's ``eval_setup``, which loads
-the datamanager too); the .sog's k-means runs where eval_setup would put the model (cuda if
+the datamanager too), and config.yml is read without importing the run's classes where it is a
+splatfacto-family run (run_config.py; anything else takes nerfstudio's full load and its checks); the .sog's k-means runs where eval_setup would put the model (cuda if
 available, else the best device this machine has). Any splatfacto run works, not only splat-metal.
 
 ``.ply`` is byte for byte what ``ns-export gaussian-splat`` writes (nerfstudio's ``write_ply`` bytes
@@ -83,7 +84,13 @@ class ExportSplats:
         targets = [self.output_dir / f"{self.output_name}.{EXTENSIONS.get(fmt, fmt)}" for fmt in formats]
         _check_config_file(self.load_config)
         _prepare_output_dir(self.output_dir, targets)
-        config = _check_run(self.load_config)
+        from .run_config import quick_run
+
+        run = quick_run(self.load_config)  # without importing the run's classes; None: not sure, full load
+        if run is None:
+            run = _check_run(self.load_config)
+        else:
+            _check_checkpoints(self.load_config, run.checkpoint_dir)
 
         from nerfstudio.utils.rich_utils import CONSOLE
 
@@ -92,7 +99,7 @@ class ExportSplats:
 
         started = time.perf_counter()
         try:
-            model, checkpoint, step = load_run(config)
+            model, checkpoint, step = load_run(run)
         except CheckpointProblem as e:
             raise ExportError(f"{e}; nothing was written.") from None
         g = export_gaussians(model, obb=None if self.obb_center is None else obb_parts)  # type: ignore[arg-type]
@@ -165,7 +172,8 @@ def _prepare_output_dir(out: Path, targets: List[Path]) -> None:
 
 
 def _check_run(config_path: Path):
-    """The config (returned) is a nerfstudio run of a gaussian-splatting method and has a checkpoint."""
+    """The config is a nerfstudio run of a gaussian-splatting method and has a checkpoint; returns
+    what the export reads of it (run_config.RunSettings). nerfstudio's full load: imports the run's classes."""
     import yaml
     from nerfstudio.engine.trainer import TrainerConfig
     from nerfstudio.models.splatfacto import SplatfactoModelConfig
@@ -189,14 +197,20 @@ def _check_run(config_path: Path):
             f"{config_path} is a {config.method_name!r} run, a method not installed here "
             f"(installed: {', '.join(sorted(all_methods))})."
         )
+    from .run_config import RunSettings
+
     ckpt_dir = config.get_checkpoint_dir()
+    _check_checkpoints(config_path, ckpt_dir)
+    return RunSettings(config.method_name, ckpt_dir, config.load_step, model)
+
+
+def _check_checkpoints(config_path: Path, ckpt_dir: Path) -> None:
     if not sorted(Path(ckpt_dir).glob("step-*.ckpt")):
         raise ExportError(
             f"no checkpoint (step-*.ckpt) in {ckpt_dir}, where {config_path} says the run saved them"
             + (" (a relative path: run from the folder ns-train ran in)" if not Path(ckpt_dir).is_absolute() else "")
             + "."
         )
-    return config
 
 
 def _write_all(g, formats: List[str], targets: List[Path], device=None) -> dict:

@@ -132,14 +132,11 @@ def find_checkpoint(folder: Path, step: Optional[int] = None, resume: bool = Fal
     )
 
 
-def eval_checkpoint(config) -> Path:
-    """The checkpoint eval_setup loads for a run's config (a TrainerConfig; ns-export, ns-eval, ...):
-    config.yml's load_step where this run's folder has it, else the newest readable one
-    (find_checkpoint). splat-metal-export reads the same one without eval_setup (export/checkpoint.py)."""
-    return _eval_checkpoint(config.get_checkpoint_dir(), config.load_step)
-
-
-def _eval_checkpoint(folder: Path, step: Optional[int]) -> Path:
+def eval_checkpoint(folder: Path, step: Optional[int]) -> Path:
+    """The checkpoint eval_setup loads (ns-export, ns-eval, ...) for a run whose checkpoint folder is
+    ``folder`` (TrainerConfig.get_checkpoint_dir()) and config.yml's load_step ``step``: that step's
+    where this run's folder has it, else the newest readable one (find_checkpoint).
+    splat-metal-export reads the same one without eval_setup (export/checkpoint.py)."""
     # config.yml's load_step is the --load-step of training (a step of the run it resumed):
     # used only where this run's folder has it
     if step is not None and not (Path(folder) / f"step-{step:09d}.ckpt").is_file():
@@ -186,7 +183,7 @@ def install() -> None:
         def get_checkpoint_dir(self) -> Path:
             folder = get_dir(self)
             if sys._getframe(1).f_globals.get("__name__") == "nerfstudio.utils.eval_utils":
-                path = _eval_checkpoint(folder, self.load_step)
+                path = eval_checkpoint(folder, self.load_step)
                 self.load_step = int(CHECKPOINT_NAME.fullmatch(path.name).group(1))  # type: ignore[union-attr]
             return folder
 
