@@ -254,14 +254,19 @@ def rasterize_to_pixels(
 ) -> Tuple[Tensor, Tensor]:
     """render_colors [C,H,W,D], render_alphas [C,H,W,1]. With absgrad, sets means2d.absgrad [C,N,2]
     (zeros now, filled by the backward pass), as the reference does."""
-    absgrad_buf = None
-    if absgrad:
-        absgrad_buf = torch.zeros(means2d.shape, dtype=means2d.dtype, device=means2d.device)
-        means2d.absgrad = absgrad_buf
+    absgrad_buf = _absgrad_buffer(means2d, absgrad)
     return _RasterizeToPixelsFn.apply(
         means2d, conics, colors, opacities, backgrounds, int(width), int(height), int(tile_size),
         isect_offsets, flatten_ids, absgrad_buf,
     )  # fmt: skip
+
+
+def _absgrad_buffer(means2d: Tensor, absgrad: bool) -> Optional[Tensor]:
+    """With absgrad: means2d.absgrad [C,N,2], zeros now, filled by the backward pass (as the reference)."""
+    if not absgrad:
+        return None
+    means2d.absgrad = torch.zeros(means2d.shape, dtype=means2d.dtype, device=means2d.device)
+    return means2d.absgrad
 
 
 def rasterize_to_pixels_composite(
@@ -283,10 +288,7 @@ def rasterize_to_pixels_composite(
     * composite_bg, 0, 1) written by the same kernel and differentiated inside rasterize_bwd (no composite
     launches, no gradient buffers for it). rgb is [C,H,W,3], or [H,W,3] with ``squeeze`` and one camera.
     The unfused twin is rasterize_to_pixels + ops/composite.py's composite_background, the same bits."""
-    absgrad_buf = None
-    if absgrad:
-        absgrad_buf = torch.zeros(means2d.shape, dtype=means2d.dtype, device=means2d.device)
-        means2d.absgrad = absgrad_buf
+    absgrad_buf = _absgrad_buffer(means2d, absgrad)
     return _RasterizeToPixelsFn.apply(
         means2d, conics, colors, opacities, None, int(width), int(height), int(tile_size),
         isect_offsets, flatten_ids, absgrad_buf, composite_bg, bool(squeeze),
