@@ -199,8 +199,12 @@ def stage_build(ctx) -> dict:
 
 # -------------------------------------------------------------------------------------------- parity
 def sh_scene(scene: Scene, degree: int, seed: int = 0) -> Scene:
-    """``scene`` with SH colours of ``degree`` (DC from its RGB; bench_step.with_sh makes degree 3)."""
+    """``scene`` with SH colours of ``degree`` (DC from its RGB; bench_step.with_sh makes degree 3,
+    band 4's 9 coefficients are drawn as its higher bands are)."""
     scene = with_sh(scene, seed)
+    if degree == 4:
+        band4 = 0.05 * torch.randn(scene.N, 9, 3, generator=torch.Generator().manual_seed(seed + 1))
+        scene.colors = torch.cat([scene.colors, band4.to(scene.colors.dtype)], dim=1)
     scene.colors = scene.colors[:, : (degree + 1) ** 2].contiguous()
     scene.sh_degree = degree
     return scene
@@ -264,6 +268,16 @@ def parity_cases(small: bool, garden: Optional[dict]) -> List[tuple]:
                 3,
             ),
             dict(render_mode="RGB+ED", rasterize_mode="antialiased"),
+        ),
+        (  # SH degree 4 (25 coefficients a channel): gsplat 1.4 and our kernels both evaluate band 4
+            "random 61x37 SH4 RGB+ED classic",
+            sh_scene(random_scene(n(400), C=2, width=61, height=37, seed=8, backgrounds=True), 4),
+            dict(render_mode="RGB+ED"),
+        ),
+        (
+            "random 37x53 SH4 RGB antialiased",
+            sh_scene(random_scene(n(300), C=1, width=37, height=53, seed=9), 4),
+            dict(render_mode="RGB", rasterize_mode="antialiased"),
         ),
     ]
     if garden is not None:
@@ -588,6 +602,12 @@ def stage_training(ctx) -> dict:
             ]
             + seed,
         ),
+        (  # a capture shot through an OPENCV lens with per-frame intrinsics: nerfstudio undistorts on CUDA too
+            "cuda_vs_splatfacto distorted",
+            0.2,
+            [py, str(bench / "cuda_vs_splatfacto.py"), "--data", "DISTORTED", "--steps", "20" if small else "100",
+             "--block", "10" if small else "25"] + seed,
+        ),
         (
             "bench_memory hooks on",
             0.5,
@@ -604,6 +624,12 @@ def stage_training(ctx) -> dict:
         if timeout < 20:
             result["runs"][name] = {"rc": "not run: stage time used up"}
             continue
+        if "DISTORTED" in cmd:  # the demo scene through the tests' OPENCV lens (tests/demo_runs.py LENSES)
+            scene = tmp / "distorted"
+            lens = ["--k1", "-0.12", "--k2", "0.03", "--k3", "-0.004", "--p1", "0.0015", "--p2", "-0.001"]
+            subprocess.run([py, "-m", "splat_metal_method.data.demo_scene", "--out", str(scene), "--camera-model",
+                            "OPENCV", "--per-frame-intrinsics", *lens], env=env, check=True, capture_output=True)  # fmt: skip
+            cmd = [str(scene) if c == "DISTORTED" else c for c in cmd]
         out_json = tmp / f"{name.replace(' ', '_')}.json"
         cmd = cmd + ["--json", str(out_json)]
         if name.startswith("bench_memory"):
