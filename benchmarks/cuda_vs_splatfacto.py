@@ -41,7 +41,12 @@ def build(method: str, data: Path, seed: int, seed_points: bool = True):
     cfg.pipeline.datamanager.dataparser.load_3D_points = seed_points
     cfg.pipeline.model.num_downscales = 0
     cfg.pipeline.model.background_color = "white"  # "random" would make the two runs differ
-    return setup_pipeline(cfg, "cuda", seed)
+    # A GPU machine without network cannot fetch LPIPS's AlexNet weights, which stock splatfacto downloads
+    # while it builds; training never uses LPIPS, so both methods build without it there (as ours does).
+    from splat_metal_method.method.model import _lpips_only_if_local
+
+    with _lpips_only_if_local():
+        return setup_pipeline(cfg, "cuda", seed)
 
 
 def train_block(run, start: int, n: int):

@@ -331,6 +331,22 @@ def opencv_coefficients(camera_model: str, lens: dict) -> np.ndarray:
     return np.array([float(lens.get(k, 0.0)) for k in order])
 
 
+def _undistort_opencv(distorted: np.ndarray, D: np.ndarray, iterations: int = 200) -> np.ndarray:
+    """OpenCV's fixed-point inversion of its k1 k2 p1 p2 k3 model (undistortPointsIter's loop), for OpenCV
+    builds without undistortPointsIter. distorted [M, 1, 2] normalised -> [M, 1, 2]; lens_rays checks the result."""
+    k1, k2, p1, p2, k3 = D
+    x0, y0 = distorted[..., 0], distorted[..., 1]
+    x, y = x0.copy(), y0.copy()
+    for _ in range(iterations):
+        r2 = x * x + y * y
+        inverse_radial = 1.0 / (1.0 + ((k3 * r2 + k2) * r2 + k1) * r2)
+        x, y = (
+            (x0 - (2 * p1 * x * y + p2 * (r2 + 2 * x * x))) * inverse_radial,
+            (y0 - (p1 * (r2 + 2 * y * y) + 2 * p2 * x * y)) * inverse_radial,
+        )
+    return np.stack([x, y], -1)
+
+
 def lens_rays(camera_model: str, lens: dict, pixels: np.ndarray, fx: float, fy: float, cx: float, cy: float):
     """The pinhole direction (x/z, y/z) [..., 2] each point of ``pixels`` [..., 2] sees through the lens.
 
@@ -343,7 +359,8 @@ def lens_rays(camera_model: str, lens: dict, pixels: np.ndarray, fx: float, fy: 
     distorted = ((pixels - [cx, cy]) / [fx, fy]).reshape(-1, 1, 2)  # normalised image coordinates
     criteria = (cv2.TERM_CRITERIA_COUNT | cv2.TERM_CRITERIA_EPS, 200, 1e-12)
     if camera_model == "OPENCV":
-        rays = cv2.undistortPointsIter(distorted, np.eye(3), D, None, None, criteria)
+        iterate = getattr(cv2, "undistortPointsIter", None)  # some OpenCV builds lack it (seen: the CUDA image's)
+        rays = iterate(distorted, np.eye(3), D, None, None, criteria) if iterate else _undistort_opencv(distorted, D)
         back = cv2.projectPoints(
             np.concatenate([rays, np.ones_like(rays[..., :1])], -1), np.zeros(3), np.zeros(3), np.eye(3), D
         )[0]
