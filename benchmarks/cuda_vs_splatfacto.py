@@ -103,7 +103,8 @@ def main() -> int:
     checks = full_op_checks(torch.device("cuda"), "gsplat", 61, 37)
     for c in checks:
         verdict = "ok" if c.ok else "MISMATCH"
-        print(f"parity {c.stage} {c.direction}: max abs {c.max_abs:.2e}, rel {c.rel:.2e}, {verdict}")
+        print(f"parity {c.stage} {c.direction}: max abs {c.max_abs:.2e}, rel {c.rel:.2e}, {verdict}"
+              + (f" ({c.error})" if c.error else ""))  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": args.steps, "block": args.block,
@@ -112,7 +113,8 @@ def main() -> int:
             "peak_mib_above_block_start": {m: round(max(p) / 2**20, 1) for m, p in peaks.items()},
             "gaussians": {m: run[0].model.num_points for m, run in runs.items()},
             "step_time_ratio": round(ratio, 4),
-            "parity": [{"check": f"{c.stage} {c.direction}", "max_abs": c.max_abs, "rel": c.rel, "ok": c.ok} for c in checks],
+            "parity": [{"check": f"{c.stage} {c.direction}", "max_abs": c.max_abs, "rel": c.rel, "ok": c.ok, "error": c.error}
+                       for c in checks],
         }, indent=1))  # fmt: skip
     return 0 if all(c.ok for c in checks) else 1
 

@@ -397,7 +397,7 @@ def full_op_checks(
         grads = {k: v.grad for k, v in leaves.items()}
         if absgrad:
             grads["means2d.absgrad"] = meta["means2d"].absgrad
-        return colors, alphas, grads, ms, meta["depth_chunks"]
+        return colors, alphas, grads, ms, meta.get("depth_chunks", 1)  # gsplat's meta has no depth_chunks
 
     label = f"rasterization ({backend})"
     try:
