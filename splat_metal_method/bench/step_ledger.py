@@ -366,8 +366,9 @@ METHODS = ("splat-metal", "splat-metal-mcmc")
 # Steps the phases run at (splatfacto's schedule): SH degree 3 from 3000, the opacity reset at 3000,
 # refine at 3200 (past warm-up, % 100 == 0, more than n_train + 100 past the reset); the steady step
 # 3101 is none of these. WARM_STEP runs first, uncounted: lazily built state (Adam moments, strategy
-# buffers, compiled kernels).
-WARM_STEP, STEADY_STEP, REFINE_STEP = 3099, 3101, 3200
+# buffers, compiled kernels). LOGGED_STEP is a steady step nerfstudio writes out (step % steps_per_log == 0,
+# default 10): the model computes the train PSNR and the loss dict's constant scale_reg only then.
+WARM_STEP, STEADY_STEP, LOGGED_STEP, REFINE_STEP = 3099, 3101, 3110, 3200
 
 
 def build_trainer(data: Path, method: str = "splat-metal", backend: str = "metal", output_dir: Path = Path("/tmp"),
@@ -442,8 +443,8 @@ def _intersections(model) -> int:
 
 
 def measure(data: Path, method: str = "splat-metal", backend: str = "metal", output_dir: Path = Path("/tmp"),
-            phases=("steady", "refine", "eval")) -> Dict[str, Ledger]:  # fmt: skip
-    """Ledgers of a steady training step, a refine step and an eval render of ``method``."""
+            phases=("steady", "logged", "refine", "eval")) -> Dict[str, Ledger]:  # fmt: skip
+    """Ledgers of a steady training step, a logged one, a refine step and an eval render of ``method``."""
     from nerfstudio.engine.callbacks import TrainingCallbackLocation  # noqa: F401 (before writer: import order)
     from nerfstudio.utils import writer
 
@@ -473,7 +474,7 @@ def measure(data: Path, method: str = "splat-metal", backend: str = "metal", out
                     model.get_outputs_for_camera(camera)
                 ledger.pixels = int(camera.width.sum()) * int(camera.height.sum())
             else:
-                step = STEADY_STEP if phase == "steady" else REFINE_STEP
+                step = {"steady": STEADY_STEP, "logged": LOGGED_STEP, "refine": REFINE_STEP}[phase]
                 camera_px = _train_pixels(trainer)
                 with count(phase, host_resident(trainer)) as ledger:
                     train_step(trainer, step)

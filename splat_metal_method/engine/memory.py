@@ -270,6 +270,12 @@ class BudgetedStrategy(DefaultStrategy):
         settings = {f.name: getattr(strategy, f.name) for f in dataclasses.fields(DefaultStrategy)}
         return cls(**settings, max_gaussians=int(max_gaussians or 0))
 
+    def step_pre_backward(self, params, optimizers, state, step, info):
+        """gsplat retains ``means2d.grad`` (a copy of the gradient every step); with absgrad its statistics read
+        ``means2d.absgrad``, which every backend fills without it, so only the plain-gradient setting retains it."""
+        if not self.absgrad:
+            super().step_pre_backward(params, optimizers, state, step, info)
+
     def step_post_backward(self, params, optimizers, state, step, info, packed=False):
         super().step_post_backward(params, optimizers, state, step, info, packed=packed)
         # gsplat resets opacities at these steps (after its refine check, before refine_stop_iter)

@@ -25,6 +25,7 @@ from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.model_components.lib_bilagrid import total_variation_loss
 from nerfstudio.models.splatfacto import RGB2SH, SplatfactoModel, SplatfactoModelConfig
 from nerfstudio.utils.rich_utils import CONSOLE
+from nerfstudio.utils.misc import step_check
 
 from ..engine import distributed, memory, reliability
 from ..export.ply_file import write_ply
@@ -278,6 +279,9 @@ class SplatMetalModel(SplatfactoModel):
         check_bilateral_grid(self.config, self.device)
         self_check.ensure_verified(self, self.device, self.config.backend)  # before the first step
         # The NaN/Inf check goes last: after the strategy's densification and the memory hooks.
+        trainer = getattr(training_callback_attributes, "trainer", None)
+        if trainer is not None:  # the steps whose train metrics and loss dict nerfstudio writes out
+            self.__dict__["_steps_per_log"] = trainer.config.logging.steps_per_log
         optimizers = training_callback_attributes.optimizers
         self.nonfinite_guard = reliability.NonFiniteGuard(
             self, optimizers.optimizers, self.config.nonfinite, fused_from=optimizers
@@ -452,17 +456,26 @@ class SplatMetalModel(SplatfactoModel):
         self._gt_img_cache = (image, self._get_downscale_factor(), gt_img)
         return gt_img
 
+    def _logged_now(self) -> bool:
+        """Whether nerfstudio's trainer writes this training step's loss and metrics dicts out (its
+        ``step_check(step, steps_per_log, run_at_zero=True)``); True where no trainer set it up (a caller of
+        the pipeline reads the dicts itself)."""
+        steps_per_log = self.__dict__.get("_steps_per_log")
+        return steps_per_log is None or step_check(self.step, steps_per_log, run_at_zero=True)
+
     def get_metrics_dict(self, outputs, batch) -> Dict[str, torch.Tensor]:
         """splatfacto's; a training step's PSNR as -10 log10(MSE) (3 ops: mse_loss, log10, mul) instead of
-        torchmetrics' stateful metric (about 25 ops and copies of its state every step). Eval metrics are
-        splatfacto's."""
+        torchmetrics' stateful metric (about 25 ops and copies of its state every step), and only on the steps
+        the trainer writes out (steps_per_log): nothing reads it on the others. Eval metrics are splatfacto's."""
         if self.training:
             _check_render_size(outputs["rgb"], self.get_gt_img(batch["image"]))
         if not self.training or self.config.color_corrected_metrics:
             return super().get_metrics_dict(outputs, batch)
-        gt_rgb = self.composite_with_background(self.get_gt_img(batch["image"]), outputs["background"])
-        with torch.no_grad():
-            metrics = {"psnr": -10.0 * torch.log10(torch.nn.functional.mse_loss(outputs["rgb"], gt_rgb))}
+        metrics = {}
+        if self._logged_now():
+            gt_rgb = self.composite_with_background(self.get_gt_img(batch["image"]), outputs["background"])
+            with torch.no_grad():
+                metrics["psnr"] = -10.0 * torch.log10(torch.nn.functional.mse_loss(outputs["rgb"], gt_rgb))
         metrics["gaussian_count"] = self.num_points
         self.camera_optimizer.get_metrics_dict(metrics)
         return metrics
@@ -488,7 +501,9 @@ class SplatMetalModel(SplatfactoModel):
             scale_reg = self.__dict__.get("_zero_scale_reg")
             if scale_reg is None or scale_reg.device != torch.device(self.device):
                 scale_reg = self.__dict__["_zero_scale_reg"] = torch.zeros((), device=self.device)
-        loss_dict = {"main_loss": main_loss, "scale_reg": scale_reg}
+        loss_dict = {"main_loss": main_loss}
+        if scale_reg.requires_grad or self._logged_now():  # the constant zero only where it is written out
+            loss_dict["scale_reg"] = scale_reg  # (the trainer sums the dict: one add a step for a zero)
         if self.training:
             self.camera_optimizer.get_loss_dict(loss_dict)
             if self.config.use_bilateral_grid:

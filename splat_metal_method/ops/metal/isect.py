@@ -329,8 +329,10 @@ def isect_tiles_padded_fwd(
     geometry = (int(tile_size), int(tile_width), int(tile_height), cap)
     lib.bin_count(means2d, radii, tiles_per_gauss, order, cum, bins, total, N, *geometry, **grid_1d(total))
     ends = prefix_sum(bins, inclusive=True, out=ws.get("isect.bin_ends", n_bins + 2, torch.int64, device))
-    ranks = ws.get("isect.ranks", cap, torch.int32, device)
-    ranks2 = ws.get("isect.ranks2", cap, torch.int32, device)
+    # whole scratch buffers (the kernels index them below the bins' ends, within cap): no slice when an earlier,
+    # larger capacity grew them
+    ranks = ws.at_least("isect.ranks", cap, torch.int32, device)
+    ranks2 = ws.at_least("isect.ranks2", cap, torch.int32, device)
     lib.bin_fill(means2d, radii, tiles_per_gauss, order, cum, bins, ends, ranks, total, N, *geometry, **grid_1d(total))
     isect_ids = torch.empty((cap,), dtype=torch.int64, device=device)
     flatten_ids = torch.empty((cap,), dtype=torch.int32, device=device)

@@ -151,6 +151,14 @@ class Band(NamedTuple):
     grid: dict
 
 
+def flat_offsets(isect_offsets: Tensor) -> Tensor:  # [C, th, tw] or flat [C*th*tw (+1)] -> flat
+    """The tile offsets as the kernels bind them; a flat contiguous tensor as it is (a view would be one more
+    dispatch a step: the training render passes the padded lists' flat offsets)."""
+    if isect_offsets.dim() == 1 and isect_offsets.is_contiguous():
+        return isect_offsets
+    return isect_offsets.contiguous().view(-1)
+
+
 def band(d: Dispatch, C: int, tile_size: int, tile_width: int, tile_height: int, rows: Optional[int] = None) -> Band:
     """The Band of dispatch `d`. Gaussian, intersection and pixel indices stay global."""
     group = (tile_size, rows or tile_size, 1)  # rows of a tile per group (kernels.tile_library)
@@ -256,7 +264,7 @@ def rasterize_to_pixels_fwd(
         device, "rasterize.metal", "rasterize_fwd", tile_size, lambda _rows: (("SPLAT_CHANNELS", D),)
     )  # rows: of a tile per group (kernels.py)
     inputs = (means2d.contiguous(), conics.contiguous(), colors.contiguous(), opacities.contiguous(), bg)
-    offsets, flatten_ids = isect_offsets.contiguous().view(-1), flatten_ids.contiguous()
+    offsets, flatten_ids = flat_offsets(isect_offsets), flatten_ids.contiguous()
     per_pixel = (render_colors, render_alphas, transmittance, last_ids, pixel_done)
     composite = (composite_bg, rgb_out, 1) if composite_bg is not None else (opacities, opacities, 0)
     total_tiles = C * tile_width * tile_height + int(padded)  # padded: the last tile ends at the end slot

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from . import runtime
 from .kernels import tile_library
-from .rasterize import MAX_CHANNELS, RASTER_CHUNK, PassPlan, band, check_offsets, plan_passes
+from .rasterize import MAX_CHANNELS, RASTER_CHUNK, PassPlan, band, check_offsets, flat_offsets, plan_passes
 from .variants import bwd_batch, bwd_merge_defines
 
 # Bits of rasterize_bwd.metal's `flags` (SPLAT_BWD_*): what one launch reads.
@@ -129,7 +129,7 @@ def rasterize_to_pixels_bwd(
         else (lambda rows: (("SPLAT_CHANNELS", D), ("SPLAT_BWD_BATCH", bwd_batch(tile_size, D, rows)))),
     )  # fmt: skip
     inputs = (means2d.contiguous(), conics.contiguous(), colors.contiguous(), opacities.contiguous(), bg)
-    offsets, flatten_ids = isect_offsets.contiguous().view(-1), flatten_ids.contiguous()
+    offsets, flatten_ids = flat_offsets(isect_offsets), flatten_ids.contiguous()
     per_pixel = (transmittance.contiguous(), last_ids.contiguous(),
                  v_render_colors.contiguous() if v_render_colors is not None else placeholder,
                  v_render_alphas.contiguous() if v_render_alphas is not None else placeholder, pix_T, pix_buf)  # fmt: skip
