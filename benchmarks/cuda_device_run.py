@@ -605,8 +605,17 @@ def stage_training(ctx) -> dict:
         (  # a capture shot through an OPENCV lens with per-frame intrinsics: nerfstudio undistorts on CUDA too
             "cuda_vs_splatfacto distorted",
             0.35,
-            [py, str(bench / "cuda_vs_splatfacto.py"), "--data", "DISTORTED", "--steps", "20" if small else str(ctx.args.training_steps // 3),
-             "--block", "10" if small else "25"] + seed,
+            [
+                py,
+                str(bench / "cuda_vs_splatfacto.py"),
+                "--data",
+                "DISTORTED",
+                "--steps",
+                "20" if small else str(ctx.args.training_steps // 3),
+                "--block",
+                "10" if small else "25",
+            ]
+            + seed,
         ),
         (
             "bench_memory hooks on",
@@ -631,8 +640,21 @@ def stage_training(ctx) -> dict:
         if "DISTORTED" in cmd:  # the demo scene through the tests' OPENCV lens (tests/demo_runs.py LENSES)
             scene = tmp / "distorted"
             lens = ["--k1", "-0.12", "--k2", "0.03", "--k3", "-0.004", "--p1", "0.0015", "--p2", "-0.001"]
-            subprocess.run([py, "-m", "splat_metal_method.data.demo_scene", "--out", str(scene), "--camera-model",
-                            "OPENCV", "--per-frame-intrinsics", *lens], env=env, check=False)  # fmt: skip  (a failure shows in the run's rc)
+            subprocess.run(
+                [
+                    py,
+                    "-m",
+                    "splat_metal_method.data.demo_scene",
+                    "--out",
+                    str(scene),
+                    "--camera-model",
+                    "OPENCV",
+                    "--per-frame-intrinsics",
+                    *lens,
+                ],
+                env=env,
+                check=False,
+            )  # fmt: skip  (a failure shows in the run's rc)
             cmd = [str(scene) if c == "DISTORTED" else c for c in cmd]
         out_json = tmp / f"{name.replace(' ', '_')}.json"
         cmd = cmd + ["--json", str(out_json)]
@@ -761,8 +783,12 @@ def parse_args(argv=None):
     p.add_argument("--overhead-s", type=float, default=60, help="overhead stage cap (default 60 s)")
     p.add_argument("--overhead-reps", type=int, default=1000, help="alternating pairs per overhead scene at most")
     p.add_argument("--training-s", type=float, default=240, help="training stage cap (default 240 s)")
-    p.add_argument("--training-steps", type=int, default=300, help="cuda_vs_splatfacto's steps (the distorted run: 1/3)")
-    p.add_argument("--training-runs", default="", help="comma-separated training runs to do, in this order (default all)")
+    p.add_argument(
+        "--training-steps", type=int, default=300, help="cuda_vs_splatfacto's steps (the distorted run: 1/3)"
+    )
+    p.add_argument(
+        "--training-runs", default="", help="comma-separated training runs to do, in this order (default all)"
+    )
     p.add_argument(
         "--garden", type=Path, default=None, help=f"garden_points.npz (default {GARDEN_PATH} or .cuda-carry/)"
     )

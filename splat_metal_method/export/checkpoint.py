@@ -9,15 +9,19 @@ tensors are mapped from the file, not copied), and gives ``export_gaussians`` an
 attributes of a splatfacto model it reads (means, shs_0, shs_rest, opacities, scales, quats,
 config): the same values ``ns-export gaussian-splat`` exports (splatfacto's ``shs_0``: DC as stored,
 or RGB2SH(sigmoid(features_dc)) at SH degree 0). ``ns-export`` itself keeps nerfstudio's path.
+
+The tensors are read by ``torch_zip.load`` (numpy views of the mapped file, without importing torch: the
+import alone takes 2-3 s, most of a 100k-gaussian export); a checkpoint it cannot read (the legacy format, a
+compressed member) is loaded with ``torch.load(mmap=True)`` instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Any, Dict, Tuple
 
-import torch
+import numpy as np
 
 PARAMS = ("means", "scales", "quats", "features_dc", "features_rest", "opacities")
 SH_C0 = 0.28209479177387814
@@ -27,11 +31,16 @@ SH_C0 = 0.28209479177387814
 class CheckpointModel:
     """What export_gaussians reads of a splatfacto model, from a checkpoint's state dict."""
 
-    params: Dict[str, torch.Tensor]  # PARAMS, [N, ...] float, on the CPU
+    params: Dict[str, Any]  # PARAMS, [N, ...]: numpy float32 arrays (torch CPU tensors where torch read them)
     config: (
         object  # the run's model config (SplatfactoModelConfig, or run_config.ModelSettings): sh_degree, rasterize_mode
     )
-    device: torch.device  # where eval_setup would have put the model (the .sog's k-means runs there)
+
+    @property
+    def device(self):  # where eval_setup would have put the model (the .sog's k-means runs there)
+        import torch
+
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     means = property(lambda self: self.params["means"])
     scales = property(lambda self: self.params["scales"])
@@ -40,9 +49,13 @@ class CheckpointModel:
     shs_rest = property(lambda self: self.params["features_rest"])
 
     @property
-    def shs_0(self) -> torch.Tensor:  # splatfacto's shs_0
+    def shs_0(self):  # splatfacto's shs_0
         dc = self.params["features_dc"]
-        return dc if self.config.sh_degree > 0 else (torch.sigmoid(dc) - 0.5) / SH_C0
+        if self.config.sh_degree > 0:
+            return dc
+        import torch  # torch's sigmoid, for ns-export's bits (an SH degree 0 run only)
+
+        return (torch.sigmoid(torch.as_tensor(dc)) - 0.5) / SH_C0
 
 
 class CheckpointProblem(Exception):
@@ -57,17 +70,24 @@ def load_run(run) -> Tuple[CheckpointModel, Path, int]:
 
     path = eval_checkpoint(run.checkpoint_dir, run.load_step)
     step = int(CHECKPOINT_NAME.fullmatch(path.name).group(1))  # type: ignore[union-attr]
+    from . import torch_zip
+
     try:
-        loaded = torch.load(path, map_location="cpu", mmap=True)
-        state = loaded["pipeline"]
-    except Exception as e:  # noqa: BLE001 - a checkpoint of another program or torch version
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CheckpointProblem(f"{path} cannot be loaded ({type(e).__name__}: {first})") from None
+        state = torch_zip.load(path)["pipeline"]
+    except (torch_zip.Unsupported, KeyError, TypeError):  # torch reads it, or says why it cannot
+        try:
+            import torch
+
+            loaded = torch.load(path, map_location="cpu", mmap=True)
+            state = loaded["pipeline"]
+        except Exception as e:  # noqa: BLE001 - a checkpoint of another program or torch version
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise CheckpointProblem(f"{path} cannot be loaded ({type(e).__name__}: {first})") from None
     state = {(k[len("module.") :] if k.startswith("module.") else k): v for k, v in state.items()}
     params = {}
     for name in PARAMS:  # gauss_params.* (nerfstudio >= 1.1), or the older bare names splatfacto accepts
         value = state.get(f"_model.gauss_params.{name}", state.get(f"_model.{name}"))
-        if not isinstance(value, torch.Tensor):
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):  # a numpy array or a torch tensor
             raise CheckpointProblem(f"{path} holds no gaussians (no _model.gauss_params.{name} in its state)")
         params[name] = value
     model_config = run.model
@@ -81,5 +101,5 @@ def load_run(run) -> Tuple[CheckpointModel, Path, int]:
                 f"{path}: {name} is {tuple(params[name].shape)}, not {shape} as a run of SH degree "
                 f"{model_config.sh_degree} with {n:,} gaussians has it"
             )
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # eval_setup's choice
-    return CheckpointModel(params, model_config, device), path, step
+    params = {k: torch_zip.as_float32(v) if isinstance(v, np.ndarray) else v for k, v in params.items()}
+    return CheckpointModel(params, model_config), path, step

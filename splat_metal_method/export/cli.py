@@ -15,7 +15,7 @@ over the same columns, written a block at a time: ply_file.py); ``.splat``, ``.s
 splat_file.py, spz_file.py, sog_file.py and compressed_ply_file.py (the .sog's SH palette is k-means
 on the device the run trains on: playcanvas.py).
 Every requested file is first written to a hidden temporary file in the output folder; only when
-all are complete are they renamed into place (reliability.atomic_path), so a failure or Ctrl-C
+all are complete are they renamed into place (engine/files.atomic_path), so a failure or Ctrl-C
 leaves no partial file and the files already there untouched: SIGTERM and SIGHUP (``kill``, a closed
 terminal) clean up as Ctrl-C does, and the hidden temporary files that a SIGKILLed or crashed export
 left are removed by the next export into that folder (those of a process still running are kept).
@@ -114,7 +114,9 @@ class ExportSplats:
                 f"{': ' + dropped if dropped else ''}); nothing was written."
             )
 
-        sizes = _write_all(g, formats, targets, device=model.device)
+        sizes = _write_all(
+            g, formats, targets, device=model.device if "sog" in formats else None
+        )  # torch for .sog only
 
         CONSOLE.print(
             f"[bold]{PROG}[/bold]: {g.count:,} gaussians (of {g.n_model:,}{'; ' + dropped if dropped else ''}), "
@@ -161,7 +163,7 @@ def _prepare_output_dir(out: Path, targets: List[Path]) -> None:
         probe.unlink()
     except OSError as e:
         raise ExportError(f"--output-dir {out}: cannot write there ({e.strerror or e}).") from None
-    from ..engine.reliability import remove_stale_partials
+    from ..engine.files import remove_stale_partials
 
     stale = remove_stale_partials(out)
     if stale:
@@ -216,7 +218,7 @@ def _check_checkpoints(config_path: Path, ckpt_dir: Path) -> None:
 def _write_all(g, formats: List[str], targets: List[Path], device=None) -> dict:
     """Writes every format to a temporary file, then renames them all into place.
     Returns {format: (bytes, note, seconds)}."""
-    from ..engine.reliability import atomic_path
+    from ..engine.files import atomic_path
     from .progress import export_progress
 
     sizes = {}
@@ -273,7 +275,7 @@ def _write_one(g, fmt: str, path: Path, device=None, report=None) -> Tuple[int, 
 
 def entrypoint() -> None:
     """Console script ``splat-metal-export``."""
-    from ..engine.reliability import signals_interrupt
+    from ..engine.files import signals_interrupt
 
     tyro.extras.set_accent_color("bright_yellow")
     export = tyro.cli(tyro.conf.FlagConversionOff[ExportSplats], prog=PROG)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import numpy as np
-import torch
 
 LOW_OPACITY_LOGIT = -5.5373  # logit(1/255): ns-export's cut
 SH_C0 = 0.28209479177387814  # Y_0^0: rgb = 0.5 + SH_C0 * dc
@@ -73,21 +72,26 @@ def export_gaussians(
 ) -> ExportGaussians:
     """The model's exportable gaussians. ``obb`` = (center, rotation as RPY radians, scale), the
     crop of ``ns-export gaussian-splat --obb-center/--obb-rotation/--obb-scale``."""
-    with torch.no_grad():
-        arr = lambda t: t.detach().float().cpu().numpy()  # noqa: E731
-        means = arr(model.means)  # [N, 3]
-        sh_dc = arr(model.shs_0)  # [N, 3]
-        n_model = means.shape[0]
-        if model.config.sh_degree > 0:
-            sh_rest = arr(model.shs_rest)  # [N, K-1, 3]
-        else:
-            sh_rest = np.zeros((n_model, 0, 3), np.float32)
-        opacity = arr(model.opacities).reshape(n_model)  # [N]
-        log_scales = arr(model.scales)  # [N, 3]
-        quats = arr(model.quats)  # [N, 4]
+
+    def arr(t) -> np.ndarray:  # a model's tensor, or a checkpoint's numpy array (export/checkpoint.py)
+        if isinstance(t, np.ndarray):
+            return np.asarray(t, dtype=np.float32)
+        return t.detach().float().cpu().numpy()
+
+    means = arr(model.means)  # [N, 3]
+    sh_dc = arr(model.shs_0)  # [N, 3]
+    n_model = means.shape[0]
+    if model.config.sh_degree > 0:
+        sh_rest = arr(model.shs_rest)  # [N, K-1, 3]
+    else:
+        sh_rest = np.zeros((n_model, 0, 3), np.float32)
+    opacity = arr(model.opacities).reshape(n_model)  # [N]
+    log_scales = arr(model.scales)  # [N, 3]
+    quats = arr(model.quats)  # [N, 4]
 
     keep = np.ones(n_model, dtype=bool)
     if obb is not None:
+        import torch
         from nerfstudio.data.scene_box import OrientedBox
 
         box = OrientedBox.from_params(*obb)

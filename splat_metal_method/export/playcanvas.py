@@ -13,12 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Tuple
 
-import torch
-
 from .gaussians import ExportGaussians
 
 
-def kmeans_device(model_device=None) -> torch.device:
+def kmeans_device(model_device=None):  # -> torch.device
+    import torch
+
     device = torch.device(model_device) if model_device is not None else torch.device("cpu")
     if device.type != "cpu":
         return device

@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Tuple
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 SEED = 0
 
@@ -168,6 +170,8 @@ def kmeans(
     n = x.shape[0]
     if n <= k:
         return x.copy(), np.arange(n, dtype=np.int64)
+    import torch
+
     device = torch.device("cpu") if device is None else torch.device(device)
     with _cpu_threads(device) as pool:
         if n * k <= EXACT_LIMIT:
@@ -304,6 +308,8 @@ def nearest(x: np.ndarray, c: np.ndarray, device: torch.device, k: int = 1,
     made), over ``pool`` when given; on the CPU with numpy (whose argmin is several times faster
     than torch's; the same bytes whatever the load or the number of threads), elsewhere with torch
     on ``device``."""
+    import torch  # (the device's type below; on the CPU the distances are numpy's)
+
     c_sq = (c * c).sum(1)  # [M]
     step = max(1, (1 << 20) // c.shape[0])
     if device.type != "cpu":

@@ -16,6 +16,7 @@ command takes nerfstudio's full load, whose checks and error lines are the ones 
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -112,10 +113,27 @@ def _installed(method_name: str) -> bool:
 
 
 def _module_exists(name: str) -> bool:
+    """Whether ``name`` can be imported, found on disk without importing anything (importlib's find_spec
+    of a dotted name imports its parent packages: torch and nerfstudio's, seconds for a fast export)."""
+    top, *rest = name.split(".")
     try:
-        return importlib.util.find_spec(name) is not None  # imports parent packages, not the module
+        spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
         return False
+    if spec is None:
+        return False
+    locations = list(spec.submodule_search_locations or [])
+    for i, part in enumerate(rest):
+        last = i == len(rest) - 1
+        package = next((Path(loc) / part for loc in locations if (Path(loc) / part / "__init__.py").is_file()), None)
+        if package is None:
+            return last and any(
+                (Path(loc) / f"{part}{suffix}").is_file()
+                for loc in locations
+                for suffix in importlib.machinery.all_suffixes()
+            )
+        locations = [str(package)]
+    return True
 
 
 def quick_run(config_path: Path) -> Optional[RunSettings]:

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from nerfstudio.cameras.cameras import Cameras
 from nerfstudio.model_components.lib_bilagrid import total_variation_loss
 from nerfstudio.models.splatfacto import RGB2SH, SplatfactoModel, SplatfactoModelConfig
-from nerfstudio.utils.rich_utils import CONSOLE
 from nerfstudio.utils.misc import step_check
+from nerfstudio.utils.rich_utils import CONSOLE
 
 from ..engine import distributed, memory, reliability
 from ..export.ply_file import write_ply

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 import numpy as np
-import torch
 
 CHECKPOINT_NAME = re.compile(r"step-(\d+)\.ckpt")
 _PATCHED = "_splat_metal_checkpoints"
@@ -49,8 +48,49 @@ def numpy_checkpoint_globals() -> list:
 
 
 def allow_nerfstudio_checkpoints() -> None:
+    """Allow-lists the numpy types for torch.load: now if torch is imported, else as soon as it is (a
+    command that never loads torch, ``splat-metal-export`` on its fast path, does not pay its 2-3 s import)."""
+    if "torch" in sys.modules:
+        _allow(sys.modules["torch"])
+    elif not any(isinstance(f, _AfterTorchImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterTorchImport())
+
+
+def _allow(torch) -> None:
     if hasattr(torch.serialization, "add_safe_globals"):
         torch.serialization.add_safe_globals(numpy_checkpoint_globals())
+
+
+class _AfterTorchImport:
+    """A meta path finder that hands torch's own spec to the import system with its loader wrapped: once the
+    loader has executed the module, ``_allow`` runs on it and this finder leaves ``sys.meta_path``. (A mere
+    ``importlib.util.find_spec("torch")`` gets the wrapped spec too and executes nothing.)"""
+
+    def __init__(self):
+        self._busy = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch" or self._busy:
+            return None
+        import importlib.util
+
+        self._busy = True  # the search below asks every finder, this one included
+        try:
+            spec = importlib.util.find_spec("torch")
+        finally:
+            self._busy = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader_exec = spec.loader.exec_module
+
+        def exec_module(module):
+            loader_exec(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            _allow(module)
+
+        spec.loader.exec_module = exec_module  # this spec's own loader object
+        return spec
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,81 @@
+"""File writes that survive a crash or a signal, without torch or nerfstudio (``splat-metal-export`` imports
+this on its fast path; engine/reliability.py re-exports it for the trainer)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import threading
+from pathlib import Path
+from typing import Iterator, List, Optional
+
+
+@contextlib.contextmanager
+def atomic_path(target: Path, staging_dir: Optional[Path] = None) -> Iterator[Path]:
+    """Yields a temporary path; when the block succeeds, the file written there replaces ``target``
+    in one rename (``os.replace``). On any exception (KeyboardInterrupt included) the temporary file
+    is removed and ``target`` is untouched. ``staging_dir`` (default: target's folder) must be on the
+    same filesystem; the temporary name is hidden: ``.NAME.partial-PID``."""
+    target = Path(target)
+    tmp = Path(staging_dir or target.parent) / f".{target.name}.partial-{os.getpid()}"
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:  # on disk before the rename: a crash cannot leave an empty target
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP (a closed terminal, ``kill``) raise KeyboardInterrupt in the block, as Ctrl-C
+    does, so that the same clean-up runs (atomic_path removes its temporary file). Main thread only;
+    elsewhere (signals cannot be caught there) a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, interrupt) for s in STOP_SIGNALS if s != signal.SIGINT}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+PARTIAL_NAME = re.compile(r"\.(?P<name>.+)\.partial-(?P<pid>\d+)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_partials(folder: Path) -> List[Path]:
+    """Removes the hidden ``.NAME.partial-PID`` files (atomic_path's) in ``folder`` whose process is
+    gone: what a SIGKILLed or crashed writer left. A live process's file is left alone. Returns the
+    removed paths."""
+    removed = []
+    for p in Path(folder).iterdir() if Path(folder).is_dir() else []:
+        m = PARTIAL_NAME.fullmatch(p.name)
+        if m and p.is_file() and int(m.group("pid")) != os.getpid() and not _alive(int(m.group("pid"))):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed.append(p)
+    return removed
