@@ -91,6 +91,7 @@ class GaussianOptimizers(Optimizers):
         self.why_not_fused = ""  # why the last step was not (tests, debugging)
         self._metal: Dict[torch.device, bool] = {}
         self.sh_groups = ("features_dc", "features_rest")  # stepped inside the backward where armed
+        self.fuse_sh = True  # False: never armed (the unfused twin the tests compare with)
         self._sh_armed = None  # the ShStep armed for this iteration's backward
         self._sh_next_ok = False  # the last step allows arming the next (see the module's doc)
         self._zeroed: set = set()  # the groups zeroed this iteration
@@ -107,7 +108,7 @@ class GaussianOptimizers(Optimizers):
         self._zeroed = set(param_groups)
         self._sh_armed = None
         adam.arm_sh_step(None)
-        if not (self._sh_next_ok and set(self.sh_groups) <= self._zeroed):
+        if not (self.fuse_sh and self._sh_next_ok and set(self.sh_groups) <= self._zeroed):
             return
         if self._why_not_fused(None, list(self.sh_groups), need_grad=False):
             return
