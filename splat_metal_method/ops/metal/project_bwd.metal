@@ -89,6 +89,31 @@ inline void mat3_mul_at(thread const float* a, thread const float* b, thread flo
 #define PROJECT_CALC_CAMERA 1024 // camera gradients: uniform, so barriers stay uniform (was a buffer of its own)
 #define PROJECT_SH_DEGREE_SHIFT 16
 #define PROJECT_SH_K_SHIFT 20
+// PROJECT_SH_ADAM: Adam on gaussian g's SH coefficients (band 0 slot 0, the rest slot 1 of adam_coef) from the
+// gradients in `t`; false where a gradient or an updated coefficient is not finite.
+inline bool project_sh_adam(long g, long sh_k, long rest_stride, thread const SplatShColorGrad* t, device float* sh_dc,
+                            device float* sh_rest, device float* m_dc, device float* v_dc, device float* m_rest,
+                            device float* v_rest, const device float* adam_coef) {
+  const float b1 = adam_coef[SPLAT_ADAM_SLOTS * SPLAT_ADAM_COEFS + 0];
+  const float b2 = adam_coef[SPLAT_ADAM_SLOTS * SPLAT_ADAM_COEFS + 1];
+  bool ok = true;
+  for (long k = 0; k < sh_k; ++k) {
+    device float* p = k == 0 ? sh_dc + g * 3 : sh_rest + g * rest_stride + 3 * (k - 1);
+    device float* m1 = k == 0 ? m_dc + g * 3 : m_rest + g * rest_stride + 3 * (k - 1);
+    device float* m2 = k == 0 ? v_dc + g * 3 : v_rest + g * rest_stride + 3 * (k - 1);
+    for (long c = 0; c < 3; ++c) {
+      const float grad = splat_sh_coef_grad(t, k, c);
+      float exp_avg = m1[c], exp_avg_sq = m2[c];
+      const float param = splat_adam_update(p[c], grad, &exp_avg, &exp_avg_sq, adam_coef, k == 0 ? 0 : 1, b1, b2);
+      m1[c] = exp_avg;
+      m2[c] = exp_avg_sq;
+      p[c] = param;
+      ok = ok && isfinite(grad) && isfinite(param);
+    }
+  }
+  return ok;
+}
+
 // A culled entry (radius 0, for any reason) had opacity 0 and constant outputs: every gradient is 0.
 [[max_total_threads_per_threadgroup(SPLAT_PROJECT_BWD_GROUP)]]
 kernel void project_bwd(
@@ -148,8 +173,7 @@ kernel void project_bwd(
   const long rest_offset = apart ? 0 : 3;
   const bool calc_comp = (flags & PROJECT_CALC_COMP) != 0, calc_camera = (flags & PROJECT_CALC_CAMERA) != 0;
   const bool sh_adam = (flags & PROJECT_SH_ADAM) != 0;
-  SplatShColorGrad sh_grad;  // PROJECT_SH_ADAM: this gaussian's coefficient gradients (n_bases 0: all 0, culled)
-  sh_grad.n_bases = 0;
+  bool sh_ok = true;  // PROJECT_SH_ADAM: every SH gradient and updated coefficient of this thread finite
 
   float vR[9] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // d/d viewmat[0:3, 0:3]
   float vt[3] = {0.0f, 0.0f, 0.0f};                                        // d/d viewmat[0:3, 3]
@@ -304,9 +328,13 @@ kernel void project_bwd(
       float campos[3];
       splat_camera_position(V, campos);  // common.h, as project_fwd
       const float dir[3] = {m[0] - campos[0], m[1] - campos[1], m[2] - campos[2]};
-      if (sh_adam) {  // the coefficient gradients stay in registers for the Adam step below
-        sh_grad = splat_sh_color_bwd_terms(sh_degree, sh_k, dir[0], dir[1], dir[2], sh_dc + g * dc_stride,
-                                           sh_rest + g * rest_stride + rest_offset, v_colors + 3 * idx, v_sh);
+      if (sh_adam) {  // the coefficient gradients stay in registers: Adam at once (one camera: idx == g)
+        const SplatShColorGrad t = splat_sh_color_bwd_terms(sh_degree, sh_k, dir[0], dir[1], dir[2],
+                                                            sh_dc + g * dc_stride,
+                                                            sh_rest + g * rest_stride + rest_offset,
+                                                            v_colors + 3 * idx, v_sh);
+        sh_ok = project_sh_adam(g, sh_k, rest_stride, &t, sh_dc, sh_rest, v_sh_dc, v_comp, v_sh_rest, v_means_sh,
+                                adam_coef);
       } else {
         splat_sh_color_bwd(sh_degree, sh_k, dir[0], dir[1], dir[2], sh_dc + g * dc_stride,
                            sh_rest + g * rest_stride + rest_offset, v_colors + 3 * idx, v_sh_dc + idx * dc_stride,
@@ -392,32 +420,18 @@ kernel void project_bwd(
     if ((flags & PROJECT_FUSED) != 0) {
       v_opacities[idx] = 0.0f;  // culled: its opacity_out was the constant 0
     }
-    if (shade && !sh_adam) {
+    if (shade && sh_adam) {  // culled: gradient 0, stepped all the same (as torch's Adam steps every row)
+      SplatShColorGrad t;
+      t.n_bases = 0;
+      sh_ok = project_sh_adam(g, sh_k, rest_stride, &t, sh_dc, sh_rest, v_sh_dc, v_comp, v_sh_rest, v_means_sh,
+                              adam_coef);
+    } else if (shade) {
       splat_sh_color_bwd_zero(sh_k, v_sh_dc + idx * dc_stride, v_sh_rest + idx * rest_stride + rest_offset);
     }
   }
 
-  if (sh_adam && g < N) {  // one camera: idx == g, and this thread holds the gaussian's whole gradient
-    const float b1 = adam_coef[SPLAT_ADAM_SLOTS * SPLAT_ADAM_COEFS + 0];
-    const float b2 = adam_coef[SPLAT_ADAM_SLOTS * SPLAT_ADAM_COEFS + 1];
-    bool ok = true;
-    for (long k = 0; k < sh_k; ++k) {
-      device float* p = k == 0 ? sh_dc + g * 3 : sh_rest + g * rest_stride + 3 * (k - 1);
-      device float* m1 = k == 0 ? v_sh_dc + g * 3 : v_sh_rest + g * rest_stride + 3 * (k - 1);
-      device float* m2 = k == 0 ? v_comp + g * 3 : v_means_sh + g * rest_stride + 3 * (k - 1);
-      for (long c = 0; c < 3; ++c) {
-        const float grad = splat_sh_coef_grad(&sh_grad, k, c);
-        float exp_avg = m1[c], exp_avg_sq = m2[c];
-        const float param = splat_adam_update(p[c], grad, &exp_avg, &exp_avg_sq, adam_coef, k == 0 ? 0 : 1, b1, b2);
-        m1[c] = exp_avg;
-        m2[c] = exp_avg_sq;
-        p[c] = param;
-        ok = ok && isfinite(grad) && isfinite(param);
-      }
-    }
-    if (!ok) {
-      atomic_store_explicit(adam_flag, as_type<float>(0x7fc00000u), memory_order_relaxed);  // a quiet NaN
-    }
+  if (!sh_ok) {
+    atomic_store_explicit(adam_flag, as_type<float>(0x7fc00000u), memory_order_relaxed);  // a quiet NaN
   }
 
   if (calc_camera) {  // uniform over the dispatch: every thread reaches the barrier
