@@ -155,7 +155,9 @@ def take_sh_step(sh_dc: Tensor, sh_rest: Tensor) -> Optional[tuple]:
     if step is None:
         return None
     params = step.params()
-    if any(t is not p and (t.data_ptr() != p.data_ptr() or t.shape != p.shape) for t, p in zip((sh_dc, sh_rest), params)):
+    if any(
+        t is not p and (t.data_ptr() != p.data_ptr() or t.shape != p.shape) for t, p in zip((sh_dc, sh_rest), params)
+    ):
         return None  # another render's tensors (or a densification replaced them): the gradient path
     states = [opt.state[p] for opt, p in zip(step.optimizers, params)]
     groups = [opt.param_groups[0] for opt in step.optimizers]

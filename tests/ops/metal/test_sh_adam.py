@@ -20,12 +20,11 @@ import types
 import pytest
 import torch
 from nerfstudio.engine.optimizers import Optimizers
+from test_adam import LRS, SCALER, TOL, config, densify, gaussians
 
 from splat_metal_method.engine.optimizers import GaussianOptimizers
 from splat_metal_method.ops import rasterization
 from splat_metal_method.ops.metal import kernels, prepare, runtime
-
-from test_adam import LRS, SCALER, TOL, config, densify, gaussians
 
 W, H = 40, 26  # non-square, partial tiles
 STEPS = 24  # test_adam's DENSIFY_AT 12, RESET_AT 20 fall inside
