@@ -18,9 +18,9 @@ def seed_all(seed: int) -> None:
 
 
 def make_pipeline(data: Path, seed: int = 0, warmup: int = 10, refine_every: int = 20, sh_degree_interval: int = 10,
-                  backend: str = "auto", sh_degree: int = 3):  # fmt: skip
+                  backend: str = "auto", sh_degree: int = 3, camera_mode: str = "SO3xR3"):  # fmt: skip
     """VanillaPipeline + Optimizers + training callbacks, as Trainer.setup builds them (no viewer), on
-    CPU, with the SO3xR3 camera optimizer (viewmats get gradients) and a white background."""
+    CPU, with the SO3xR3 camera optimizer (viewmats get gradients; ``camera_mode``) and a white background."""
     from nerfstudio.cameras.camera_optimizers import CameraOptimizerConfig
 
     from splat_metal_method.method.configs import splat_metal_trainer_config
@@ -29,7 +29,7 @@ def make_pipeline(data: Path, seed: int = 0, warmup: int = 10, refine_every: int
     cfg.machine.device_type = "cpu"
     cfg.pipeline.datamanager.data = data
     model = cfg.pipeline.model
-    model.camera_optimizer = CameraOptimizerConfig(mode="SO3xR3")
+    model.camera_optimizer = CameraOptimizerConfig(mode=camera_mode)
     model.background_color = "white"  # splatfacto's default "random" would differ between two renders
     model.num_downscales = 0
     model.warmup_length = warmup

@@ -6,9 +6,11 @@ the dispatch plan of the Metal step is not the demo's. This ledger counts, at 0.
 image sizes of garden at full and at 0.8 resolution, the part of a steady training step that depends on
 the scene and the image: the render exactly as the model calls it (`rasterization` with raw splatfacto
 parameters, SH degree 3, absgrad, the model's padded intersection lists), the background composite, the
-fused L1 + SSIM loss and the backward through all of it. The rest of the step (Adam, the strategy's
+fused L1 + SSIM loss and the backward through all of it, with the SH coefficients' Adam step inside the
+projection's backward as a steady training step arms it (engine/optimizers.py: their adam_prepare and
+project_bwd's PROJECT_SH_ADAM). The rest of the step (the other gaussian parameters' Adam, the strategy's
 statistics, the camera optimizer) is counted by the step ledger and issues the same dispatches at any
-scene size (the gaussians' Adam in two launches, adam.metal; one densify_stats kernel).
+scene size (that Adam in two launches, adam.metal; one densify_stats kernel).
 
 Counted as step_ledger.count counts (as a Mac runs it): our kernel launches and the bytes of the buffers
 bound to each, aten dispatches and the bytes each aten kernel reads and writes, host syncs, and the
@@ -134,15 +136,30 @@ def expected_intersections(
     return int(rows.sum()), rows, longest
 
 
+def sh_optimizers(scene: Scene) -> tuple:
+    """torch Adams of features_dc and features_rest with their state made, as splatfacto's (lr, eps), for the
+    SH step the render's backward takes (adam.ShStep)."""
+    out = []
+    for p, lr in ((scene.features_dc, 0.0025), (scene.features_rest, 0.0025 / 20)):
+        opt = torch.optim.Adam([p], lr=lr, eps=1e-15)
+        opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                        "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}  # fmt: skip
+        out.append(opt)
+    return tuple(out)
+
+
 def render_step(scene: Scene, width: int, height: int, capacities, gt: torch.Tensor, background: torch.Tensor,
-                cam: Tuple[torch.Tensor, torch.Tensor]):  # fmt: skip
+                cam: Tuple[torch.Tensor, torch.Tensor], sh_opts: Optional[tuple] = None):  # fmt: skip
     """One steady training render as the model runs it (its camera already on the device, `cam`):
-    rasterization with the composite fused in, fused loss, backward."""
+    rasterization with the composite fused in, fused loss, backward (with ``sh_opts``, sh_optimizers(scene),
+    the SH coefficients' Adam step in it, armed as GaussianOptimizers arms it)."""
     from ..ops import rasterization
     from ..ops.loss import l1_ssim_loss
+    from ..ops.metal import adam
 
     for p in scene.params():
         p.grad = None
+    adam.arm_sh_step(adam.ShStep(sh_opts) if sh_opts is not None else None)
     viewmats, Ks = cam
     _, _, meta = rasterization(
         means=scene.means, quats=scene.quats, scales=scene.log_scales, opacities=scene.opacity_logits,
@@ -153,6 +170,7 @@ def render_step(scene: Scene, width: int, height: int, capacities, gt: torch.Ten
     rgb = meta["rgb"]  # [H, W, 3]: the metal rasterizer composites
     loss, _, _ = l1_ssim_loss(rgb, gt, 0.2, "metal", stats=False)
     loss.backward()
+    adam.arm_sh_step(None)
 
 
 @dataclass
@@ -194,6 +212,7 @@ def measure(n: int, width: int, height: int, execute: bool = False, seed: int = 
     gt = torch.rand(height, width, 3, generator=torch.Generator().manual_seed(seed + 1))
     background = torch.zeros(3)
     cam = camera(width, height)
+    sh_opts = sh_optimizers(scene)
     capacities = IntersectionCapacities()
     workspace().clear()
     M = 0
@@ -207,10 +226,10 @@ def measure(n: int, width: int, height: int, execute: bool = False, seed: int = 
     mode = contextlib.nullcontext() if execute else runtime.count_only()
     with mode:
         for _ in range(2 if execute else 1):
-            render_step(scene, width, height, capacities, gt, background, cam)
+            render_step(scene, width, height, capacities, gt, background, cam, sh_opts)
         runtime.reset_command_buffers()
         with step_ledger.count(f"{n} gaussians {width}x{height}") as ledger:
-            render_step(scene, width, height, capacities, gt, background, cam)
+            render_step(scene, width, height, capacities, gt, background, cam, sh_opts)
         n_buffers = len([b for b in runtime.command_buffers() if b.launches or b.work])
     ledger.n_gaussians, ledger.pixels = n, width * height
     if execute:

@@ -43,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..ops.metal import adam
+from ..ops.metal import adam, prepare
 
 # aten ops whose output size depends on tensor values: the host must read the device to allocate.
 DATA_DEPENDENT_OPS = {
@@ -53,7 +53,10 @@ DATA_DEPENDENT_OPS = {
 BOOL_INDEX_OPS = {"index.Tensor", "index_put", "index_put_", "_index_put_impl_"}  # sync with a bool mask
 # Kernels that read and write some bound buffers in place (argument indices): those count twice, so their
 # bytes are accesses (adam_step: parameter, gradient and both moments read, three written).
-READ_WRITE_ARGS: Dict[str, Tuple[int, ...]] = {"adam_step": adam.READ_WRITE_ARGS}
+READ_WRITE_ARGS: Dict[str, object] = {  # kernel -> argument indices, or a function of the arguments giving them
+    "adam_step": adam.READ_WRITE_ARGS,
+    "project_bwd": prepare.sh_adam_read_write_args,  # the SH coefficients and their moments with PROJECT_SH_ADAM
+}
 ALLOCATIONS = {"empty.memory_format", "empty_strided", "empty_like", "lift_fresh", "_local_scalar_dense"}
 
 # Parts of a step, by the innermost file of the Python stack that issued an aten op (first match).
@@ -237,6 +240,7 @@ class _Counting:
         work.threads = math.prod(int(t) for t in threads)
         work.threadgroups = math.prod(-(-int(t) // int(g)) for t, g in zip(threads, group))
         seen, read_write = set(), READ_WRITE_ARGS.get(name, ())
+        read_write = read_write(args) if callable(read_write) else read_write
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor) and a.data_ptr() not in seen:
                 seen.add(a.data_ptr())

@@ -20,6 +20,17 @@ not do what it does:
   * anything torch's Adam would compute differently from the kernel: amsgrad, weight decay, maximize, a
     non-fused state (a CPU step counter), a tensor learning rate, step pre-hooks, betas that differ
     between the groups, or tensors the kernel cannot take (adam.check).
+
+The SH coefficients (features_dc, features_rest) take their Adam step earlier still, inside the projection's
+backward (ops/metal/prepare.py, project_bwd.metal PROJECT_SH_ADAM): their gradients never go to memory.
+``zero_grad_some`` arms that step (ops/metal/adam.ShStep) for the backward that follows; the backward takes it
+where it renders one camera with splatfacto's bands apart and the armed tensors are the ones it differentiates;
+the optimizer step then skips the groups it took (their ``.grad`` stays None) and steps them as above where it
+was not taken (no double step, no missed step). It is armed only where it cannot differ from the step after
+the backward: the previous step was fused with no GradScaler (the scaler is known only at a step), both groups
+were zeroed and stepped in it and are zeroed now (nerfstudio's gradient accumulation zeroes and steps a group
+in different iterations: never armed), and _why_not_fused accepts them (so no clipping, distributed run or
+pre-hooks: what needs ``.grad`` keeps it). ``log_gradients`` then has no gradient norm for those groups.
 """
 
 from __future__ import annotations
@@ -79,6 +90,30 @@ class GaussianOptimizers(Optimizers):
         self.last_fused: Optional[FusedStep] = None  # the last step's, when it was fused
         self.why_not_fused = ""  # why the last step was not (tests, debugging)
         self._metal: Dict[torch.device, bool] = {}
+        self.sh_groups = ("features_dc", "features_rest")  # stepped inside the backward where armed
+        self.fuse_sh = True  # False: never armed (the unfused twin the tests compare with)
+        self._sh_armed = None  # the ShStep armed for this iteration's backward
+        self._sh_next_ok = False  # the last step allows arming the next (see the module's doc)
+        self._zeroed: set = set()  # the groups zeroed this iteration
+        self.sh_taken = 0  # SH steps taken inside the backward (tests, debugging)
+
+    def zero_grad_all(self) -> None:
+        self.zero_grad_some(list(self.optimizers))
+
+    def zero_grad_some(self, param_groups: List[str]) -> None:
+        """nerfstudio's; then arms the SH coefficients' step for the backward that follows, where it may."""
+        super().zero_grad_some(param_groups)
+        from ..ops.metal import adam
+
+        self._zeroed = set(param_groups)
+        self._sh_armed = None
+        adam.arm_sh_step(None)
+        if not (self.fuse_sh and self._sh_next_ok and set(self.sh_groups) <= self._zeroed):
+            return
+        if self._why_not_fused(None, list(self.sh_groups), need_grad=False):
+            return
+        self._sh_armed = adam.ShStep(tuple(self.optimizers[n] for n in self.sh_groups))
+        adam.arm_sh_step(self._sh_armed)
 
     def optimizer_scaler_step_all(self, grad_scaler) -> None:
         self.optimizer_scaler_step_some(grad_scaler, list(self.optimizers))
@@ -97,16 +132,37 @@ class GaussianOptimizers(Optimizers):
     def _step_gaussians(self, grad_scaler, param_groups: List[str]) -> List[str]:
         """Steps the gaussians' groups among ``param_groups`` in one fused pass where it can (else nothing);
         returns the groups left for torch's optimizers."""
+        from ..ops.metal import adam
+
         names = [n for n in param_groups if n in self.gaussian_groups]
         self.last_fused = None
+        sh, self._sh_armed = self._sh_armed, None
+        adam.arm_sh_step(None)  # not taken by now: not this iteration's
+        taken = []
+        if sh is not None and sh.flag is not None:  # the backward stepped the SH coefficients
+            taken = list(self.sh_groups)
+            for name in taken:
+                p = self.optimizers[name].param_groups[0]["params"][0]
+                if name not in names or p.grad is not None:
+                    raise RuntimeError(
+                        f"{name} took its Adam step inside the backward, but "
+                        + ("this step does not step it" if name not in names else "another gradient reached it")
+                        + " (a second backward or another use of it in the loss): unsupported with the fused SH step"
+                    )  # fmt: skip
+            self.sh_taken += 1
+            names = [n for n in names if n not in taken]
         self.why_not_fused = self._why_not_fused(grad_scaler, names)
-        if self.why_not_fused:
-            return list(param_groups)
-        self._fused_step(names)
-        return [n for n in param_groups if n not in names]
+        fused = [] if self.why_not_fused else names
+        if fused or taken:
+            self._fused_step(fused, taken, sh.flag if taken else None)
+        scaler_off = grad_scaler is None or not grad_scaler.is_enabled()
+        stepped = set(fused) | set(taken)
+        self._sh_next_ok = scaler_off and set(self.sh_groups) <= stepped & self._zeroed
+        return [n for n in param_groups if n not in stepped]
 
-    def _why_not_fused(self, grad_scaler, names: List[str]) -> str:
-        """'' when the groups ``names`` can take the fused step, else why not (one line)."""
+    def _why_not_fused(self, grad_scaler, names: List[str], need_grad: bool = True) -> str:
+        """'' when the groups ``names`` can take the fused step, else why not (one line). ``need_grad``
+        False: whether they could once their gradients are there (arming the SH step before the backward)."""
         from ..ops.metal import adam
 
         if not names:
@@ -144,7 +200,7 @@ class GaussianOptimizers(Optimizers):
                 return f"{name}: a tensor learning rate, eps or beta"
             if opt._optimizer_step_pre_hooks:
                 return f"{name}: optimizer step pre-hooks"
-            if p.grad is None:
+            if need_grad and p.grad is None:
                 return f"{name}: no gradient (torch's Adam skips it)"
             state = opt.state[p]
             if not state:  # as torch's Adam makes it at its first step with fused=True (Adam._init_group)
@@ -154,7 +210,7 @@ class GaussianOptimizers(Optimizers):
             if not all(k in state for k in ("step", "exp_avg", "exp_avg_sq")):
                 return f"{name}: optimizer state without step/exp_avg/exp_avg_sq"
             params.append(p)
-            grads.append(p.grad)
+            grads.append(p.grad if need_grad else p)
             avgs.append(state["exp_avg"])
             avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
@@ -165,23 +221,29 @@ class GaussianOptimizers(Optimizers):
         return f"adam: {why}" if why else ""
 
     @torch.no_grad()
-    def _fused_step(self, names: List[str]) -> None:
+    def _fused_step(self, names: List[str], taken: Sequence[str] = (), flag: Optional[torch.Tensor] = None) -> None:
+        """Steps ``names`` in one fused pass (none: nothing) and finishes the steps of ``taken``, the groups the
+        backward already stepped into ``flag``, as torch's step would (hooks, versions, the guard's flag)."""
         from ..ops.metal.adam import fused_adam
 
         opts = [self.optimizers[n] for n in names]
         groups = [opt.param_groups[0] for opt in opts]
         params = [g["params"][0] for g in groups]
         states = [opt.state[p] for opt, p in zip(opts, params)]  # made by _why_not_fused where new
-        beta1, beta2 = groups[0]["betas"]
-        flag = fused_adam(
-            params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-            [s["step"] for s in states], [g["lr"] for g in groups], [g["eps"] for g in groups], beta1, beta2,
-        )  # fmt: skip
+        if names:
+            beta1, beta2 = groups[0]["betas"]
+            flag = fused_adam(
+                params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                [s["step"] for s in states], [g["lr"] for g in groups], [g["eps"] for g in groups], beta1, beta2,
+                flag=flag,
+            )  # fmt: skip
+        opts += [self.optimizers[n] for n in taken]
+        params += [self.optimizers[n].param_groups[0]["params"][0] for n in taken]
         for opt in opts:  # what torch's Optimizer.step wrapper does after the step
             opt._opt_called = True  # the LR scheduler's "step before optimizer.step()" check
             for hook in (*opt._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()):
                 hook(opt, (opt,), {})
         for p in params:  # the kernel wrote them: what watches _version must see it (the viewer's copy)
             torch.autograd.graph.increment_version(p)
-        checked = {id(t): (weakref.ref(t), t._version) for p in params for t in (p, p.grad)}
-        self.last_fused = FusedStep(flag, checked)
+        checked = {id(t): (weakref.ref(t), t._version) for p in params for t in (p, p.grad) if t is not None}
+        self.last_fused = FusedStep(flag, checked) if names else None  # taken alone: the guard reads them all

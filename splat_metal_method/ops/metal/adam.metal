@@ -10,8 +10,8 @@
 //   p -= (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 // Why a kernel: torch issues two dispatches per parameter group (the step counter's _foreach_add_ and
 // _fused_adam_, six groups) and the NaN guard then read every parameter and gradient again.
-#define SPLAT_ADAM_SLOTS 6
-#define SPLAT_ADAM_COEFS 4  // per slot: step size lr / (1 - b1^t), sqrt(1 - b2^t), eps, unused
+// SPLAT_ADAM_SLOTS, SPLAT_ADAM_COEFS and the element update splat_adam_update: common.h (project_bwd.metal's
+// SH step, PROJECT_SH_ADAM, uses them too).
 
 // adam_prepare: one thread per slot k < SPLAT_ADAM_SLOTS. step[k] += 1, then the slot's coefficients
 // from the new step, as _fused_adam_ derives them (float32, precise pow and sqrt); thread 0 also clears
@@ -60,17 +60,12 @@ kernel void adam_prepare(
 // is not finite (what the NaN guard reads after the step: the parameters and their gradients).
 inline bool adam_row(device float* p, const device float* g, device float* m, device float* v, long width, long n,
                      const device float* coef, long slot, float b1, float b2) {
-  const float step_size = coef[SPLAT_ADAM_COEFS * slot + 0];
-  const float bias_correction2_sqrt = coef[SPLAT_ADAM_COEFS * slot + 1];
-  const float eps = coef[SPLAT_ADAM_COEFS * slot + 2];
   bool ok = true;
   for (long j = 0; j < width; ++j) {
     const long i = n * width + j;
     const float grad = g[i];
-    const float exp_avg = b1 * m[i] + (1.0f - b1) * grad;
-    const float exp_avg_sq = b2 * v[i] + (1.0f - b2) * grad * grad;
-    const float denom = (precise::sqrt(exp_avg_sq) / bias_correction2_sqrt) + eps;
-    const float param = p[i] - step_size * exp_avg / denom;
+    float exp_avg = m[i], exp_avg_sq = v[i];
+    const float param = splat_adam_update(p[i], grad, &exp_avg, &exp_avg_sq, coef, slot, b1, b2);
     m[i] = exp_avg;
     v[i] = exp_avg_sq;
     p[i] = param;

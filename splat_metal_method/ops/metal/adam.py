@@ -11,7 +11,8 @@ engine/optimizers.py."""
 from __future__ import annotations
 
 import math
-from typing import Dict, Sequence
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -41,12 +42,18 @@ def scratch(device: torch.device) -> tuple:
     that copy is the tensor itself (CPU tensors under the emulator) the guard reads a step's flag at the
     next step's check, after that step cleared the other one."""
     device = torch.device(device)
-    if device not in _scratch:
-        _scratch[device] = [torch.zeros(SLOTS * COEFS + 2, dtype=torch.float32, device=device),
-                            tuple(torch.zeros(1, dtype=torch.float32, device=device) for _ in range(2)), 0]  # fmt: skip
-    entry = _scratch[device]
+    entry = _scratch_entry(device)
     entry[2] += 1
     return entry[0], entry[1][entry[2] % 2]
+
+
+def _scratch_entry(device: torch.device) -> list:
+    device = torch.device(device)
+    if device not in _scratch:  # [coef, (flag, flag), steps so far, sink: a flag nobody reads]
+        _scratch[device] = [torch.zeros(SLOTS * COEFS + 2, dtype=torch.float32, device=device),
+                            tuple(torch.zeros(1, dtype=torch.float32, device=device) for _ in range(2)), 0,
+                            torch.zeros(1, dtype=torch.float32, device=device)]  # fmt: skip
+    return _scratch[device]
 
 
 def check(params: Sequence[Tensor], grads, exp_avgs, exp_avg_sqs, steps) -> str:
@@ -80,20 +87,24 @@ def fused_adam(
     eps: Sequence[float],
     beta1: float,
     beta2: float,
+    flag: Optional[Tensor] = None,  # this step's flag where the SH step in the backward (ShStep) set it up
 ) -> Tensor:  # [1] float32: 0, or NaN where a gradient or an updated parameter is not finite
     """One Adam step (torch's, amsgrad/weight decay/maximize off) of every tensor. No host sync. The flag
-    is a buffer reused by the next step on this device: read (or copy) it before then."""
+    is a buffer reused by the next step on this device: read (or copy) it before then. Given ``flag`` (what
+    the backward's SH step already folded its verdict into), this step folds its own into it."""
     why = check(params, grads, exp_avgs, exp_avg_sqs, steps)
     if why:
         raise ValueError(f"[fused_adam] {why}")
     device = params[0].device
-    coef, flag = scratch(device)
+    if flag is None:
+        coef, flag = scratch(device)
+        cleared = flag
+    else:  # adam_prepare clears the flag it is given: give it the sink, keep the SH step's verdict
+        coef, cleared = _scratch_entry(device)[0], _scratch_entry(device)[3]
     k = len(params)
     pad = SLOTS - k
     lib = _lib(device)
-    lib.adam_prepare(*steps, *[steps[0]] * pad, *[float(x) for x in lrs], *[0.0] * pad,
-                     *[float(x) for x in eps], *[0.0] * pad, float(beta1), float(beta2), k, coef, flag,
-                     threads=(SLOTS,), group_size=(SLOTS,))  # fmt: skip
+    _prepare(lib, steps, lrs, eps, beta1, beta2, coef, cleared)
     n = params[0].shape[0]
     widths = sum(math.prod(p.shape[1:]) << (8 * i) for i, p in enumerate(params))
     quads = [t for i in range(k) for t in (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i])]
@@ -101,3 +112,63 @@ def fused_adam(
     if n > 0:
         lib.adam_step(*quads, coef, flag, n, widths, **grid_1d(n))
     return flag
+
+
+def _prepare(lib, steps, lrs, eps, beta1, beta2, coef, flag) -> None:
+    """adam_prepare: steps += 1, the coefficients of every slot, the flag cleared."""
+    k, pad = len(steps), SLOTS - len(steps)
+    lib.adam_prepare(*steps, *[steps[0]] * pad, *[float(x) for x in lrs], *[0.0] * pad,
+                     *[float(x) for x in eps], *[0.0] * pad, float(beta1), float(beta2), k, coef, flag,
+                     threads=(SLOTS,), group_size=(SLOTS,))  # fmt: skip
+
+
+@dataclass
+class ShStep:
+    """The SH coefficients' Adam step, armed by engine/optimizers.py for the next backward: the projection's
+    backward (prepare.py, project_bwd.metal PROJECT_SH_ADAM) takes it in the kernel that computes their
+    gradients, so no SH gradient is written and read back. ``optimizers``: torch Adams of features_dc and
+    features_rest (one tensor each, checked by GaussianOptimizers); their state, step counters, learning
+    rates and eps are read when the backward takes the step. ``flag``: that step's NaN flag once taken."""
+
+    optimizers: tuple  # (features_dc's, features_rest's) torch.optim.Adam
+    flag: Optional[Tensor] = None  # [1] set when taken
+
+    def params(self) -> tuple:
+        return tuple(opt.param_groups[0]["params"][0] for opt in self.optimizers)
+
+
+_armed: Optional[ShStep] = None  # the step the next backward may take (one: a step is taken once)
+
+
+def arm_sh_step(step: Optional[ShStep]) -> None:
+    """Arms ``step`` for the next backward (None: disarms)."""
+    global _armed
+    _armed = step
+
+
+def take_sh_step(sh_dc: Tensor, sh_rest: Tensor) -> Optional[tuple]:
+    """Where the armed step is for exactly these parameters: counts their step, derives the coefficients
+    (adam_prepare: slot 0 features_dc, slot 1 features_rest), clears a flag, disarms and returns the buffers
+    project_bwd binds: (coef, flag, exp_avg dc, exp_avg_sq dc, exp_avg rest, exp_avg_sq rest). Else None."""
+    global _armed
+    step = _armed
+    if step is None:
+        return None
+    params = step.params()
+    if any(
+        t is not p and (t.data_ptr() != p.data_ptr() or t.shape != p.shape) for t, p in zip((sh_dc, sh_rest), params)
+    ):
+        return None  # another render's tensors (or a densification replaced them): the gradient path
+    states = [opt.state[p] for opt, p in zip(step.optimizers, params)]
+    groups = [opt.param_groups[0] for opt in step.optimizers]
+    tensors = [(s["exp_avg"], s["exp_avg_sq"]) for s in states]
+    if check(list(params), list(params), *zip(*tensors), [s["step"] for s in states]):
+        return None
+    _armed = None
+    device = sh_dc.device
+    coef, flag = scratch(device)
+    beta1, beta2 = groups[0]["betas"]
+    _prepare(_lib(device), [s["step"] for s in states], [g["lr"] for g in groups], [g["eps"] for g in groups],
+             beta1, beta2, coef, flag)  # fmt: skip
+    step.flag = flag
+    return coef, flag, tensors[0][0], tensors[0][1], tensors[1][0], tensors[1][1]

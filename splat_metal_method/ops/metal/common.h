@@ -124,3 +124,24 @@ inline bool splat_camera_finite(const device float* V, thread const float* p) {
 inline float splat_clamp01(float x) {
   return isnan(x) ? x : min(max(x, 0.0f), 1.0f);
 }
+
+// Adam (adam.metal's layout, torch's MPS _fused_adam_ math in its float32 operations and order): the slots one
+// adam_prepare serves and the floats per slot of its coefficient buffer (step size lr / (1 - b1^t),
+// sqrt(1 - b2^t), eps, unused; b1 and b2 after the last slot). adam.metal's adam_step and project_bwd.metal's
+// SH step (PROJECT_SH_ADAM) both update an element with splat_adam_update.
+#define SPLAT_ADAM_SLOTS 6
+#define SPLAT_ADAM_COEFS 4
+// One element: m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g g; returns p - step_size m / (sqrt(v) / bc2_sqrt + eps)
+// and stores m and v.
+inline float splat_adam_update(float p, float grad, thread float* m, thread float* v, const device float* coef,
+                               long slot, float b1, float b2) {
+  const float step_size = coef[SPLAT_ADAM_COEFS * slot + 0];
+  const float bias_correction2_sqrt = coef[SPLAT_ADAM_COEFS * slot + 1];
+  const float eps = coef[SPLAT_ADAM_COEFS * slot + 2];
+  const float exp_avg = b1 * m[0] + (1.0f - b1) * grad;
+  const float exp_avg_sq = b2 * v[0] + (1.0f - b2) * grad * grad;
+  const float denom = (precise::sqrt(exp_avg_sq) / bias_correction2_sqrt) + eps;
+  m[0] = exp_avg;
+  v[0] = exp_avg_sq;
+  return p - step_size * exp_avg / denom;
+}

@@ -25,11 +25,19 @@ from torch import Tensor
 from ..autograd_stages import camera_grads
 from ..constants import SH_MAX_DEGREE
 from .kernels import grid_1d, group_library, library
+from .project_bwd import CALC_CAMERA, CALC_COMP
 from .variants import PROJECT_BWD_GROUP
 
 # project.metal / project_bwd.metal flags
 FUSED, EXP_SCALES, SIGMOID_OPACITIES, CAMPOS, MEANS_SH, NO_V_DEPTHS, SH_APART, SHADE = 1, 2, 4, 8, 16, 32, 64, 256
+SH_ADAM = 128  # project_bwd.metal: the SH coefficients' Adam step inside the backward (engine/optimizers.py)
 SH_DEGREE_SHIFT, SH_K_SHIFT = 16, 20  # project_bwd.metal: the SH degree and K ride in the flags' high bits
+
+
+def sh_adam_read_write_args(args) -> Tuple[int, ...]:
+    """project_bwd's arguments it updates in place (the step ledger counts them twice): with SH_ADAM the SH
+    coefficients (27, 28) and their moments (exp_avg 29, 30; exp_avg_sq 9, 23), else none."""
+    return (9, 23, 27, 28, 29, 30) if len(args) > 25 and isinstance(args[25], int) and args[25] & SH_ADAM else ()
 
 
 def _layout(sh_dc: Tensor, sh_rest: Optional[Tensor]) -> Tuple[Tensor, Tensor, int, int, int, int]:
@@ -105,12 +113,22 @@ class PrepareFn(torch.autograd.Function):
 
         v_means2d, v_conics = grad_or_zeros(v_means2d, 2), grad_or_zeros(v_conics, 3)
         v_opacities_out, v_colors = grad_or_zeros(v_opacities_out), grad_or_zeros(v_colors, 3)
+        # the SH coefficients' Adam step, where the optimizer armed it for these parameters (engine/optimizers.py):
+        # one camera (a thread holds its gaussian's whole gradient), splatfacto's bands apart, both need a gradient
+        sh_step = None
+        if shade_in_projection and C == 1 and sh_rest is not None and K > 1 and need[4] and need[5]:
+            from .adam import take_sh_step
+
+            sh_step = take_sh_step(sh_dc, sh_rest)
         lead = () if C == 1 else (C,)  # [C, N, .] written flat; for one camera the inputs' own shapes
-        v_dc = torch.empty(lead + tuple(dc.shape), dtype=torch.float32, device=device)
-        v_rest = v_dc if sh_rest is None or K == 1 else torch.empty(lead + tuple(rest.shape), dtype=torch.float32,
-                                                                    device=device)  # fmt: skip
         # the twin's SH directions' gradient is written into v_means, to which project_bwd adds its own (in place)
         v_means = v_dirs = torch.empty(lead + (N, 3), dtype=torch.float32, device=device)
+        if sh_step is None:
+            v_dc = torch.empty(lead + tuple(dc.shape), dtype=torch.float32, device=device)
+            v_rest = v_dc if sh_rest is None or K == 1 else torch.empty(lead + tuple(rest.shape), dtype=torch.float32,
+                                                                        device=device)  # fmt: skip
+        else:  # no coefficient gradient is written: nothing to allocate
+            v_dc = v_rest = v_means
         v_quats = torch.empty(lead + (N, 4), dtype=torch.float32, device=device)
         v_scales = torch.empty(lead + (N, 3), dtype=torch.float32, device=device)
         v_opacities = torch.empty(lead + tuple(opacities.shape), dtype=torch.float32, device=device)
@@ -124,6 +142,11 @@ class PrepareFn(torch.autograd.Function):
             flags |= (int(degree) << SH_DEGREE_SHIFT) | (K << SH_K_SHIFT)
         else:  # the unfused twin: sh_fused_bwd writes the directions' gradient, project_bwd adds it
             flags |= MEANS_SH
+        flags |= (CALC_COMP if calc_comp else 0) | (CALC_CAMERA if camera_grad else 0)
+        adam_coef, adam_flag, m_dc, v_dc2, m_rest, v_rest2 = (v_means2d, v_means2d, v_dc, v_means2d, v_rest, v_dirs)
+        if sh_step is not None:  # no coefficient gradient is written: the moments take those buffers' slots
+            flags |= SH_ADAM
+            adam_coef, adam_flag, m_dc, v_dc2, m_rest, v_rest2 = sh_step
         if C * N > 0:
             if not shade_in_projection:
                 library(device, "sh_bwd.metal").sh_fused_bwd(
@@ -132,10 +155,11 @@ class PrepareFn(torch.autograd.Function):
                 )  # fmt: skip
             lib.project_bwd(
                 means, quats, scales, viewmats, Ks, radii, v_means2d,
-                v_depths.contiguous() if v_depths is not None else v_means2d, v_conics, v_means2d,
+                v_depths.contiguous() if v_depths is not None else v_means2d, v_conics, v_dc2,
                 v_means, v_quats, v_scales, part,
-                N, int(width), int(height), float(eps2d), int(bool(calc_comp)), int(camera_grad), n_groups,
-                opacities, v_opacities_out, v_dirs, v_opacities, flags, v_colors, dc, rest, v_dc, v_rest,
+                N, int(width), int(height), float(eps2d), adam_coef, adam_flag, n_groups,
+                opacities, v_opacities_out, v_rest2 if sh_step is not None else v_dirs, v_opacities, flags, v_colors,
+                dc, rest, m_dc, m_rest,
                 threads=(n_groups * group, C), group_size=(group, 1),
             )  # fmt: skip
         v_viewmats = v_Ks = None
@@ -152,7 +176,9 @@ class PrepareFn(torch.autograd.Function):
             v_dc = v_dc.sum(0)
             v_rest = v_dc if sh_rest is None or K == 1 else v_rest.sum(0)
         v_sh_rest = None
-        if sh_rest is not None:
+        if sh_step is not None:  # stepped in place above: no gradient reaches .grad (the optimizer skips them)
+            v_dc = None
+        elif sh_rest is not None:
             v_sh_rest = v_rest if K > 1 else torch.zeros_like(sh_rest)
         return (
             v_means if need[0] else None,

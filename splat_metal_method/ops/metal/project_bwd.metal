@@ -75,8 +75,45 @@ inline void mat3_mul_at(thread const float* a, thread const float* b, thread flo
                                  // twin, wrote v_means_sh): coefficient gradients and the direction's, into v_means
 // (PROJECT_SHADE) the SH degree in use and the coefficients per gaussian K ride in flags' bits 16-19 and 20-27: a
 // kernel has 31 buffer slots, and this one uses them all.
+// PROJECT_SH_ADAM (with PROJECT_FUSED, PROJECT_SHADE, PROJECT_SH_APART and one camera): the SH coefficients take
+// their Adam step here (engine/optimizers.py arms it, prepare.py dispatches it): each thread computes its
+// gaussian's coefficient gradients in registers (sh.h's outer product) and updates features_dc / features_rest and
+// both of their moments in place with splat_adam_update (common.h), slot 0 of adam_coef for band 0 and slot 1 for
+// the rest (adam.metal's adam_prepare wrote them just before), every gaussian stepped (a culled one with gradient
+// 0, as torch's Adam does); no coefficient gradient is written. A non-finite gradient or updated coefficient
+// stores NaN in adam_flag[0] (the NaN guard's flag, as adam_step). The moments ride in the slots the plain and
+// unfused modes use for other buffers (a kernel has 31): exp_avg in v_sh_dc / v_sh_rest, exp_avg_sq in v_comp
+// (read only without PROJECT_FUSED) and v_means_sh (read only with PROJECT_MEANS_SH).
+#define PROJECT_SH_ADAM 128
+#define PROJECT_CALC_COMP 512    // the compensation term is in use (was a buffer of its own)
+#define PROJECT_CALC_CAMERA 1024 // camera gradients: uniform, so barriers stay uniform (was a buffer of its own)
 #define PROJECT_SH_DEGREE_SHIFT 16
 #define PROJECT_SH_K_SHIFT 20
+// PROJECT_SH_ADAM: Adam on gaussian g's SH coefficients (band 0 slot 0, the rest slot 1 of adam_coef) from the
+// gradients in `t`; false where a gradient or an updated coefficient is not finite.
+inline bool project_sh_adam(long g, long sh_k, long rest_stride, thread const SplatShColorGrad* t, device float* sh_dc,
+                            device float* sh_rest, device float* m_dc, device float* v_dc, device float* m_rest,
+                            device float* v_rest, const device float* adam_coef) {
+  const float b1 = adam_coef[SPLAT_ADAM_SLOTS * SPLAT_ADAM_COEFS + 0];
+  const float b2 = adam_coef[SPLAT_ADAM_SLOTS * SPLAT_ADAM_COEFS + 1];
+  bool ok = true;
+  for (long k = 0; k < sh_k; ++k) {
+    device float* p = k == 0 ? sh_dc + g * 3 : sh_rest + g * rest_stride + 3 * (k - 1);
+    device float* m1 = k == 0 ? m_dc + g * 3 : m_rest + g * rest_stride + 3 * (k - 1);
+    device float* m2 = k == 0 ? v_dc + g * 3 : v_rest + g * rest_stride + 3 * (k - 1);
+    for (long c = 0; c < 3; ++c) {
+      const float grad = splat_sh_coef_grad(t, k, c);
+      float exp_avg = m1[c], exp_avg_sq = m2[c];
+      const float param = splat_adam_update(p[c], grad, &exp_avg, &exp_avg_sq, adam_coef, k == 0 ? 0 : 1, b1, b2);
+      m1[c] = exp_avg;
+      m2[c] = exp_avg_sq;
+      p[c] = param;
+      ok = ok && isfinite(grad) && isfinite(param);
+    }
+  }
+  return ok;
+}
+
 // A culled entry (radius 0, for any reason) had opacity 0 and constant outputs: every gradient is 0.
 [[max_total_threads_per_threadgroup(SPLAT_PROJECT_BWD_GROUP)]]
 kernel void project_bwd(
@@ -89,7 +126,7 @@ kernel void project_bwd(
     const device float* v_means2d [[buffer(6)]],   // [C, N, 2]
     const device float* v_depths [[buffer(7)]],    // [C, N]
     const device float* v_conics [[buffer(8)]],    // [C, N, 3]
-    const device float* v_comp [[buffer(9)]],      // [C, N] or [1] placeholder
+    device float* v_comp [[buffer(9)]],            // [C, N] or [1] placeholder; PROJECT_SH_ADAM: dc's exp_avg_sq
     device float* v_means [[buffer(10)]],          // [C, N, 3]
     device float* v_quats [[buffer(11)]],          // [C, N, 4]
     device float* v_scales [[buffer(12)]],         // [C, N, 3]
@@ -98,24 +135,25 @@ kernel void project_bwd(
     constant long& width [[buffer(15)]],
     constant long& height [[buffer(16)]],
     constant float& eps2d [[buffer(17)]],
-    constant long& calc_comp [[buffer(18)]],
-    constant long& calc_camera [[buffer(19)]],
+    const device float* adam_coef [[buffer(18)]],   // PROJECT_SH_ADAM: adam_prepare's [SPLAT_ADAM_SLOTS * COEFS + 2]
+    device atomic_float* adam_flag [[buffer(19)]],  // PROJECT_SH_ADAM: [1], NaN where a value is not finite
     constant long& n_groups [[buffer(20)]],
     // The fused preparation (prepare.py; flags 0: the plain stage, buffers 21-24 are placeholders):
     const device float* opacities [[buffer(21)]],    // [N] the forward's input (logits with PROJECT_SIGMOID_OPACITIES)
     const device float* v_opacities_out [[buffer(22)]],  // [C, N] d loss / d opacities_out
-    const device float* v_means_sh [[buffer(23)]],   // [C, N, 3] d loss / d SH directions (PROJECT_MEANS_SH); may be
-                                                     // v_means itself (each thread reads its row before writing it)
+    device float* v_means_sh [[buffer(23)]],   // [C, N, 3] d loss / d SH directions (PROJECT_MEANS_SH); may be
+                                               // v_means itself (each thread reads its row before writing it);
+                                               // PROJECT_SH_ADAM: the rest's exp_avg_sq
     device float* v_opacities [[buffer(24)]],        // [C, N] d loss / d opacities (the input)
     constant long& flags [[buffer(25)]],
     // PROJECT_SHADE (else placeholders): the SH coefficients as project_fwd read them (band 0 of gaussian n at
     // sh_dc[n * dc_stride], bands k >= 1 at sh_rest[n * rest_stride + rest_offset + 3 (k - 1)]; the layout from
     // PROJECT_SH_APART and K), d loss / d colours, and their gradients [C, N, .] in the same layout.
     const device float* v_colors [[buffer(26)]],  // [C, N, 3]
-    const device float* sh_dc [[buffer(27)]],
-    const device float* sh_rest [[buffer(28)]],
-    device float* v_sh_dc [[buffer(29)]],
-    device float* v_sh_rest [[buffer(30)]],
+    device float* sh_dc [[buffer(27)]],      // written only with PROJECT_SH_ADAM
+    device float* sh_rest [[buffer(28)]],    // written only with PROJECT_SH_ADAM
+    device float* v_sh_dc [[buffer(29)]],    // PROJECT_SH_ADAM: dc's exp_avg
+    device float* v_sh_rest [[buffer(30)]],  // PROJECT_SH_ADAM: the rest's exp_avg
     uint2 gpos [[thread_position_in_grid]],
     uint2 tgp [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -133,6 +171,9 @@ kernel void project_bwd(
   const bool apart = (flags & PROJECT_SH_APART) != 0;
   const long dc_stride = apart ? 3 : 3 * sh_k, rest_stride = apart ? 3 * (sh_k - 1) : 3 * sh_k;
   const long rest_offset = apart ? 0 : 3;
+  const bool calc_comp = (flags & PROJECT_CALC_COMP) != 0, calc_camera = (flags & PROJECT_CALC_CAMERA) != 0;
+  const bool sh_adam = (flags & PROJECT_SH_ADAM) != 0;
+  bool sh_ok = true;  // PROJECT_SH_ADAM: every SH gradient and updated coefficient of this thread finite
 
   float vR[9] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // d/d viewmat[0:3, 0:3]
   float vt[3] = {0.0f, 0.0f, 0.0f};                                        // d/d viewmat[0:3, 3]
@@ -224,7 +265,7 @@ kernel void project_bwd(
     if ((flags & PROJECT_FUSED) != 0) {
       v_opacity = v_opacities_out[idx];
     }
-    if (calc_comp != 0) {
+    if (calc_comp) {
       const float ratio = det_orig / det;
       if ((flags & PROJECT_FUSED) != 0) {
         v_opacity = v_opacities_out[idx] * (ratio > 0.0f ? sqrt(ratio) : 0.0f);
@@ -286,9 +327,19 @@ kernel void project_bwd(
     if (shade) {
       float campos[3];
       splat_camera_position(V, campos);  // common.h, as project_fwd
-      splat_sh_color_bwd(sh_degree, sh_k, m[0] - campos[0], m[1] - campos[1], m[2] - campos[2], sh_dc + g * dc_stride,
-                         sh_rest + g * rest_stride + rest_offset, v_colors + 3 * idx, v_sh_dc + idx * dc_stride,
-                         v_sh_rest + idx * rest_stride + rest_offset, v_sh);  // sh.h, as sh_fused_bwd
+      const float dir[3] = {m[0] - campos[0], m[1] - campos[1], m[2] - campos[2]};
+      if (sh_adam) {  // the coefficient gradients stay in registers: Adam at once (one camera: idx == g)
+        const SplatShColorGrad t = splat_sh_color_bwd_terms(sh_degree, sh_k, dir[0], dir[1], dir[2],
+                                                            sh_dc + g * dc_stride,
+                                                            sh_rest + g * rest_stride + rest_offset,
+                                                            v_colors + 3 * idx, v_sh);
+        sh_ok = project_sh_adam(g, sh_k, rest_stride, &t, sh_dc, sh_rest, v_sh_dc, v_comp, v_sh_rest, v_means_sh,
+                                adam_coef);
+      } else {
+        splat_sh_color_bwd(sh_degree, sh_k, dir[0], dir[1], dir[2], sh_dc + g * dc_stride,
+                           sh_rest + g * rest_stride + rest_offset, v_colors + 3 * idx, v_sh_dc + idx * dc_stride,
+                           v_sh_rest + idx * rest_stride + rest_offset, v_sh);  // sh.h, as sh_fused_bwd
+      }
     }
 
     // ---- world -> camera ----
@@ -306,7 +357,7 @@ kernel void project_bwd(
     float v_cov[9];  // Rv^T v_covc Rv
     mat3_mul_at(Rv, v_covc, tmp);
     mat3_mul(tmp, Rv, v_cov);
-    if (calc_camera != 0) {
+    if (calc_camera) {
       vK[0] = tx / tz * vu + vJ[0] / tz + (x_clamped ? 0.0f : -tx_c / tz2 * vJ[2]);
       vK[1] = ty / tz * vv + vJ[4] / tz + (y_clamped ? 0.0f : -ty_c / tz2 * vJ[5]);
       vK[2] = vu + (x_clamped ? vJ[2] / tz : 0.0f);
@@ -369,12 +420,21 @@ kernel void project_bwd(
     if ((flags & PROJECT_FUSED) != 0) {
       v_opacities[idx] = 0.0f;  // culled: its opacity_out was the constant 0
     }
-    if (shade) {
+    if (shade && sh_adam) {  // culled: gradient 0, stepped all the same (as torch's Adam steps every row)
+      SplatShColorGrad t;
+      t.n_bases = 0;
+      sh_ok = project_sh_adam(g, sh_k, rest_stride, &t, sh_dc, sh_rest, v_sh_dc, v_comp, v_sh_rest, v_means_sh,
+                              adam_coef);
+    } else if (shade) {
       splat_sh_color_bwd_zero(sh_k, v_sh_dc + idx * dc_stride, v_sh_rest + idx * rest_stride + rest_offset);
     }
   }
 
-  if (calc_camera != 0) {  // uniform over the dispatch: every thread reaches the barrier
+  if (!sh_ok) {
+    atomic_store_explicit(adam_flag, as_type<float>(0x7fc00000u), memory_order_relaxed);  // a quiet NaN
+  }
+
+  if (calc_camera) {  // uniform over the dispatch: every thread reaches the barrier
     float vals[16];
     for (int k = 0; k < 3; ++k) {  // rows of viewmat[0:3, 0:4]
       vals[4 * k + 0] = vR[3 * k + 0];

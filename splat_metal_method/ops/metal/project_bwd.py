@@ -12,6 +12,7 @@ from .kernels import group_library
 from .variants import PROJECT_BWD_GROUP
 
 GROUP = PROJECT_BWD_GROUP  # threads per group (variants.py)
+CALC_COMP, CALC_CAMERA = 512, 1024  # project_bwd.metal's PROJECT_CALC_COMP / PROJECT_CALC_CAMERA flags
 
 
 def project_bwd(
@@ -64,8 +65,9 @@ def project_bwd(
             radii.contiguous(), v_means2d.contiguous(), v_depths.contiguous(), v_conics.contiguous(),
             v_compensations.contiguous() if v_compensations is not None else v_depths,
             v_means, v_quats, v_scales, part,
-            N, int(width), int(height), float(eps2d), int(v_compensations is not None), int(camera_grad), n_groups,
-            v_depths, v_depths, v_depths, v_means, 0,  # plain: not fused (prepare.py)
+            N, int(width), int(height), float(eps2d), v_depths, v_means, n_groups,  # no SH Adam step (prepare.py)
+            v_depths, v_depths, v_depths, v_means,  # plain: not fused (prepare.py)
+            (CALC_COMP if v_compensations is not None else 0) | (CALC_CAMERA if camera_grad else 0),
             v_depths, v_depths, v_depths, v_means, v_means,  # nor the SH colour's backward
             threads=(n_groups * group, C), group_size=(group, 1),
         )  # fmt: skip

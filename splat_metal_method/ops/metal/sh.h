@@ -205,44 +205,61 @@ inline void splat_sh_color(long degree, float dx, float dy, float dz, const devi
 // v_dir = normalise_vjp(sum_k (d basis_k / d n) (coeff_k . v)), normalise_vjp(g) = (g - n (n . g)) / |d| for
 // |d| > 1e-12, g / 1e-12 below (F.normalize's clamp). sh_bwd.metal's sh_fused_bwd and project_bwd.metal's
 // project_bwd (PROJECT_SHADE) both call it.
-inline void splat_sh_color_bwd(long degree, long K, float dx, float dy, float dz, const device float* dc,
-                               const device float* rest, const device float* v_rgb, device float* v_dc,
-                               device float* v_rest, thread float* v_dir) {
+// The coefficient gradients are an outer product: d loss / d coefficient (k, channel c) = basis_k v_c
+// (0 for k >= n_bases). splat_sh_color_bwd_terms computes its factors and the direction's gradient;
+// splat_sh_coef_grad reads one coefficient's gradient from them (project_bwd.metal's SH Adam step,
+// PROJECT_SH_ADAM, takes them from registers; splat_sh_color_bwd writes them all).
+struct SplatShColorGrad {
+  SplatShBasisGrad basis;
+  float v[3];     // d loss / d colour where the clamp passes it
+  long n_bases;   // (degree + 1)^2; 0: every gradient 0 (a culled entry)
+};
+
+inline float splat_sh_coef_grad(thread const SplatShColorGrad* t, long k, long c) {
+  return k < t->n_bases ? t->basis.v[k] * t->v[c] : 0.0f;
+}
+
+inline SplatShColorGrad splat_sh_color_bwd_terms(long degree, long K, float dx, float dy, float dz,
+                                                 const device float* dc, const device float* rest,
+                                                 const device float* v_rgb, thread float* v_dir) {
   const float len = sqrt(dx * dx + dy * dy + dz * dz);
   const float norm = max(len, 1e-12f);
   const float x = dx / norm, y = dy / norm, z = dz / norm;
   float rgb[3];
   splat_sh_color(degree, dx, dy, dz, dc, rest, rgb);
-  const float vr = sh_activate(rgb[0] + 0.5f) > 0.0f ? v_rgb[0] : 0.0f;
-  const float vg = sh_activate(rgb[1] + 0.5f) > 0.0f ? v_rgb[1] : 0.0f;
-  const float vb = sh_activate(rgb[2] + 0.5f) > 0.0f ? v_rgb[2] : 0.0f;
-  const SplatShBasisGrad basis = splat_sh_basis_grad(degree, x, y, z);
-  const long n_bases = (degree + 1) * (degree + 1);
-  v_dc[0] = basis.v[0] * vr;
-  v_dc[1] = basis.v[0] * vg;
-  v_dc[2] = basis.v[0] * vb;
+  SplatShColorGrad t;
+  t.v[0] = sh_activate(rgb[0] + 0.5f) > 0.0f ? v_rgb[0] : 0.0f;
+  t.v[1] = sh_activate(rgb[1] + 0.5f) > 0.0f ? v_rgb[1] : 0.0f;
+  t.v[2] = sh_activate(rgb[2] + 0.5f) > 0.0f ? v_rgb[2] : 0.0f;
+  t.basis = splat_sh_basis_grad(degree, x, y, z);
+  t.n_bases = (degree + 1) * (degree + 1);
   float gx = 0.0f, gy = 0.0f, gz = 0.0f;  // d loss / d (x, y, z) of the normalised direction
-  for (long k = 1; k < K; ++k) {
-    device float* vrow = v_rest + 3 * (k - 1);
-    if (k < n_bases) {
-      vrow[0] = basis.v[k] * vr;
-      vrow[1] = basis.v[k] * vg;
-      vrow[2] = basis.v[k] * vb;
-      const device float* row = rest + 3 * (k - 1);
-      const float w = row[0] * vr + row[1] * vg + row[2] * vb;
-      gx += basis.dx[k] * w;
-      gy += basis.dy[k] * w;
-      gz += basis.dz[k] * w;
-    } else {
-      vrow[0] = 0.0f;
-      vrow[1] = 0.0f;
-      vrow[2] = 0.0f;
-    }
+  for (long k = 1; k < K && k < t.n_bases; ++k) {
+    const device float* row = rest + 3 * (k - 1);
+    const float w = row[0] * t.v[0] + row[1] * t.v[1] + row[2] * t.v[2];
+    gx += t.basis.dx[k] * w;
+    gy += t.basis.dy[k] * w;
+    gz += t.basis.dz[k] * w;
   }
   const float proj = len > 1e-12f ? x * gx + y * gy + z * gz : 0.0f;
   v_dir[0] = (gx - x * proj) / norm;
   v_dir[1] = (gy - y * proj) / norm;
   v_dir[2] = (gz - z * proj) / norm;
+  return t;
+}
+
+inline void splat_sh_color_bwd(long degree, long K, float dx, float dy, float dz, const device float* dc,
+                               const device float* rest, const device float* v_rgb, device float* v_dc,
+                               device float* v_rest, thread float* v_dir) {
+  const SplatShColorGrad t = splat_sh_color_bwd_terms(degree, K, dx, dy, dz, dc, rest, v_rgb, v_dir);
+  for (long c = 0; c < 3; ++c) {
+    v_dc[c] = splat_sh_coef_grad(&t, 0, c);
+  }
+  for (long k = 1; k < K; ++k) {
+    for (long c = 0; c < 3; ++c) {
+      v_rest[3 * (k - 1) + c] = splat_sh_coef_grad(&t, k, c);
+    }
+  }
 }
 
 // The coefficient gradients of a culled entry: 0 in every one of the K rows.

@@ -200,6 +200,9 @@ def test_thirty_training_steps_metal_vs_reference(demo_dir, monkeypatch):
         assert launches[quiet].get(name, 0) >= 1, f"{name} did not run: the backward is not the Metal one"
     # the gaussians' Adam is one fused pass (engine/optimizers.py; the camera optimizer's is torch's)
     assert all(c.get("adam_step") == 1 for c in launches), [c.get("adam_step") for c in launches]
+    # the camera optimizer's viewmat gradient keeps the unfused projection (not prepare.py): the SH coefficients
+    # take their step there too, not inside the backward (test_fused_sh_step_training_run_matches_its_twin)
+    assert all(c.get("adam_prepare") == 1 for c in launches), [c.get("adam_prepare") for c in launches]
 
     # Learning: the Metal run lowers the loss like the reference run.
     first_ref, last_ref = avg(ref_losses, 0, 5), avg(ref_losses, STEPS - 10, STEPS)
@@ -258,3 +261,33 @@ def test_sh_degree_4_trains_past_step_4_intervals(demo_dir, monkeypatch, tmp_pat
     assert model.features_rest.shape[1] == 24 and model.features_rest[:, band4].abs().max() > 0
     assert stage_fallback.failed() == frozenset(), "a stage failed the self-check at degree 4"
     assert [run.sh_degree for _, run in self_check._verified] == [4]
+
+
+def test_fused_sh_step_training_run_matches_its_twin(demo_dir, monkeypatch):
+    """splatfacto's default (no camera optimizer): the fused preparation renders, and from the second step on
+    the SH coefficients take their Adam step inside project_bwd (one more adam_prepare a step). Through a
+    densification, the run equals bit for bit the same run with that step after the backward (fuse_sh off)."""
+    monkeypatch.setenv("SPLAT_METAL_BACKEND", "metal")
+    monkeypatch.setenv("SPLAT_METAL_EMU_THREADS", "1")  # the rasterizer's float atomics in one order
+    steps, runs = STEPS, []
+    for fuse_sh in (False, True):
+        pipeline, optimizers, callbacks = pipelines.make_pipeline(
+            demo_dir, 0, warmup=WARMUP, refine_every=REFINE_EVERY, sh_degree_interval=SH_INTERVAL, camera_mode="off"
+        )  # fmt: skip
+        optimizers.fuse_sh = fuse_sh
+        seed_all(1)
+        prepares, sizes = [], []
+        for step in range(steps):
+            runtime.reset_launch_counts()
+            train_step(pipeline, optimizers, callbacks, step)
+            prepares.append(runtime.launch_counts().get("adam_prepare"))
+            sizes.append(pipeline.model.num_points)
+        runs.append((pipeline.model.gauss_params, optimizers, prepares, sizes))
+    (twin, twin_opts, twin_prepares, sizes), (ours, opts, prepares, our_sizes) = runs
+    assert twin_prepares == [1] * steps and prepares == [1] + [2] * (steps - 1), (twin_prepares, prepares)
+    assert opts.sh_taken == steps - 1 and len(set(sizes)) > 1 and sizes == our_sizes, sizes
+    for name in twin:
+        assert torch.equal(twin[name], ours[name]), name
+        a, b = twin_opts.optimizers[name].state[twin[name]], opts.optimizers[name].state[ours[name]]
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(a[key], b[key]), (name, key)

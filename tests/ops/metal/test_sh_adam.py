@@ -1,0 +1,146 @@
+"""The SH coefficients' Adam step inside the projection's backward (project_bwd.metal PROJECT_SH_ADAM, armed by
+engine/optimizers.py GaussianOptimizers.zero_grad_some) against its unfused twin and torch's Adam.
+
+A training loop in nerfstudio's trainer's order (zero_grad, render, backward, optimizer step, scheduler
+step) over splatfacto's raw parameters (log-scales, opacity logits, features_dc and features_rest apart) on
+a non-square image, with gsplat's densification (state slicing) and an opacity reset between steps:
+  * the fused run (SH stepped in the backward from the second step on) equals, bit for bit, the same run
+    with arming off (project_bwd writes the SH gradients, adam_step steps them): same float operations;
+  * it stays within float tolerance of nerfstudio's Optimizers with torch's Adam;
+  * a planted bug (the rest's coefficients with band 0's learning rate) fails the twin comparison;
+  * a non-finite coefficient trips the NaN guard's flag; a backward that does not take the step (two
+    cameras) leaves the groups to the step after it, which still steps them once.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+from nerfstudio.engine.optimizers import Optimizers
+from test_adam import LRS, SCALER, TOL, config, densify, gaussians
+
+from splat_metal_method.engine.optimizers import GaussianOptimizers
+from splat_metal_method.ops import rasterization
+from splat_metal_method.ops.metal import kernels, prepare, runtime
+
+W, H = 40, 26  # non-square, partial tiles
+STEPS = 24  # test_adam's DENSIFY_AT 12, RESET_AT 20 fall inside
+
+
+@pytest.fixture(autouse=True)
+def one_os_thread(monkeypatch):
+    """The rasterizer's backward sums gradients with float atomics: one emulator OS thread makes their order,
+    and so two runs, the same (the SH step itself has no atomics)."""
+    monkeypatch.setenv("SPLAT_METAL_EMU_THREADS", "1")
+
+
+def make(kind: str):
+    params = gaussians()
+    model = types.SimpleNamespace(gauss_params=params, config=types.SimpleNamespace(backend="metal"))
+    groups = {k: [p] for k, p in params.items()}
+    if kind == "torch":
+        return params, Optimizers(config(), groups)
+    opts = GaussianOptimizers(config(), groups, model)
+    opts.fuse_sh = kind == "fused"
+    return params, opts
+
+
+def train_step(params, opts, at: int, degree: int, cameras: int = 1) -> None:
+    """One iteration in nerfstudio's trainer's order, the loss of a metal render of the parameters themselves."""
+    opts.zero_grad_all()
+    viewmats = torch.eye(4)[None].repeat(cameras, 1, 1)  # [C, 4, 4]
+    viewmats[1:, 0, 3] = 0.1
+    Ks = torch.tensor([[[30.0, 0.0, W / 2], [0.0, 30.0, H / 2], [0.0, 0.0, 1.0]]]).repeat(cameras, 1, 1)  # [C, 3, 3]
+    render, _, _ = rasterization(
+        params["means"], params["quats"], params["scales"], params["opacities"], params["features_dc"], viewmats,
+        Ks, W, H, sh_degree=degree, backend="metal", scales_are_log=True, opacities_are_logits=True,
+        colors_rest=params["features_rest"],
+    )  # fmt: skip
+    target = torch.linspace(0, 1, H * W * 3).view(1, H, W, 3)
+    ((render - target) ** 2).mean().backward()
+    opts.optimizer_scaler_step_all(SCALER)
+    opts.scheduler_step_all(at)
+
+
+def assert_same(ref, ref_opts, ours, ours_opts, at, exact: bool) -> None:
+    for k in LRS:
+        p, q = ref[k], ours[k]
+        s, t = ref_opts.optimizers[k].state[p], ours_opts.optimizers[k].state[q]
+        for what, a, b in (("param", p, q), ("exp_avg", s["exp_avg"], t["exp_avg"]),
+                           ("exp_avg_sq", s["exp_avg_sq"], t["exp_avg_sq"]), ("step", s["step"], t["step"])):  # fmt: skip
+            if exact:
+                assert torch.equal(a, b), f"step {at}, {k} {what} differs from the twin"
+            else:
+                tol = TOL if what == "param" else dict(rtol=1e-4, atol=1e-4 * float(a.abs().max()))
+                torch.testing.assert_close(b, a, **tol, msg=lambda m: f"step {at}, {k} {what}: {m}")
+
+
+def run(runs, degree: int, steps=range(STEPS)) -> None:
+    """Steps every (params, opts) of ``runs`` alike and compares each with the first (exact where it is a
+    GaussianOptimizers twin, within tolerance against torch's Adam)."""
+    (ref, ref_opts), rest = runs[0], runs[1:]
+    for at in steps:
+        for params, opts in runs:
+            train_step(params, opts, at, degree)
+        for params, opts in rest:
+            assert_same(ref, ref_opts, params, opts, at, exact=isinstance(ref_opts, GaussianOptimizers))
+        for params, opts in runs:
+            densify(params, opts, at)
+
+
+@pytest.mark.parametrize("degree", [0, 1, 2, 3])
+def test_the_fused_sh_step_equals_its_unfused_twin_through_densification(degree):
+    twin, fused = make("twin"), make("fused")
+    runtime.reset_launch_counts()
+    run([twin, fused], degree)
+    assert len(fused[0]["means"]) != 120  # densification changed the count
+    assert fused[1].sh_taken == STEPS - 1 and twin[1].sh_taken == 0  # armed from the second step on
+    assert fused[1].why_not_fused == "" and float(fused[1].last_fused.flag) == 0.0
+    assert fused[0]["features_dc"].grad is None and twin[0]["features_dc"].grad is not None
+    launches = runtime.launch_counts()  # twin: one prepare per step; fused: one more from the second step
+    assert launches["adam_prepare"] == 2 * STEPS + STEPS - 1 and launches["adam_step"] == 2 * STEPS, launches
+
+
+def test_the_fused_sh_step_matches_torch_adam():
+    run([make("torch"), make("fused")], 3)
+
+
+def test_a_planted_bug_fails_the_twin_comparison(monkeypatch):
+    """project_bwd.metal's SH step with the rest's coefficients on band 0's coefficients (learning rate)."""
+    group = prepare.project_bwd_library(torch.device("cpu"))[1]
+    src = kernels.stage_source("project_bwd.metal", extra=(("SPLAT_PROJECT_BWD_GROUP", group),))
+    old = "adam_coef, k == 0 ? 0 : 1, b1, b2"
+    assert src.count(old) == 1, "project_bwd.metal changed: update the planted bug"
+    planted = runtime.library_for("cpu", src.replace(old, "adam_coef, 0, b1, b2"), name="project_bwd.metal")
+    monkeypatch.setattr(prepare, "project_bwd_library", lambda device: (planted, group))
+    with pytest.raises(AssertionError, match="features_rest param differs from the twin"):
+        run([make("twin"), make("fused")], 3, range(4))
+
+
+def test_a_non_finite_coefficient_trips_the_flag():
+    twin, fused = make("twin"), make("fused")
+    run([twin, fused], 3, range(2))
+    for params, _ in (twin, fused):
+        with torch.no_grad():
+            params["features_rest"][5, 2, 0] = float("inf")
+    for params, opts in (twin, fused):
+        train_step(params, opts, 2, 3)
+    assert fused[1].sh_taken == 2
+    assert math.isnan(float(twin[1].last_fused.flag)) and math.isnan(float(fused[1].last_fused.flag))
+    assert torch.equal(torch.isfinite(twin[0]["features_rest"]), torch.isfinite(fused[0]["features_rest"]))
+
+
+def test_a_backward_that_does_not_take_the_step_leaves_it_to_the_optimizer():
+    """Armed, but a two-camera render (a thread no longer holds a gaussian's whole gradient): the backward
+    writes the SH gradients and the optimizer step steps them, once; the next one-camera step takes it again."""
+    twin, fused = make("twin"), make("fused")
+    run([twin, fused], 3, range(2))
+    for params, opts in (twin, fused):
+        train_step(params, opts, 2, 3, cameras=2)
+    assert fused[1].sh_taken == 1 and fused[0]["features_dc"].grad is not None
+    assert_same(*twin, *fused, 2, exact=True)
+    run([twin, fused], 3, range(3, 5))
+    assert fused[1].sh_taken == 3
