@@ -144,3 +144,30 @@ def test_a_backward_that_does_not_take_the_step_leaves_it_to_the_optimizer():
     assert_same(*twin, *fused, 2, exact=True)
     run([twin, fused], 3, range(3, 5))
     assert fused[1].sh_taken == 3
+
+
+def test_resume_through_a_checkpoint_with_the_fused_sh_step_is_bit_identical(tmp_path):
+    """test_adam's resume, with the SH coefficients stepped inside the backward: optimizer and scheduler state
+    written with torch.save (after steps that took the fused SH step) and loaded into new optimizers continue
+    exactly as the uninterrupted run (the resumed one's first step steps them after the backward, then it takes
+    the fused step again)."""
+    a, a_opts = make("fused")
+    for at in range(8):
+        train_step(a, a_opts, at, 3)
+    assert a_opts.sh_taken == 7
+    path = tmp_path / "ckpt.pt"
+    torch.save({"params": {k: p.detach() for k, p in a.items()},
+                "optimizers": {k: o.state_dict() for k, o in a_opts.optimizers.items()},
+                "schedulers": {k: s.state_dict() for k, s in a_opts.schedulers.items()}}, path)  # fmt: skip
+    loaded = torch.load(path, weights_only=False)
+    b, b_opts = make("fused")
+    with torch.no_grad():
+        for k, p in b.items():
+            p.data = loaded["params"][k].clone()
+    b_opts.load_optimizers(loaded["optimizers"])
+    b_opts.load_schedulers(loaded["schedulers"])
+    for at in range(8, 14):
+        for params, opts in ((a, a_opts), (b, b_opts)):
+            train_step(params, opts, at, 3)
+        assert_same(*(a, a_opts), *(b, b_opts), at, exact=True)
+    assert a_opts.sh_taken == 13 and b_opts.sh_taken == 5
