@@ -430,7 +430,9 @@ kernel void project_bwd(
     }
   }
 
-  if (!sh_ok) {
+  // the NaN verdict as adam_step folds it: one simd_any vote per simdgroup (every thread reaches here), one atomic
+  // only where a value is not finite
+  if (simd_any(!sh_ok) && simd_is_first()) {
     atomic_store_explicit(adam_flag, as_type<float>(0x7fc00000u), memory_order_relaxed);  // a quiet NaN
   }
 
