@@ -452,9 +452,8 @@ class SplatMetalModel(SplatfactoModel):
         cached = getattr(self, "_gt_img_cache", None)
         if cached is not None and cached[0] is image and cached[1] == self._get_downscale_factor():
             return cached[2]
-        if image.dtype == torch.uint8:  # splatfacto's image.float() / 255.0 in one aten dispatch, not two (a
-            image = torch.div(image, 255.0)  # copy, then a division): float32, the same bits
-        gt_img = super().get_gt_img(image)
+        # splatfacto's image.float() / 255.0 in one aten dispatch, not two (a copy, then a division): the same bits
+        gt_img = super().get_gt_img(torch.div(image, 255.0) if image.dtype == torch.uint8 else image)
         self._gt_img_cache = (image, self._get_downscale_factor(), gt_img)
         return gt_img
 
