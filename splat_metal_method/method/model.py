@@ -447,12 +447,13 @@ class SplatMetalModel(SplatfactoModel):
         return {"rgb": rgb, "depth": depth, "accumulation": alpha.squeeze(0), "background": background}
 
     def get_gt_img(self, image: torch.Tensor):
-        """splatfacto's, converted once per batch image: splatfacto converts the same uint8 image in
-        get_metrics_dict and again in get_loss_dict."""
+        """splatfacto's, converted once per batch image (splatfacto converts the same uint8 image in
+        get_metrics_dict and again in get_loss_dict) and in one division."""
         cached = getattr(self, "_gt_img_cache", None)
         if cached is not None and cached[0] is image and cached[1] == self._get_downscale_factor():
             return cached[2]
-        gt_img = super().get_gt_img(image)
+        # splatfacto's image.float() / 255.0 in one aten dispatch, not two (a copy, then a division): the same bits
+        gt_img = super().get_gt_img(torch.div(image, 255.0) if image.dtype == torch.uint8 else image)
         self._gt_img_cache = (image, self._get_downscale_factor(), gt_img)
         return gt_img
 

@@ -440,7 +440,9 @@ def rasterization(
             )  # fmt: skip
         if padded is not None:  # meta: the [C, th, tw] offsets; the count stays on the device
             n_intersections = isect_offsets[-1:]
-            isect_offsets = isect_offsets[:-1].view(C, tile_height, tile_width)
+            # one view, not a slice and a view (one aten dispatch each on MPS)
+            th, tw = int(tile_height), int(tile_width)
+            isect_offsets = isect_offsets.as_strided((C, th, tw), (th * tw, tw, 1))
     else:
         tiles_per_gauss, isect_ids, flatten_ids, isect_offsets = chunks.tiles_per_gauss, None, None, None
         render_colors, render_alphas = chunked.rasterize_in_depth_chunks(
