@@ -92,16 +92,25 @@ def _pack_quats(quats_wxyz: np.ndarray) -> np.ndarray:  # [N, 4] -> [N, 4] uint8
 
 
 def _pack_sh(sh_rest: np.ndarray, clamped: Dict[str, int]) -> np.ndarray:  # [N, D, 3] -> [N*D*3] uint8
-    bucket = np.full(sh_rest.shape[1], 1 << (8 - SH_REST_BITS), np.int64)
+    """round(c * 128) + 128 snapped to its band's bucket, clamped to 0..255. In float32, exactly:
+    c * 128 and the bucket arithmetic (powers of two, integers below 2^24) are exact, and adding 0.5
+    is exact below 2^23, beyond which the value is clamped whatever the rounding. Blocks of rows on
+    every core (numpy releases the GIL)."""
+    bucket = np.full(sh_rest.shape[1], 1 << (8 - SH_REST_BITS), np.float32)
     bucket[:3] = 1 << (8 - SH1_BITS)  # band 1: coefficients 0..2
     bucket = bucket[None, :, None]
+    half, inverse = bucket / 2, 1 / bucket
     out = np.empty(sh_rest.shape, np.uint8)
-    clamped["sh"] = 0
-    for s in range(0, len(sh_rest), BLOCK):  # in blocks of rows: temporaries of a few MB
-        q = (_round(sh_rest[s : s + BLOCK].astype(_F) * _F(128)) + 128).astype(np.int64)  # [B, D, 3]
-        q = (q + bucket // 2) // bucket * bucket
-        clamped["sh"] += int(((q < 0) | (q > 255)).sum())
+
+    def block(s: int) -> int:
+        x = sh_rest[s : s + BLOCK].astype(_F) * _F(128)  # [B, D, 3]
+        q = np.trunc(x + np.copysign(_F(0.5), x)) + _F(128)
+        q = np.floor((q + half) * inverse) * bucket
         out[s : s + BLOCK] = np.clip(q, 0, 255)
+        return int(np.count_nonzero((q < 0) | (q > 255)))
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        clamped["sh"] = sum(pool.map(block, range(0, len(sh_rest), BLOCK)))
     return out.reshape(-1)
 
 
