@@ -38,6 +38,10 @@ class CheckpointModel:
 
     @property
     def device(self):  # where eval_setup would have put the model (the .sog's k-means runs there)
+        from .playcanvas import gpu_possible
+
+        if not gpu_possible():  # the CPU, as torch would say, without importing it (kmeans_device's default)
+            return None
         import torch
 
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -10,13 +10,16 @@ distance differently and pick another centroid for a near tie.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Tuple
 
 from .gaussians import ExportGaussians
 
 
-def kmeans_device(model_device=None):  # -> torch.device
+def kmeans_device(model_device=None):  # -> torch.device, or "cpu" (quantize's numpy path, torch not imported)
+    if model_device is None and not gpu_possible():
+        return "cpu"  # what torch would answer here, without its 2-3 s import
     import torch
 
     device = torch.device(model_device) if model_device is not None else torch.device("cpu")
@@ -27,6 +30,15 @@ def kmeans_device(model_device=None):  # -> torch.device
     if torch.cuda.is_available():
         return torch.device("cuda")
     return device
+
+
+def gpu_possible() -> bool:
+    """False only where torch cannot see a GPU: not macOS (MPS), and no NVIDIA (/dev/nvidia*), AMD
+    ROCm (/dev/kfd) or WSL (/dev/dxg) device node. Anywhere else torch is asked."""
+    if sys.platform == "darwin":
+        return True
+    dev = Path("/dev")
+    return any(dev.glob("nvidia*")) or (dev / "kfd").exists() or (dev / "dxg").exists()
 
 
 def write_playcanvas(g: ExportGaussians, fmt: str, path: Path, device=None, report=None) -> Tuple[int, str]:

@@ -148,6 +148,16 @@ REFINE_DISTANCES = 1 << 26  # more probes while N x probed entries per iteration
 REFINE_ITERATIONS = 4  # global Lloyd iterations after the two-level palette
 
 
+class _Cpu:
+    """Stands for torch.device("cpu") where the k-means runs on the CPU: the work is numpy's, and
+    only ``device.type`` is read."""
+
+    type = "cpu"
+
+
+CPU = _Cpu()
+
+
 def kmeans(
     points: np.ndarray,
     k: int,
@@ -170,9 +180,12 @@ def kmeans(
     n = x.shape[0]
     if n <= k:
         return x.copy(), np.arange(n, dtype=np.int64)
-    import torch
+    if device is None or (isinstance(device, str) and device == "cpu"):
+        device = CPU  # numpy only: torch is not imported
+    else:
+        import torch
 
-    device = torch.device("cpu") if device is None else torch.device(device)
+        device = torch.device(device)
     with _cpu_threads(device) as pool:
         if n * k <= EXACT_LIMIT:
             return lloyd(x, k, iterations, device, np.random.default_rng(seed), progress, pool)
@@ -308,11 +321,11 @@ def nearest(x: np.ndarray, c: np.ndarray, device: torch.device, k: int = 1,
     made), over ``pool`` when given; on the CPU with numpy (whose argmin is several times faster
     than torch's; the same bytes whatever the load or the number of threads), elsewhere with torch
     on ``device``."""
-    import torch  # (the device's type below; on the CPU the distances are numpy's)
-
     c_sq = (c * c).sum(1)  # [M]
     step = max(1, (1 << 20) // c.shape[0])
-    if device.type != "cpu":
+    if device.type != "cpu":  # torch only here: on the CPU the distances are numpy's
+        import torch
+
         cd, c_sq_d = torch.from_numpy(c).to(device), torch.from_numpy(c_sq).to(device)
 
     def chunk(s: int):

@@ -83,12 +83,16 @@ def test_what_it_cannot_read_is_unsupported(tmp_path):
 
 
 def test_export_without_torch_writes_the_torch_paths_bytes(tmp_path_factory, tmp_path, monkeypatch):
+    from splat_metal_method.export.playcanvas import gpu_possible
+
     config = demo_runs.sh3_run(tmp_path_factory)
     fast = tmp_path / "fast"
+    # .sog too where torch could see no GPU (its k-means then runs on numpy; with a GPU torch picks the device)
+    formats = FAST_FORMATS + (() if gpu_possible() else ("sog",))
     code = (
         "import sys\nfrom splat_metal_method.export.cli import entrypoint\n"
         f"sys.argv = ['splat-metal-export', '--load-config', {str(config)!r}, '--output-dir', {str(fast)!r}, "
-        f"'--format', {', '.join(repr(f) for f in FAST_FORMATS)}]\n"
+        f"'--format', {', '.join(repr(f) for f in formats)}]\n"
         "try:\n    entrypoint()\nfinally:\n    print('torch imported:', 'torch' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=300)
@@ -99,7 +103,7 @@ def test_export_without_torch_writes_the_torch_paths_bytes(tmp_path_factory, tmp
         raise torch_zip.Unsupported("the test takes torch's path")
 
     monkeypatch.setattr(torch_zip, "load", unsupported)
-    with_torch = cli.ExportSplats(load_config=config, output_dir=tmp_path / "torch", format=FAST_FORMATS).main()
-    assert len(with_torch) == len(FAST_FORMATS)
+    with_torch = cli.ExportSplats(load_config=config, output_dir=tmp_path / "torch", format=formats).main()
+    assert len(with_torch) == len(formats)
     for path in with_torch:
         assert (fast / path.name).read_bytes() == path.read_bytes(), path.name
