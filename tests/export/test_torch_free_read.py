@@ -82,10 +82,33 @@ def test_what_it_cannot_read_is_unsupported(tmp_path):
     assert np.array_equal(torch_zip.load(tmp_path / "plain.ckpt")["x"], t.numpy())
 
 
-def test_export_without_torch_writes_the_torch_paths_bytes(tmp_path_factory, tmp_path, monkeypatch):
-    from splat_metal_method.export.playcanvas import gpu_possible
+@pytest.fixture(scope="module")
+def offset_run(tmp_path_factory):
+    """The SH-3 demo run with random SH, a tenth of its gaussians below the opacity cut, and its means
+    saved as a non-contiguous view at a storage offset (a transposed window of a larger tensor), as a
+    checkpoint can hold them: the export must read the view, not the storage's first bytes."""
+    from test_export_roundtrip import _copy_run_with_checkpoint
+
+    gen = torch.Generator().manual_seed(2)
+
+    def edit(params):
+        params["features_rest"] = 0.3 * torch.randn(params["features_rest"].shape, generator=gen)
+        n = params["opacities"].shape[0]
+        params["opacities"][torch.randperm(n, generator=gen)[: n // 10]] = -8.0
+        big = torch.randn(5, n + 2, generator=gen)
+        big[1:4, 2:] = params["means"].t()
+        params["means"] = big[1:4, 2:].t()  # [N, 3], strides (1, n + 2), storage offset n + 4
+        assert not params["means"].is_contiguous() and params["means"].storage_offset() > 0
 
     config = demo_runs.sh3_run(tmp_path_factory)
+    return _copy_run_with_checkpoint(config, tmp_path_factory.mktemp("offset_run") / "outputs", edit)
+
+
+@pytest.mark.parametrize("which", ["demo", "offset"])
+def test_export_without_torch_writes_the_torch_paths_bytes(tmp_path_factory, tmp_path, monkeypatch, which, request):
+    from splat_metal_method.export.playcanvas import gpu_possible
+
+    config = demo_runs.sh3_run(tmp_path_factory) if which == "demo" else request.getfixturevalue("offset_run")
     fast = tmp_path / "fast"
     # .sog too where torch could see no GPU (its k-means then runs on numpy; with a GPU torch picks the device)
     formats = FAST_FORMATS + (() if gpu_possible() else ("sog",))
