@@ -99,6 +99,22 @@ def densify(params, opts, at: int) -> None:
         gs_ops.reset_opa(params, optimizers, state, value=0.02)
 
 
+def resumed(path, params, opts, fresh):
+    """``fresh`` (params, optimizers) with the state of ``params``/``opts`` after a save to ``path`` and a load,
+    as a checkpoint resume does."""
+    torch.save({"params": {k: p.detach() for k, p in params.items()},
+                "optimizers": {k: o.state_dict() for k, o in opts.optimizers.items()},
+                "schedulers": {k: s.state_dict() for k, s in opts.schedulers.items()}}, path)  # fmt: skip
+    loaded = torch.load(path, weights_only=False)
+    new, new_opts = fresh
+    with torch.no_grad():
+        for k, p in new.items():
+            p.data = loaded["params"][k].clone()
+    new_opts.load_optimizers(loaded["optimizers"])
+    new_opts.load_schedulers(loaded["schedulers"])
+    return new, new_opts
+
+
 def assert_same(ref, ref_opts, ours, ours_opts, at, exact=False) -> None:
     for k in LRS:
         p, q = ref[k], ours[k]
@@ -145,16 +161,7 @@ def test_resume_through_a_checkpoint_is_bit_identical(tmp_path):
     for at in range(8):
         step(a, a_opts, render_grads(a), at)
     path = tmp_path / "ckpt.pt"
-    torch.save({"params": {k: p.detach() for k, p in a.items()},
-                "optimizers": {k: o.state_dict() for k, o in a_opts.optimizers.items()},
-                "schedulers": {k: s.state_dict() for k, s in a_opts.schedulers.items()}}, path)  # fmt: skip
-    loaded = torch.load(path, weights_only=False)
-    b, b_opts = make(fused=True)
-    with torch.no_grad():
-        for k, p in b.items():
-            p.data = loaded["params"][k].clone()
-    b_opts.load_optimizers(loaded["optimizers"])
-    b_opts.load_schedulers(loaded["schedulers"])
+    b, b_opts = resumed(path, a, a_opts, make(fused=True))
     for at in range(8, 14):
         grads = render_grads(a)
         step(a, a_opts, grads, at)

@@ -22,7 +22,7 @@ import types
 import pytest
 import torch
 from nerfstudio.engine.optimizers import Optimizers
-from test_adam import LRS, SCALER, TOL, config, densify, gaussians
+from test_adam import LRS, SCALER, TOL, config, densify, gaussians, resumed
 
 from splat_metal_method.engine.optimizers import GaussianOptimizers
 from splat_metal_method.ops import rasterization
@@ -158,16 +158,7 @@ def test_resume_through_a_checkpoint_with_the_fused_sh_step_is_bit_identical(tmp
         train_step(a, a_opts, at, 3)
     assert a_opts.sh_taken == 7
     path = tmp_path / "ckpt.pt"
-    torch.save({"params": {k: p.detach() for k, p in a.items()},
-                "optimizers": {k: o.state_dict() for k, o in a_opts.optimizers.items()},
-                "schedulers": {k: s.state_dict() for k, s in a_opts.schedulers.items()}}, path)  # fmt: skip
-    loaded = torch.load(path, weights_only=False)
-    b, b_opts = make("fused")
-    with torch.no_grad():
-        for k, p in b.items():
-            p.data = loaded["params"][k].clone()
-    b_opts.load_optimizers(loaded["optimizers"])
-    b_opts.load_schedulers(loaded["schedulers"])
+    b, b_opts = resumed(path, a, a_opts, make("fused"))
     for at in range(8, 14):
         for params, opts in ((a, a_opts), (b, b_opts)):
             train_step(params, opts, at, 3)
