@@ -70,6 +70,8 @@ import torch
 from nerfstudio.engine.callbacks import TrainingCallback, TrainingCallbackLocation
 from nerfstudio.utils.rich_utils import CONSOLE
 
+from .files import PARTIAL_NAME, STOP_SIGNALS, atomic_path, remove_stale_partials, signals_interrupt  # noqa: F401 (re-exported)
+
 NONFINITE_MODES = ("recover", "stop")
 INJECT_NAN_ENV = "SPLAT_METAL_INJECT_NAN_AT_STEP"
 INJECT_SAVE_ERROR_ENV = "SPLAT_METAL_INJECT_SAVE_ERROR"
@@ -91,9 +93,6 @@ class NonFiniteError(SystemExit):
 # --------------------------------------------------------------------------------------------------
 # Atomic writes
 # --------------------------------------------------------------------------------------------------
-from .files import PARTIAL_NAME, STOP_SIGNALS, atomic_path, remove_stale_partials, signals_interrupt  # noqa: E402,F401
-
-
 class CheckpointWriteError(SystemExit):
     """A checkpoint could not be written (full disk, read-only folder); ``str(e)`` is the message."""
 
