@@ -228,6 +228,42 @@ def at_scale(step: dict, scale: dict, base20k: dict) -> dict:
     return out
 
 
+MSPLAT_BYTES_PER_GAUSSIAN = 2100  # bench/peers.py MSPLAT: msplat 1.1.3's bytes a gaussian a step, from its source
+
+
+def bytes_per_gaussian(step: dict, scale: dict) -> Dict[str, float]:
+    """Bytes a steady training step moves per gaussian, counted as msplat's ~2,100 are (peers.MSPLAT: every
+    buffer a kernel binds, in-place ones twice), from two counters CI runs: the render's kernels at the scale
+    ledger's size (``scale``: a scale_ledger.as_dict row; the per-gaussian part of each kernel's buffers,
+    ``bytes_by_kind["G"]``; the rasterizer's bands each bind its buffers whole and read their share, so one
+    launch's), the step's kernels outside the render (``step``: a peers.ledger_dict of a steady
+    step ledger; Adam, the densification statistics), and the aten ops' per-gaussian bytes (the step ledger's
+    parts that grow with gaussians; torch's Adam counted as accesses, ADAM_ACCESSES). Returns each source's
+    bytes a gaussian by kernel or part, and "total"."""
+    from .peers import PIXEL_PARTS, kernel_grows
+
+    out: Dict[str, float] = {}
+    n_scale, n_step = max(scale["n_gaussians"], 1), max(step["n_gaussians"], 1)
+    for name, w in scale["kernels"].items():
+        by_kind = w.get("bytes_by_kind")
+        b = (
+            by_kind.get("G", 0)
+            if by_kind is not None
+            else (w.get("buffer_bytes", 0) if kernel_grows(name) == "G" else 0)
+        )
+        share = 1 / max(w.get("launches", 1), 1) if name.startswith("rasterize") else 1  # as at_scale: bands
+        out[f"render: {name}"] = b * share / n_scale
+    for name, w in step["kernels"].items():
+        if name not in scale["kernels"] and kernel_grows(name) == "G":
+            out[f"step: {name}"] = w.get("buffer_bytes", 0) / n_step
+    for part, b in step["part_bytes"].items():
+        if part not in PIXEL_PARTS:
+            out[f"aten: {part}"] = b * (ADAM_ACCESSES if part == "optimizer" else 1) / n_step
+    out = {k: v for k, v in out.items() if v > 0}
+    out["total"] = sum(out.values())
+    return out
+
+
 def scale_compare_table(step: dict, before: dict, after: dict) -> str:
     """Markdown: ours / msplat at issue 30's scenes (peers.COMPARE_SCENES), from the 20k step ledger
     ``step`` corrected by the scale ledgers ``before`` and ``after`` (scale_ledger.key -> as_dict row;
@@ -235,8 +271,9 @@ def scale_compare_table(step: dict, before: dict, after: dict) -> str:
     from . import peers
 
     lines = [
-        "| scene (M4 Max) | scale ledger | launches / aten kernels per render | ours ms | msplat ms | ours / msplat |",
-        "|---|---|---|---|---|---|",
+        "| scene (M4 Max) | scale ledger | launches / aten kernels per render | bytes a gaussian (msplat ~2,100) "
+        "| ours ms | msplat ms | ours / msplat |",
+        "|---|---|---|---|---|---|---|",
     ]
     for s in peers.COMPARE_SCENES:
         k = f"{int(s.gaussians)} {s.width}x{s.height}"
@@ -250,7 +287,8 @@ def scale_compare_table(step: dict, before: dict, after: dict) -> str:
             row = rows[k]
             ours = peers.OursFromLedger(at_scale(step, row, base)).step(s, "M4 Max", peers.CALIBRATED).step_ms
             launches = sum(w.get("launches", 0) for w in row["kernels"].values())
-            lines.append(f"| {s.name} | {when} | {launches:,} / {row['aten_kernels']:,} | {ours:.1f} | {ref:.1f} "
+            per_g = bytes_per_gaussian(step, row)["total"]
+            lines.append(f"| {s.name} | {when} | {launches:,} / {row['aten_kernels']:,} | {per_g:,.0f} | {ours:.1f} | {ref:.1f} "
                          f"| {ours / ref:.2f} |")  # fmt: skip
     return "\n".join(lines)
 
