@@ -22,7 +22,13 @@ Per format, each in its own process as a user runs it:
   tests/export/test_export_playcanvas.py), colour = RMS error of the DC colour (0.5 + C0 dc).
 
 Prints a Markdown table (ratio = our command's wall time / splat-transform's) and writes
-benchmarks/results/export_scale.csv. Run on a quiet machine: every number is wall time.
+benchmarks/results/export_scale.csv. Run on a quiet machine: every number is wall time. "Ours" is this
+checkout's splat_metal_method (first on PYTHONPATH); with --baseline DIR each of our commands is
+also run, just before, with DIR's (before/after in one run, the same load; the files compared byte
+for byte):
+
+    git archive <commit> splat_metal_method | tar -x -C /tmp/before
+    python benchmarks/bench_export_scale.py --sizes 100000 --baseline /tmp/before
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -92,19 +99,23 @@ def sized_run(config: Path, n: int, root: Path) -> Path:
     return _copy_run_with_checkpoint(config, dest / "outputs", lambda params: params.update(plausible_gaussians(n)))
 
 
-def timed(cmd, cwd: Path, timeout: float):
+def timed(cmd, cwd: Path, timeout: float, code: Optional[Path] = None):
     """(wall seconds, peak RSS in MB, output) of a command, through GNU time (its own small process
     forks the command: a child forked from this one would count this process's memory as its own);
-    (None, None, output) when killed at timeout."""
+    (None, None, output) when killed at timeout. ``code``: the folder whose splat_metal_method the
+    command imports (first on PYTHONPATH; else the installed one)."""
     import tempfile
 
     from cli_helpers import cli_env
 
+    env = cli_env()
+    if code is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(code), *filter(None, [env.get("PYTHONPATH")])])
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "time.txt"
         started = time.perf_counter()
         proc = subprocess.Popen(["/usr/bin/time", "-f", "%M", "-o", str(report), *map(str, cmd)], cwd=cwd,
-                                env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)  # fmt: skip
         try:
             out, _ = proc.communicate(timeout=timeout)
@@ -115,6 +126,14 @@ def timed(cmd, cwd: Path, timeout: float):
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(map(str, cmd))} failed:\n{out[-3000:]}")
         return wall, int(report.read_text().split()[-1]) / 1024, out  # %M: KiB
+
+
+def median(runs):
+    """(median wall seconds, median peak RSS, the last run's output) of timed()'s runs; (None, None,
+    output) if one was killed."""
+    if any(r[0] is None for r in runs):
+        return None, None, runs[-1][2]
+    return float(np.median([r[0] for r in runs])), float(np.median([r[1] for r in runs])), runs[-1][2]
 
 
 def decoded(path: Path) -> dict:
@@ -168,6 +187,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench_export_scale"))
     parser.add_argument("--st-timeout", type=float, default=900, help="seconds before splat-transform is killed")
     parser.add_argument("--no-splat-transform", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each command (ours, --baseline's and "
+                        "splat-transform's in turn); the table gives the median wall time and peak RSS")  # fmt: skip
+    parser.add_argument("--baseline", type=Path, help="also time the command with the splat_metal_method of this "
+                        "folder (e.g. `git archive <commit> splat_metal_method | tar -x -C DIR`), right before ours")  # fmt: skip
     args = parser.parse_args()
     from cli_helpers import executable
 
@@ -188,14 +211,31 @@ def main() -> None:
         exports.mkdir()
         for fmt in args.formats:
             name = f"splat.{EXT.get(fmt, fmt)}"
-            wall, rss, out = timed([executable("splat-metal-export"), "--load-config", run, "--output-dir",
-                                    exports, "--format", fmt], args.out, 3600)  # fmt: skip
+            command = [executable("splat-metal-export"), "--load-config", run, "--output-dir", exports, "--format", fmt]
+            walls = {"before": [], "ours": [], "st": []}  # --repeat runs, in turn, each a (wall, rss, output)
+            theirs = args.out / f"theirs_{n}" / name
+            st = fmt != "splat" and not args.no_splat_transform
+            for _ in range(args.repeat):
+                if args.baseline is not None:
+                    walls["before"].append(timed(command, args.out, 3600, code=args.baseline.resolve()))
+                    (exports / name).rename(exports / f"baseline.{EXT.get(fmt, fmt)}")
+                walls["ours"].append(timed(command, args.out, 3600, code=REPO))  # this checkout's code
+                if st and not (walls["st"] and walls["st"][0][0] is None):  # not again once killed
+                    theirs.parent.mkdir(exist_ok=True)
+                    extra = ["--spz-version", "3"] if fmt == "spz" else []
+                    walls["st"].append(timed([SPLAT_TRANSFORM, "-w", "-q", "-g", "cpu", *extra, exports / "splat.ply",
+                                              theirs], args.out, args.st_timeout))  # fmt: skip
+            before = median(walls["before"]) if walls["before"] else None
+            wall, rss, out = median(walls["ours"])
             line = next(x for x in out.splitlines() if name in x and " bytes " in x)
             own = float(line.rsplit("(", 1)[1].split(" s)")[0])
             load = float(out.split("loaded in ")[1].split(" s)")[0])
             row = {"gaussians": n, "format": fmt, "checkpoint_mb": round(ckpt.stat().st_size / 2**20),
-                   "ours_s": round(wall, 1), "ours_load_s": round(load, 1), "ours_write_s": round(own, 1),
+                   "ours_s": round(wall, 2), "ours_load_s": round(load, 1), "ours_write_s": round(own, 1),
                    "ours_rss_mb": round(rss), "bytes": (exports / name).stat().st_size}  # fmt: skip
+            if before is not None:
+                same = (exports / f"baseline.{EXT.get(fmt, fmt)}").read_bytes() == (exports / name).read_bytes()
+                row.update(baseline_s=round(before[0], 2), baseline_rss_mb=round(before[1]), baseline_same_bytes=same)
             if fmt != "ply":
                 sh, colour = errors(model, decoded(exports / name))
                 row.update(ours_sh_err=sh, ours_colour_err=colour)
@@ -205,21 +245,28 @@ def main() -> None:
                                       ns_out], args.out, 3600)  # fmt: skip
                 same = (ns_out / "splat.ply").read_bytes() == (exports / name).read_bytes()
                 row.update(ns_export_s=round(wall, 1), ns_export_rss_mb=round(rss), ns_export_same_bytes=same)
-            if fmt != "splat" and not args.no_splat_transform:
-                theirs = args.out / f"theirs_{n}" / name
-                theirs.parent.mkdir(exist_ok=True)
-                extra = ["--spz-version", "3"] if fmt == "spz" else []
-                wall, rss, _ = timed([SPLAT_TRANSFORM, "-w", "-q", "-g", "cpu", *extra, exports / "splat.ply", theirs],
-                                     args.out, args.st_timeout)  # fmt: skip
-                row.update(st_s=None if wall is None else round(wall, 1), st_rss_mb=None if rss is None else round(rss))
+            if st:
+                wall, rss, _ = median(walls["st"])
+                row.update(st_s=None if wall is None else round(wall, 2), st_rss_mb=None if rss is None else round(rss))
                 if wall is not None:
                     row["ratio"] = round(row["ours_s"] / wall, 2)
+                    if before is not None:
+                        row["baseline_ratio"] = round(row["baseline_s"] / wall, 2)
                     if fmt != "ply":
                         sh, colour = errors(model, decoded(theirs), sh=fmt != "spz")
                         row.update(st_sh_err=sh, st_colour_err=colour)
             rows.append(row)
             print(row, flush=True)
     _table(rows, args.st_timeout)
+    if args.baseline is not None:
+        print(
+            f"\n| gaussians | format | ours before ({args.baseline}) | ours now | splat-transform | before / st | now / st "
+            "| same bytes |\n|---|---|---:|---:|---:|---:|---:|---|"
+        )
+        for r in rows:
+            print(f"| {r['gaussians']:,} | {r['format']} | {r['baseline_s']} s | {r['ours_s']} s | "
+                  f"{'' if r.get('st_s') is None else str(r['st_s']) + ' s'} | {r.get('baseline_ratio', '')} | "
+                  f"{r.get('ratio', '')} | {r['baseline_same_bytes']} |")  # fmt: skip
     results = REPO / "benchmarks" / "results"
     results.mkdir(parents=True, exist_ok=True)
     fields = sorted({k for r in rows for k in r}, key=lambda k: list(rows[-1]).index(k) if k in rows[-1] else 99)

@@ -14,7 +14,8 @@
   ``ns-export gaussian-splat`` writes with, through engine/reliability.py's patch).
 - ``quantize``: Morton order, 256-entry 1-D codebooks and the k-means SH palette they share (exact,
   or a two-level codebook beyond 2^29 distances per iteration).
-- ``progress``: the rich progress bars and per-file times of the command.
+- ``progress``: the rich progress bars of the command (shown once the writes take a while).
+- ``installed``: nerfstudio's version and splat-metal's entry points, read from their .dist-info.
 - ``playcanvas``: writes either PlayCanvas format for the command.
 - ``cli``: the tyro command.
 """
