@@ -13,18 +13,26 @@
 // each gaussian covers a tile at most once: every backend therefore gets the same per-tile order.
 //
 // Padded lists (isect.py isect_tiles_padded_fwd: training steps, no host read; buffers of a capacity
-// the host keeps from earlier steps) use per-tile bins instead of the second sort:
-//   1-3 as above (isect_count also zeroes the bin counters); M stays on the device.
-//   4. bin_count          every entry isect_emit would write (the first min(M, capacity) of the
-//                         depth-order emission) adds one to its tile's counter (device atomics).
-//   5. inclusive prefix sum of the counters: ends[t], the end of tile t's bin in the list.
-//   6. bin_fill           the same entries take a slot in their tile's bin by an atomic decrement and
-//                         store their POSITION IN THE DEPTH ORDER p: unique per tile and ordered as
-//                         (depth bits, flat id), so sorting a bin by it gives the order above whatever
-//                         order the atomics handed out the slots.
-//   7. bin_sort           one threadgroup per tile sorts its bin by p (a bitonic sort in threadgroup
+// the host keeps from earlier steps) sort nothing globally: no depth sort (step 1), no sort by tile
+// (step 5); per-tile bins, each sorted by (depth bits, flat id) in threadgroup memory, instead:
+//   1. isect_count        in FLAT order (ordered = 0: position p is gaussian p), also zeroes the bin
+//                         counters.
+//   2. inclusive prefix sum of tiles_per_gauss in flat order; M stays on the device.
+//   3. bin_count          every entry of the flat-order emission (camera-major, gaussian-major, tile
+//                         y-major, x-minor) within the capacity (its first min(M, capacity)) adds one
+//                         to its tile's counter (device atomics).
+//   4. inclusive prefix sum of the counters: ends[t], the end of tile t's bin in the list.
+//   5. bin_fill           the same entries take a slot in their tile's bin by an atomic decrement and
+//                         store their gaussian's flat id g (unique per tile).
+//   6. bin_sort           one threadgroup per tile sorts its bin by the 64-bit key
+//                         (depth bits << 32 | g), the depth gathered here (a bitonic sort in threadgroup
 //                         memory; longer bins in blocks, then merged in device memory: exact at any
 //                         length) and writes flatten_ids, isect_ids and the tile offsets.
+// That key orders a tile exactly as the exact lists do (the depth bits compared unsigned, as the depth
+// sort and the reference's zero-extended bits compare them, then the flat id: emission order), whatever
+// order the atomics handed out the slots, and whatever the depths' signs: the lists are the exact lists
+// entry for entry. On an overflow of the capacity the entries left out are the end of the flat-order
+// emission: those of the highest flat ids (the last camera's last gaussians), not the deepest.
 // Compiled after common.h: kernels.py prepends it (compile_shader has no include path).
 
 // Tile rectangle [x0, x1) x [y0, y1) of a gaussian, computed exactly as ops/reference.py does
@@ -50,7 +58,8 @@ inline void tile_rect(float mx, float my, int radius, long tile_size, long tile_
 
 // isect_count: one thread per position p in depth order, p < C*N; thread p counts gaussian
 // g = order[p] and writes tiles_per_gauss[g] and counts[p] (order is a permutation: every entry of
-// both is written once). Independent threads, no barriers.
+// both is written once). Independent threads, no barriers. With ordered = 0 (padded lists) p is the
+// flat id (g = p), order is not read and counts not written: tiles_per_gauss is the flat-order count.
 // Invariant: the count is 0 iff radius <= 0 or the rectangle is empty; <= tile_width*tile_height.
 // Padded lists: thread p also zeroes bins[p], bins[p + total], ... below n_bins (the counters of
 // bin_count / bin_sort, which run after this kernel); exact lists pass n_bins = 0.
@@ -67,6 +76,7 @@ kernel void isect_count(
     constant long& tile_height [[buffer(8)]],
     device int* bins [[buffer(9)]],              // [n_bins] (unread with n_bins = 0)
     constant long& n_bins [[buffer(10)]],
+    constant long& ordered [[buffer(11)]],       // 1: p is a position in `order`; 0: p is the flat id
     uint p [[thread_position_in_grid]]) {
   if ((long)p >= total) {
     return;
@@ -74,7 +84,7 @@ kernel void isect_count(
   for (long b = (long)p; b < n_bins; b += total) {
     bins[b] = 0;
   }
-  const uint g = order[p];
+  const uint g = ordered != 0 ? order[p] : p;
   const int r = radii[g];
   int count = 0;
   if (r > 0) {
@@ -83,7 +93,9 @@ kernel void isect_count(
     count = (x1 - x0) * (y1 - y0);
   }
   tiles_per_gauss[g] = count;
-  counts[p] = count;
+  if (ordered != 0) {
+    counts[p] = count;
+  }
 }
 
 // isect_emit: one thread per position p in depth order, p < C*N. Thread p writes the entries
@@ -95,8 +107,7 @@ kernel void isect_count(
 // neighbour's (fast math or a later edit could make the two disagree). Should the recomputed
 // rectangle hold fewer tiles, the rest of the range gets tile 0 of the gaussian's camera: a wrong but
 // in-bounds entry, instead of unwritten memory that later kernels would index with.
-// Nothing is written at or past `capacity` (= M for exact lists): when the lists overflow, the
-// entries of the deepest gaussians (the end of the depth order) are the ones dropped.
+// Nothing is written at or past `capacity` (the exact lists pass M: a guard, never a cut).
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void isect_emit(
     const device float* means2d [[buffer(0)]],        // [C*N, 2]
@@ -202,17 +213,16 @@ kernel void isect_offsets(
 
 // ---- per-tile bins (padded lists) -------------------------------------------------------------------
 
-// The entries of depth position p that isect_emit would write within `capacity`: [first, end) of the
-// list, and the rectangle they walk (y-major, x-minor; past the rectangle, tile 0 of the camera, as
-// isect_emit pads). Returns false when there are none.
+// The entries of gaussian g (flat id) in the flat-order emission within `capacity`: [first, end) of
+// the emission, and the rectangle they walk (y-major, x-minor; past the rectangle, tile 0 of the
+// camera, as isect_emit pads). Returns false when there are none.
 inline bool bin_entries(const device float* means2d, const device int* radii, const device int* tiles_per_gauss,
-                        const device uint* order, const device long* cum, uint p, long capacity, long tile_size,
-                        long tile_width, long tile_height, thread uint& g, thread long& first, thread long& end,
-                        thread int& x0, thread int& y0, thread int& x1, thread int& y1) {
-  g = order[p];
+                        const device long* cum, uint g, long capacity, long tile_size, long tile_width,
+                        long tile_height, thread long& first, thread long& end, thread int& x0, thread int& y0,
+                        thread int& x1, thread int& y1) {
   const int count = tiles_per_gauss[g];
-  first = cum[p] - count;
-  end = cum[p] < capacity ? cum[p] : capacity;
+  first = cum[g] - count;
+  end = cum[g] < capacity ? cum[g] : capacity;
   if (count <= 0 || first >= end) {
     return false;
   }
@@ -221,31 +231,30 @@ inline bool bin_entries(const device float* means2d, const device int* radii, co
   return true;
 }
 
-// bin_count: one thread per depth position p < C*N. Every entry isect_emit would write adds one to its
-// (camera, tile) counter bins[camera * n_tiles + tile] (device atomics; zeroed by isect_count).
+// bin_count: one thread per gaussian g < C*N (flat id). Every entry of the flat-order emission within
+// the capacity adds one to its (camera, tile) counter bins[camera * n_tiles + tile] (device atomics;
+// zeroed by isect_count).
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void bin_count(
     const device float* means2d [[buffer(0)]],        // [C*N, 2]
     const device int* radii [[buffer(1)]],            // [C*N]
     const device int* tiles_per_gauss [[buffer(2)]],  // [C*N]
-    const device uint* order [[buffer(3)]],           // [C*N] flat ids in depth order
-    const device long* cum [[buffer(4)]],             // [C*N] inclusive cumsum of counts in depth order
-    device atomic_int* bins [[buffer(5)]],            // [C * n_tiles + 2] counters
-    constant long& total [[buffer(6)]],               // C*N
-    constant long& N [[buffer(7)]],
-    constant long& tile_size [[buffer(8)]],
-    constant long& tile_width [[buffer(9)]],
-    constant long& tile_height [[buffer(10)]],
-    constant long& capacity [[buffer(11)]],
-    uint p [[thread_position_in_grid]]) {
-  if ((long)p >= total) {
+    const device long* cum [[buffer(3)]],             // [C*N] inclusive cumsum of tiles_per_gauss (flat order)
+    device atomic_int* bins [[buffer(4)]],            // [C * n_tiles + 2] counters
+    constant long& total [[buffer(5)]],               // C*N
+    constant long& N [[buffer(6)]],
+    constant long& tile_size [[buffer(7)]],
+    constant long& tile_width [[buffer(8)]],
+    constant long& tile_height [[buffer(9)]],
+    constant long& capacity [[buffer(10)]],
+    uint g [[thread_position_in_grid]]) {
+  if ((long)g >= total) {
     return;
   }
-  uint g;
   long out, end;
   int x0, y0, x1, y1;
-  if (!bin_entries(means2d, radii, tiles_per_gauss, order, cum, p, capacity, tile_size, tile_width, tile_height,
-                   g, out, end, x0, y0, x1, y1)) {
+  if (!bin_entries(means2d, radii, tiles_per_gauss, cum, g, capacity, tile_size, tile_width, tile_height,
+                   out, end, x0, y0, x1, y1)) {
     return;
   }
   const long base = ((long)g / N) * tile_width * tile_height;
@@ -259,34 +268,33 @@ kernel void bin_count(
   }
 }
 
-// bin_fill: one thread per depth position p < C*N, the entries of bin_count. Each takes a slot of its
-// tile's bin [ends[t] - count_t, ends[t]) by an atomic decrement of the tile's counter (which leaves it
-// 0) and stores p there. Slots are handed out in any order: bin_sort orders each bin by p.
+// bin_fill: one thread per gaussian g < C*N (flat id), the entries of bin_count. Each takes a slot of
+// its tile's bin [ends[t] - count_t, ends[t]) by an atomic decrement of the tile's counter (which leaves
+// it 0) and stores g there. Slots are handed out in any order: bin_sort orders each bin by
+// (depth bits, g).
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void bin_fill(
     const device float* means2d [[buffer(0)]],        // [C*N, 2]
     const device int* radii [[buffer(1)]],            // [C*N]
     const device int* tiles_per_gauss [[buffer(2)]],  // [C*N]
-    const device uint* order [[buffer(3)]],           // [C*N] flat ids in depth order
-    const device long* cum [[buffer(4)]],             // [C*N] inclusive cumsum of counts in depth order
-    device atomic_int* bins [[buffer(5)]],            // [C * n_tiles + 2] counters (bin_count's)
-    const device long* ends [[buffer(6)]],            // [C * n_tiles + 2] inclusive cumsum of the counters
-    device uint* ranks [[buffer(7)]],                 // [capacity] depth positions, per-tile bins
-    constant long& total [[buffer(8)]],
-    constant long& N [[buffer(9)]],
-    constant long& tile_size [[buffer(10)]],
-    constant long& tile_width [[buffer(11)]],
-    constant long& tile_height [[buffer(12)]],
-    constant long& capacity [[buffer(13)]],
-    uint p [[thread_position_in_grid]]) {
-  if ((long)p >= total) {
+    const device long* cum [[buffer(3)]],             // [C*N] inclusive cumsum of tiles_per_gauss (flat order)
+    device atomic_int* bins [[buffer(4)]],            // [C * n_tiles + 2] counters (bin_count's)
+    const device long* ends [[buffer(5)]],            // [C * n_tiles + 2] inclusive cumsum of the counters
+    device uint* ranks [[buffer(6)]],                 // [capacity] flat ids, per-tile bins
+    constant long& total [[buffer(7)]],
+    constant long& N [[buffer(8)]],
+    constant long& tile_size [[buffer(9)]],
+    constant long& tile_width [[buffer(10)]],
+    constant long& tile_height [[buffer(11)]],
+    constant long& capacity [[buffer(12)]],
+    uint g [[thread_position_in_grid]]) {
+  if ((long)g >= total) {
     return;
   }
-  uint g;
   long out, end;
   int x0, y0, x1, y1;
-  if (!bin_entries(means2d, radii, tiles_per_gauss, order, cum, p, capacity, tile_size, tile_width, tile_height,
-                   g, out, end, x0, y0, x1, y1)) {
+  if (!bin_entries(means2d, radii, tiles_per_gauss, cum, g, capacity, tile_size, tile_width, tile_height,
+                   out, end, x0, y0, x1, y1)) {
     return;
   }
   const long base = ((long)g / N) * tile_width * tile_height;
@@ -294,24 +302,24 @@ kernel void bin_fill(
     for (int x = x0; x < x1 && end > out; ++x, ++out) {
       const long t = base + (long)y * tile_width + x;
       const int left = atomic_fetch_sub_explicit(&bins[t], 1, memory_order_relaxed);  // 1..count_t
-      ranks[ends[t] - left] = p;
+      ranks[ends[t] - left] = g;
     }
   }
   for (; out < end; ++out) {
     const int left = atomic_fetch_sub_explicit(&bins[base], 1, memory_order_relaxed);
-    ranks[ends[base] - left] = p;
+    ranks[ends[base] - left] = g;
   }
 }
 
 // Ascending bitonic sort of keys[0, n) in threadgroup memory, n a power of two <= SPLAT_BIN_CAPACITY.
 // Every thread of the group calls it with the same n (the barriers are reached uniformly).
-inline void bitonic_sort(threadgroup uint* keys, uint n, uint tid) {
+inline void bitonic_sort(threadgroup ulong* keys, uint n, uint tid) {
   for (uint k = 2; k <= n; k <<= 1) {
     for (uint j = k >> 1; j > 0; j >>= 1) {
       for (uint q = tid; q < n / 2; q += SPLAT_BIN_THREADS) {
         const uint i = (q / j) * 2 * j + (q % j);
         const uint l = i + j;
-        const uint a = keys[i], b = keys[l];
+        const ulong a = keys[i], b = keys[l];
         if (((i & k) == 0) == (a > b)) {
           keys[i] = b;
           keys[l] = a;
@@ -322,11 +330,17 @@ inline void bitonic_sort(threadgroup uint* keys, uint n, uint tid) {
   }
 }
 
-// Entries of sorted src[lo, hi) below x (binary search).
-inline long count_below(const device uint* src, long lo, long hi, uint x) {
+// The sort key of an entry of a bin: its gaussian's depth bits (unsigned) << 32 | its flat id g. Unique
+// within a tile (a gaussian covers a tile once); ascending keys are the exact lists' order.
+inline ulong bin_key(uint g, const device float* depths) {
+  return ((ulong)as_type<uint>(depths[g]) << 32) | (ulong)g;
+}
+
+// Entries of src[lo, hi) (flat ids, sorted by bin_key) whose key is below x (binary search).
+inline long count_below(const device uint* src, long lo, long hi, ulong x, const device float* depths) {
   while (lo < hi) {
     const long mid = (lo + hi) / 2;
-    if (src[mid] < x) {
+    if (bin_key(src[mid], depths) < x) {
       lo = mid + 1;
     } else {
       hi = mid;
@@ -335,13 +349,12 @@ inline long count_below(const device uint* src, long lo, long hi, uint x) {
   return lo;
 }
 
-// Entry i of the sorted list: depth position p of tile t (camera t / n_tiles).
-inline void bin_write(long i, uint p, long t, const device uint* order, const device float* depths,
-                      device long* isect_ids, device int* flatten_ids, long n_tiles, long tile_bits) {
-  const uint g = order[p];
+// Entry i of the sorted list: the entry of bin_key `k` in tile t (camera t / n_tiles).
+inline void bin_write(long i, ulong k, long t, device long* isect_ids, device int* flatten_ids, long n_tiles,
+                      long tile_bits) {
   const ulong key = ((ulong)(t / n_tiles) << (uint)tile_bits) | (ulong)(t % n_tiles);
-  isect_ids[i] = (long)((key << 32) | (ulong)as_type<uint>(depths[g]));
-  flatten_ids[i] = (int)g;
+  isect_ids[i] = (long)((key << 32) | (k >> 32));
+  flatten_ids[i] = (int)(uint)k;
 }
 
 // Merge steps a tile of `len` entries needs after its blocks of SPLAT_BIN_CAPACITY are sorted.
@@ -354,46 +367,46 @@ inline int bin_merges(long len) {
 }
 
 // bin_sort: one threadgroup of SPLAT_BIN_THREADS threads per tile t < C * n_tiles (grid: groups in x).
-// A tile's bin, ranks[start, end) with end = ends[t], start = ends[t - 1] (0 for t = 0), is sorted by
-// depth position in steps; this dispatch runs the tile's steps [step_lo, step_hi):
-//   step 0       a bin of len <= SPLAT_BIN_CAPACITY: bitonic sort in threadgroup memory (padded with
-//                0xFFFFFFFF to a power of two), written as the final entries; done. A longer bin: each
-//                block of SPLAT_BIN_CAPACITY sorted likewise and written back to ranks.
+// A tile's bin, ranks[start, end) with end = ends[t], start = ends[t - 1] (0 for t = 0), flat ids, is
+// sorted by bin_key (depth bits << 32 | flat id; the depths gathered here) in steps; this dispatch runs
+// the tile's steps [step_lo, step_hi):
+//   step 0       a bin of len <= SPLAT_BIN_CAPACITY: bitonic sort of the keys in threadgroup memory
+//                (padded with all ones to a power of two), written as the final entries; done. A longer
+//                bin: each block of SPLAT_BIN_CAPACITY sorted likewise and its flat ids written back.
 //   step s >= 1  merge of runs of width SPLAT_BIN_CAPACITY << (s - 1), pairwise, from ranks to ranks2
-//                (s odd) or back (s even); the tile's last merge writes the final entries. Depth
-//                positions are unique within a tile, so an entry's place in the merged run is its
-//                place in its own run plus the count of the partner run below it (no ties).
+//                (s odd) or back (s even); the tile's last merge writes the final entries. Keys are
+//                unique within a tile, so an entry's place in the merged run is its place in its own
+//                run plus the count of the partner run below it (no ties).
 // The host plans step_lo/step_hi from the longest tile seen a step late (one dispatch per merge
 // step, bounded work each); the last dispatch has step_hi = 1 << 30 and finishes every tile
 // whatever its length, so the result is exact even when the estimate was short.
 // Step 0 also writes offsets[t] = start (offsets[C * n_tiles] = the list's end, from the last tile),
 // the longest bin (atomic max into bins[n + 1]) and the intersection count M (bins[n], from cum),
 // and gives the padding entries [end of the list, capacity) a key past every tile.
-// Threadgroup memory: SPLAT_BIN_CAPACITY uints (8 KiB). Every thread runs the same steps (len, and
+// Threadgroup memory: SPLAT_BIN_CAPACITY ulongs (16 KiB). Every thread runs the same steps (len, and
 // so the step count, is uniform in the group); a device-memory barrier ends each step.
 [[max_total_threads_per_threadgroup(SPLAT_BIN_THREADS)]]
 kernel void bin_sort(
-    device uint* ranks [[buffer(0)]],              // [capacity] bins of depth positions
+    device uint* ranks [[buffer(0)]],              // [capacity] bins of flat ids
     device uint* ranks2 [[buffer(1)]],             // [capacity] merge ping-pong
     const device long* ends [[buffer(2)]],         // [n + 2] inclusive cumsum of the bin counts
-    const device uint* order [[buffer(3)]],        // [C*N] flat ids in depth order
-    const device float* depths [[buffer(4)]],      // [C*N]
-    const device long* cum [[buffer(5)]],          // [C*N] inclusive cumsum of counts in depth order
-    device atomic_int* bins [[buffer(6)]],         // [n + 2]: bins[n] = M, bins[n + 1] = the longest bin
-    device long* isect_ids [[buffer(7)]],          // [capacity]
-    device int* flatten_ids [[buffer(8)]],         // [capacity]
-    device int* offsets [[buffer(9)]],             // [n + 1]
-    constant long& n [[buffer(10)]],               // C * n_tiles
-    constant long& n_tiles [[buffer(11)]],
-    constant long& tile_bits [[buffer(12)]],
-    constant long& total [[buffer(13)]],           // C*N
-    constant long& capacity [[buffer(14)]],
-    constant long& sentinel [[buffer(15)]],        // the padding's key: (1 << key bits) - 1
-    constant long& step_lo [[buffer(16)]],
-    constant long& step_hi [[buffer(17)]],
+    const device float* depths [[buffer(3)]],      // [C*N]
+    const device long* cum [[buffer(4)]],          // [C*N] inclusive cumsum of tiles_per_gauss (flat order)
+    device atomic_int* bins [[buffer(5)]],         // [n + 2]: bins[n] = M, bins[n + 1] = the longest bin
+    device long* isect_ids [[buffer(6)]],          // [capacity]
+    device int* flatten_ids [[buffer(7)]],         // [capacity]
+    device int* offsets [[buffer(8)]],             // [n + 1]
+    constant long& n [[buffer(9)]],                // C * n_tiles
+    constant long& n_tiles [[buffer(10)]],
+    constant long& tile_bits [[buffer(11)]],
+    constant long& total [[buffer(12)]],           // C*N
+    constant long& capacity [[buffer(13)]],
+    constant long& sentinel [[buffer(14)]],        // the padding's key: (1 << key bits) - 1
+    constant long& step_lo [[buffer(15)]],
+    constant long& step_hi [[buffer(16)]],
     uint tid [[thread_index_in_threadgroup]],
     uint3 tgp [[threadgroup_position_in_grid]]) {
-  threadgroup uint keys[SPLAT_BIN_CAPACITY];
+  threadgroup ulong keys[SPLAT_BIN_CAPACITY];
   const long t = (long)tgp.x;
   const long start = t > 0 ? ends[t - 1] : 0;
   const long len = ends[t] - start;
@@ -423,15 +436,15 @@ kernel void bin_sort(
           width <<= 1;
         }
         for (uint i = tid; i < width; i += SPLAT_BIN_THREADS) {
-          keys[i] = (long)i < bl ? ranks[start + b0 + i] : 0xFFFFFFFFu;
+          keys[i] = (long)i < bl ? bin_key(ranks[start + b0 + i], depths) : 0xFFFFFFFFFFFFFFFFul;
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
         bitonic_sort(keys, width, tid);
         for (uint i = tid; (long)i < bl; i += SPLAT_BIN_THREADS) {
           if (merges == 0) {
-            bin_write(start + i, keys[i], t, order, depths, isect_ids, flatten_ids, n_tiles, tile_bits);
+            bin_write(start + i, keys[i], t, isect_ids, flatten_ids, n_tiles, tile_bits);
           } else {
-            ranks[start + b0 + i] = keys[i];
+            ranks[start + b0 + i] = (uint)keys[i];
           }
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -441,21 +454,21 @@ kernel void bin_sort(
       const device uint* src = (s % 2) == 1 ? ranks : ranks2;
       device uint* dst = (s % 2) == 1 ? ranks2 : ranks;
       for (long i = tid; i < len; i += SPLAT_BIN_THREADS) {
-        const uint x = src[start + i];
+        const ulong x = bin_key(src[start + i], depths);
         const long run = i / w;
         const long a0 = (run & ~(long)1) * w;  // the pair's first run [a0, a0 + w), second [a0 + w, a0 + 2w)
         const long b0 = a0 + w < len ? a0 + w : len;
         const long b1 = a0 + 2 * w < len ? a0 + 2 * w : len;
         long pos;
         if ((run & 1) == 0) {
-          pos = (i - a0) + (count_below(src, start + b0, start + b1, x) - (start + b0));
+          pos = (i - a0) + (count_below(src, start + b0, start + b1, x, depths) - (start + b0));
         } else {
-          pos = (i - b0) + (count_below(src, start + a0, start + b0, x) - (start + a0));
+          pos = (i - b0) + (count_below(src, start + a0, start + b0, x, depths) - (start + a0));
         }
         if (s == merges) {
-          bin_write(start + a0 + pos, x, t, order, depths, isect_ids, flatten_ids, n_tiles, tile_bits);
+          bin_write(start + a0 + pos, x, t, isect_ids, flatten_ids, n_tiles, tile_bits);
         } else {
-          dst[start + a0 + pos] = x;
+          dst[start + a0 + pos] = (uint)x;
         }
       }
     }

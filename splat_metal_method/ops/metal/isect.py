@@ -65,7 +65,7 @@ def isect_tiles_fwd(
     _, order = radix_sort_pairs(depths.view(torch.int32), None, bits=32, scratch="isect.depth_sort")
     counts = ws.get("isect.counts", total, torch.int32, device)
     lib.isect_count(means2d, radii, order, tiles_per_gauss, counts, total, int(tile_size), int(tile_width),
-                    int(tile_height), counts, 0, **grid_1d(total))  # fmt: skip
+                    int(tile_height), counts, 0, 1, **grid_1d(total))  # fmt: skip
     cum = prefix_sum(counts, inclusive=True, out=ws.get("isect.cum", total, torch.int64, device))  # [C*N]
     M = int(runtime.host_read(cum[-1]))  # the only host sync: sizes the intersection buffers
     if M == 0:
@@ -117,19 +117,21 @@ def isect_offset_encode_fwd(isect_ids: Tensor, C: int, tile_width: int, tile_hei
 # - Sizing: the most intersections per (camera, gaussian) seen for this tile grid, times this call's
 #   C*N (the host knows N: densification cannot outrun the capacity unseen), with HEADROOM; grown by at
 #   least GROWTH when it has to grow, never shrunk. The first call for a tile grid reads M once.
-# - Per-tile bins instead of the radix sort by tile (isect.metal, "Padded lists"): the entries are counted
-#   per tile and placed in their tile's bin by device atomics, each storing the gaussian's position in the
-#   depth order, then each bin is sorted by it (bitonic in threadgroup memory; past BIN_CAPACITY entries in
-#   blocks, then merged): the same lists as isect_tiles_fwd's, whatever order the atomics took. The merge
-#   steps get a dispatch each, planned from the longest bin the device reported a step earlier (read
-#   without waiting, with the count); the last dispatch runs whatever steps are left, so a tile longer
+# - No global sort (isect.metal, "Padded lists"): neither the depth sort of the C*N gaussians nor the radix
+#   sort by tile. The gaussians are counted in flat order; their entries are counted per tile and placed in
+#   their tile's bin by device atomics, each storing its gaussian's flat id, then each bin is sorted by the
+#   64-bit key (depth bits << 32 | flat id), the depths gathered by the sort (bitonic in threadgroup memory;
+#   past BIN_CAPACITY entries in blocks, then merged): the same lists as isect_tiles_fwd's entry for entry
+#   (its stable depth sort orders by the same depth bits, then by flat id), whatever order the atomics took.
+#   The merge steps get a dispatch each, planned from the longest bin the device reported a step earlier
+#   (read without waiting, with the count); the last dispatch runs whatever steps are left, so a tile longer
 #   than planned is still sorted whole.
 # - Overflow (more intersections than the capacity): the bins take none past it (the first `capacity`
-#   entries of the depth-order emission, as isect_emit writes them), so the deepest
-#   gaussians' intersections (the end of the depth order) are left out of that step's render, and
-#   their gradients from it are zero; every other gradient is that of the image that was rendered. It
-#   is found a step later, said once in the log and counted (IntersectionCapacities.overflows), and the
-#   capacity grows.
+#   entries of the flat-order emission: camera-major, gaussian-major, tile y-major, x-minor), so the
+#   intersections of the highest flat ids (the last camera's last gaussians; the one gaussian straddling
+#   the capacity keeps its first tiles) are left out of that step's render, and their gradients from it
+#   are zero; every other gradient is that of the image that was rendered. It is found a step later, said
+#   once in the log and counted (IntersectionCapacities.overflows), and the capacity grows.
 # The capacities belong to the caller (IntersectionCapacities: a model keeps its own).
 HEADROOM = 1.15
 GROWTH = 1.25
@@ -226,7 +228,8 @@ class IntersectionCapacities:
             self._said = True
             warnings.warn(
                 f"splat-metal: a training step had {count:,} tile intersections, more than the {capacity:,} its "
-                "buffers held; the deepest were left out of that step's render and gradients. The capacity "
+                "buffers held; those of the last gaussians (highest indices) were left out of that step's render and "
+                "gradients. The capacity "
                 "grows from now on (said once; IntersectionCapacities.overflows counts them).",
                 stacklevel=3,
             )
@@ -312,11 +315,12 @@ def isect_tiles_padded_fwd(
 
     n_bins = C * n_tiles
     bins = ws.get("isect.bins", n_bins + 2, torch.int32, device)  # counters, then M and the longest bin
-    _, order = radix_sort_pairs(depths.view(torch.int32), None, bits=32, scratch="isect.depth_sort")
-    counts = ws.get("isect.counts", total, torch.int32, device)
-    lib.isect_count(means2d, radii, order, tiles_per_gauss, counts, total, int(tile_size), int(tile_width),
-                    int(tile_height), bins, n_bins + 2, **grid_1d(total))  # fmt: skip
-    cum = prefix_sum(counts, inclusive=True, out=ws.get("isect.cum", total, torch.int64, device))  # [C*N]
+    # Tile counts in flat order (ordered = 0: no depth order; `order` and `counts` are not read or written, the
+    # buffers bound there are radii and tiles_per_gauss themselves), and their prefix sum in flat order.
+    flat_counts = tiles_per_gauss.view(-1)
+    lib.isect_count(means2d, radii, radii, tiles_per_gauss, flat_counts, total, int(tile_size), int(tile_width),
+                    int(tile_height), bins, n_bins + 2, 0, **grid_1d(total))  # fmt: skip
+    cum = prefix_sum(flat_counts, inclusive=True, out=ws.get("isect.cum", total, torch.int64, device))  # [C*N]
     state = capacities._grids.get(key)
     if state is None:  # a tile grid not seen yet: one read of M sizes its capacity
         M = int(runtime.host_read(cum[-1]))
@@ -325,21 +329,21 @@ def isect_tiles_padded_fwd(
         state.resolve()
     cap = state.size_for(total)
 
-    # Per-tile bins (isect.metal): count, place, sort each tile by depth position.
+    # Per-tile bins (isect.metal): count, place, sort each tile by (depth bits, flat id).
     geometry = (int(tile_size), int(tile_width), int(tile_height), cap)
-    lib.bin_count(means2d, radii, tiles_per_gauss, order, cum, bins, total, N, *geometry, **grid_1d(total))
+    lib.bin_count(means2d, radii, tiles_per_gauss, cum, bins, total, N, *geometry, **grid_1d(total))
     ends = prefix_sum(bins, inclusive=True, out=ws.get("isect.bin_ends", n_bins + 2, torch.int64, device))
     # whole scratch buffers (the kernels index them below the bins' ends, within cap): no slice when an earlier,
     # larger capacity grew them
     ranks = ws.at_least("isect.ranks", cap, torch.int32, device)
     ranks2 = ws.at_least("isect.ranks2", cap, torch.int32, device)
-    lib.bin_fill(means2d, radii, tiles_per_gauss, order, cum, bins, ends, ranks, total, N, *geometry, **grid_1d(total))
+    lib.bin_fill(means2d, radii, tiles_per_gauss, cum, bins, ends, ranks, total, N, *geometry, **grid_1d(total))
     isect_ids = torch.empty((cap,), dtype=torch.int64, device=device)
     flatten_ids = torch.empty((cap,), dtype=torch.int32, device=device)
     offsets = torch.empty((n_bins + 1,), dtype=torch.int32, device=device)
     grid = {"threads": (n_bins * BIN_THREADS,), "group_size": (BIN_THREADS,)}
     for lo, hi in bin_sort_steps(state.merge_estimate(total)):
-        lib.bin_sort(ranks, ranks2, ends, order, depths, cum, bins, isect_ids, flatten_ids, offsets, n_bins, n_tiles,
+        lib.bin_sort(ranks, ranks2, ends, depths, cum, bins, isect_ids, flatten_ids, offsets, n_bins, n_tiles,
                      tile_bits, total, cap, (1 << bits) - 1, lo, hi, **grid)  # fmt: skip
     # What the rasterizer plans its dispatches from: this grid's latest intersections per tile row, seen a
     # step or more ago, scaled to this call's C*N (rasterize.plan_from_rows). Until the device has said

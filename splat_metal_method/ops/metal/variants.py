@@ -30,7 +30,7 @@ GROUP_1D = 256
 ADAM_SLOTS = 6  # parameter tensors one fused Adam launch steps; adam_prepare's group (adam.metal SPLAT_ADAM_SLOTS)
 
 # Per-tile bins of the padded lists (isect.metal bin_sort): a tile of up to BIN_CAPACITY entries is sorted
-# whole in threadgroup memory (BIN_CAPACITY x 4 B = 8 KiB of Apple's 32 KiB) by BIN_THREADS threads;
+# whole in threadgroup memory (BIN_CAPACITY 64-bit keys x 8 B = 16 KiB of Apple's 32 KiB) by BIN_THREADS threads;
 # a longer one is sorted in blocks of BIN_CAPACITY, then merged in device memory.
 BIN_CAPACITY = 2048
 BIN_THREADS = 256

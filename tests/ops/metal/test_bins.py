@@ -6,9 +6,13 @@ tile length.
   the render and its gradients are the reference's, whether the merge steps were planned from the longest
   tile seen a step late (one bin_sort dispatch per step), not planned yet (one dispatch runs them all) or
   planned too short (the last dispatch finishes the tile), at several grid sizes and tile sizes.
+- No global depth sort: each bin is sorted by the 64-bit key (depth bits << 32 | flat id). Fed any depth
+  bits (negative, -0.0 and 0.0, infinities, denormals, exact ties), the padded lists equal the exact lists
+  (isect_tiles_fwd: a stable radix sort by the unsigned depth bits) and the reference's entry for entry,
+  short bins and a bin merged past BIN_CAPACITY alike.
 - The tests can fail: planted variants of the kernels (msplat's bins, which keep the first BIN_CAPACITY
   entries of a tile in the order the atomics handed out the slots; a sort key that does not break depth
-  ties by gaussian id) are caught by the same comparison.
+  ties by gaussian id; a key of signed depth bits) are caught by the same comparisons.
 """
 
 from __future__ import annotations
@@ -141,10 +145,12 @@ PLANTS = {
          "      if (atomic_fetch_add_explicit(&bins[base + (long)y * tile_width + x], 1, memory_order_relaxed) >= "
          "SPLAT_BIN_CAPACITY) { atomic_fetch_sub_explicit(&bins[base + (long)y * tile_width + x], 1, "
          "memory_order_relaxed); }"),
-        ("      ranks[ends[t] - left] = p;", "      if (left > 0) { ranks[ends[t] - left] = p; }"),
+        ("      ranks[ends[t] - left] = g;", "      if (left > 0) { ranks[ends[t] - left] = g; }"),
     ],
-    # a key that does not break depth ties by id (depth positions taken 8 at a time: ties in scatter order)
-    "ties in scatter order": [("if (((i & k) == 0) == (a > b)) {", "if (((i & k) == 0) == (a / 8 > b / 8)) {")],
+    # a key that does not break depth ties by id (the block sort compares the depth bits only: ties in the
+    # bitonic network's order)
+    "ties in scatter order": [("if (((i & k) == 0) == (a > b)) {",
+                               "if (((i & k) == 0) == ((a >> 32) > (b >> 32))) {")],
 }  # fmt: skip
 PLANT_SCENES = {"drop past the bin": 4_000, "ties in scatter order": 1_500}  # the second within one bin
 
@@ -185,3 +191,74 @@ def test_a_render_with_no_intersections_gets_empty_bins(width, height):
         assert rgb.abs().max() == 0 and alpha.abs().max() == 0
         assert int(meta["isect_offsets"].min()) == 0 and int(meta["isect_offsets"].max()) == 0
         assert all(g is None or (torch.isfinite(g).all() and g.abs().max() == 0) for g in grads)
+
+
+def any_depth_lists(C: int = 2, n: int = 3_000, seed: int = 7):
+    """means2d [C, n, 2], radii [C, n] and depths [C, n] of a 5 x 3 grid of 16 px tiles (80 x 48 px): most
+    gaussians small and in tile (2, 1) of camera 0, so that its bin (~2,500 entries) is merged past
+    BIN_CAPACITY; depths drawn from values whose bits order otherwise than the floats (negatives, -0.0, the
+    infinities, denormals) and with exact ties; some radii 0 or negative (no tiles)."""
+    gen = torch.Generator().manual_seed(seed)
+    means2d = torch.stack([80 * torch.rand(C, n, generator=gen), 48 * torch.rand(C, n, generator=gen)], -1)
+    crowd = torch.rand(n, generator=gen) < 0.85
+    means2d[0, crowd] = torch.tensor([34.0, 18.0]) + 12 * torch.rand(int(crowd.sum()), 2, generator=gen)
+    radii = torch.randint(-2, 20, (C, n), generator=gen, dtype=torch.int32)
+    radii[0, crowd] = torch.randint(1, 3, (int(crowd.sum()),), generator=gen, dtype=torch.int32)
+    pool = torch.tensor([-3.5, -0.0, 0.0, 1e-42, -1e-40, 2.5, 7.0, float("inf"), float("-inf"), 1e30, -2.5])
+    depths = pool[torch.randint(0, len(pool), (C, n), generator=gen)]
+    mixed = torch.rand(C, n, generator=gen) < 0.3
+    depths[mixed] = 20 * torch.randn(int(mixed.sum()), generator=gen)  # and distinct values, of both signs
+    return means2d.contiguous(), radii, depths.contiguous()
+
+
+def list_differences(means2d, radii, depths, calls: int = 2) -> list:
+    """What differs between the padded lists (bins) and the exact lists (isect_tiles_fwd, whose order is
+    the stable radix sort by the unsigned depth bits) and the reference's, over `calls` padded calls of one
+    renderer (the first unplanned, then planned from what the device said): [] when none."""
+    from splat_metal_method.ops import reference
+
+    C, n = radii.shape
+    tw, th, ts = 5, 3, 16
+    tpg, ids, fids = isect.isect_tiles_fwd(means2d, radii, depths, ts, tw, th)
+    offsets = isect.isect_offset_encode_fwd(ids, C, tw, th).reshape(-1)
+    ref_tpg, ref_ids, ref_fids = reference.isect_tiles(means2d, radii, depths, ts, tw, th)
+    assert torch.equal(ref_ids, ids) and torch.equal(ref_fids, fids) and torch.equal(ref_tpg, tpg)
+    M = ids.numel()
+    starts = torch.cat([offsets, torch.tensor([M], dtype=torch.int32)]).long()
+    assert int((starts[1:] - starts[:-1]).max()) > BIN_CAPACITY  # one bin is merged
+    caps, out = IntersectionCapacities(), []
+    for call in range(calls):
+        p_tpg, p_ids, p_fids, p_offsets = isect.isect_tiles_padded_fwd(means2d, radii, depths, ts, tw, th, caps)
+        for name, got, want in (("tiles_per_gauss", p_tpg, tpg), ("isect_ids", p_ids[:M], ids),
+                                ("flatten_ids", p_fids[:M], fids), ("offsets", p_offsets[:-1], offsets)):  # fmt: skip
+            if not torch.equal(got, want):
+                out.append(f"call {call}: {name}")
+        if int(p_offsets[-1]) != M:
+            out.append(f"call {call}: count")
+    return out
+
+
+def test_bins_order_any_depth_bits_as_the_exact_lists():
+    means2d, radii, depths = any_depth_lists()
+    bits = depths.view(torch.int32)
+    assert (bits < 0).any() and (depths == 0).any() and depths.isinf().any()  # the scene has what it says
+    assert list_differences(means2d, radii, depths) == []
+
+
+def test_a_key_of_signed_depth_bits_is_caught(monkeypatch):
+    """The comparison above can fail: bins sorted by the depth bits as a signed integer (negative depths
+    first, as the floats order them, unlike the exact lists' unsigned bits; the written bits unchanged)."""
+    source = stage_source("isect.metal")
+    for old, new in (("return ((ulong)as_type<uint>(depths[g]) << 32) | (ulong)g;",
+                      "return ((ulong)(as_type<uint>(depths[g]) ^ 0x80000000u) << 32) | (ulong)g;"),
+                     ("isect_ids[i] = (long)((key << 32) | (k >> 32));",
+                      "isect_ids[i] = (long)((key << 32) | ((k >> 32) ^ 0x80000000ul));")):  # fmt: skip
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    planted = runtime.library_for(torch.device("cpu"), source, name="isect planted: signed keys")
+    real = isect.library
+    monkeypatch.setattr(
+        isect, "library", lambda device, stage, *a: planted if stage == "isect.metal" else real(device, stage, *a)
+    )
+    means2d, radii, depths = any_depth_lists()
+    assert list_differences(means2d, radii, depths, calls=1) != []

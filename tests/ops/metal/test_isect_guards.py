@@ -48,7 +48,7 @@ def emit(lib, means2d, radii, depths, spare: int = 64):
     counts = torch.empty(n, dtype=torch.int32)
     _, order = radix_sort_pairs(depths.view(torch.int32), torch.arange(n, dtype=torch.int32), bits=32)
     real.isect_count(
-        means2d, radii, order, tiles_per_gauss, counts, n, TS, TILE_W, TILE_H, counts, 0, **kernels.grid_1d(n)
+        means2d, radii, order, tiles_per_gauss, counts, n, TS, TILE_W, TILE_H, counts, 0, 1, **kernels.grid_1d(n)
     )
     assert torch.equal(counts, tiles_per_gauss[order.long()])
     cum = prefix_sum(counts, inclusive=True)

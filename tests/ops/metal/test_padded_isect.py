@@ -5,9 +5,10 @@ read of the intersection count.
   bit, the same gradients (up to the order of float atomics), the same real entries and tile offsets,
   at every grid size, with one and two cameras, at several tile sizes.
 - Only the first padded call for a tile grid reads the count; later ones read nothing on the host.
-- Overflow (forced with a small capacity): the deepest gaussians' intersections are left out of that
-  step, exactly: its render and gradients are those of the scene without them; it is said once in the
-  log a step later, counted, and the capacity grows so that the next step is exact again.
+- Overflow (forced with a small capacity): the intersections of the last gaussians in flat order (the
+  highest indices; the lists sort nothing globally, so not the deepest) are left out of that step,
+  exactly: its render and gradients are those of the scene without them; it is said once in the log a
+  step later, counted, and the capacity grows so that the next step is exact again.
 """
 
 from __future__ import annotations
@@ -152,8 +153,9 @@ def test_capacity_follows_the_gaussian_count(caps):
     assert meta["flatten_ids"].numel() >= M
 
 
-def _depth_positions(params, viewmats, width, height):
-    """Each gaussian's tile count in the depth order the kernels emit in (C = 1), exact path."""
+def _flat_cumsum(params, viewmats, width, height):
+    """The inclusive cumsum of the gaussians' tile counts in flat order, the order the padded lists emit
+    in (C = 1), from the reference backend."""
     from splat_metal_method.ops import reference
 
     means, quats, scales, *_ = params
@@ -161,15 +163,14 @@ def _depth_positions(params, viewmats, width, height):
                                                      width, height)  # fmt: skip
     tw, th = math.ceil(width / 16), math.ceil(height / 16)
     tiles, _, _ = reference.isect_tiles(means2d, radii, depths, 16, tw, th)
-    order = torch.argsort(depths[0].view(torch.int32), stable=True)  # bits of positive floats sort as the floats
-    return order, tiles[0][order].long().cumsum(0)
+    return tiles[0].long().cumsum(0)
 
 
-def test_overflow_leaves_out_the_deepest_said_once_then_grows(monkeypatch, caps):
+def test_overflow_leaves_out_the_last_gaussians_said_once_then_grows(monkeypatch, caps):
     width, height = 64, 48
     *params, viewmats = scene(n=240, seed=5)
-    order, cum = _depth_positions(params, viewmats, width, height)
-    k = int((cum <= cum[-1] // 2).sum())  # the first k gaussians in depth order fit
+    cum = _flat_cumsum(params, viewmats, width, height)
+    k = int((cum <= cum[-1] // 2).sum())  # the first k gaussians in flat order fit
     capacity = int(cum[k - 1])
     caps.force(math.ceil(width / 16), math.ceil(height / 16), 1, capacity)
     with warnings.catch_warnings(record=True) as said:
@@ -178,12 +179,12 @@ def test_overflow_leaves_out_the_deepest_said_once_then_grows(monkeypatch, caps)
     assert not [w for w in said if "tile intersections" in str(w.message)], "said before it was known"
     assert caps.overflows == 0 and over[2]["n_intersections"].tolist() == [capacity]
 
-    # The overflowed step is the render of the scene without the deepest gaussians, exactly.
-    kept = order[:k]
+    # The overflowed step is the render of the scene without the gaussians of index k and up, exactly.
+    kept = torch.arange(k)
     subset = [p[kept] for p in params]
     want = render(subset, viewmats, width, height)
     assert torch.equal(over[0], want[0]) and torch.equal(over[1], want[1])
-    dropped = order[k:]
+    dropped = torch.arange(k, len(cum))
     for g, w in zip(over[3], want[3]):
         assert (g[dropped] == 0).all(), "a gaussian left out of the render got a gradient"
         assert_gradients_close([g[kept]], [w])
