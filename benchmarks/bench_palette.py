@@ -71,7 +71,7 @@ def main() -> None:
             centroids, labels = quantize.kmeans(x, k, 10)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             rel = float(np.sqrt(((centroids[labels] - x) ** 2).sum() / (x**2).sum()))
-            tier = 0 if n <= k else 1 if n * k <= exact else 2 if n * k <= bounded else 3
+            tier = 0 if n <= k else 1 if n * k <= exact else 2 if n * k < bounded else 3
             path = f"{('copy', 'exact', 'bounded', 'two-level')[tier]}, " if mode == "export" else ""
             cells.append(f"{rel:.4f} ({path}{cpu:.1f} s CPU, {wall:.1f} s wall)")
         quantize.EXACT_LIMIT, quantize.BOUNDED_LIMIT = limits

@@ -140,7 +140,7 @@ def palette_size(n: int) -> int:
 
 
 EXACT_LIMIT = 1 << 29  # N x k distances per iteration up to which the palette is exact k-means (N < 32,768)
-BOUNDED_LIMIT = 1 << 33  # beyond, up to this: exact k-means with bounds, to convergence (N < 131,072)
+BOUNDED_LIMIT = 1 << 33  # beyond, below this: exact k-means with bounds, to convergence (N < 131,072)
 BOUNDED_ITERATIONS = 50  # at most, with the bounds (the run stops once no label changes)
 MOVED_SHARE = 2  # the centroids measured exactly in the bounds' update: up to k / 2 that moved most
 CELL_FACTOR = 4  # coarse cells: 4 sqrt(k) (1,024 for 65,536 entries, 64 entries each)
@@ -174,7 +174,7 @@ def kmeans(
     work advances.
 
     Up to N x k = EXACT_LIMIT (2^29: every N below 32,768 with splat-transform's palette size, at
-    most ~16 s of CPU): exact Lloyd iterations (``lloyd``). Up to BOUNDED_LIMIT (2^33: every N
+    most ~16 s of CPU): exact Lloyd iterations (``lloyd``). Below BOUNDED_LIMIT (2^33: every N
     below 131,072): the same k-means with bounds that skip most distances after the first
     assignment, run to convergence (``lloyd_bounded``: exact k-means' error or less, ~2 full
     assignments). Beyond, the N x k distances per iteration are what make it slow (1.5M x 65,536 x
@@ -194,7 +194,7 @@ def kmeans(
     with _cpu_threads(device) as pool:
         if n * k <= EXACT_LIMIT:
             return lloyd(x, k, iterations, device, np.random.default_rng(seed), progress, pool)
-        if n * k <= BOUNDED_LIMIT:
+        if n * k < BOUNDED_LIMIT:
             return lloyd_bounded(x, k, iterations, device, np.random.default_rng(seed), progress, pool)
         return two_level(x, k, iterations, device, seed, progress, pool)
 

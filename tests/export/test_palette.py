@@ -78,7 +78,7 @@ def test_bounded_kmeans_no_worse_than_exact(monkeypatch, n, k, exact_limit):
     x = sh_vectors(n, seed=4)
     if exact_limit is not None:
         monkeypatch.setattr(quantize, "EXACT_LIMIT", exact_limit)
-    assert quantize.EXACT_LIMIT < n * k <= quantize.BOUNDED_LIMIT  # kmeans takes lloyd_bounded
+    assert quantize.EXACT_LIMIT < n * k < quantize.BOUNDED_LIMIT  # kmeans takes lloyd_bounded
     steps = []
     centroids, labels = quantize.kmeans(x, k, 10, progress=lambda step, done, total: steps.append((done, total)))
     assert centroids.shape == (k, 45) and centroids.dtype == np.float32 and labels.shape == (n,)
