@@ -1,8 +1,10 @@
-"""The .sog's SH palette (export/quantize.py ``kmeans``): the two-level palette against exact k-means
-on the same SH vectors, relative RMS error and CPU seconds (of the process: the load of a shared
-machine does not change them; wall seconds are printed too).
+"""The .sog's SH palette (export/quantize.py ``kmeans``): exact k-means (``lloyd``, 10 iterations), the
+palette the export builds at that size (``kmeans`` as it is: ``lloyd`` below 2^29 N x k, the bounded
+exact k-means ``lloyd_bounded`` below 2^33, ``two_level`` beyond) and the two-level palette, on the
+same SH vectors: relative RMS error and CPU seconds (of the process: the load of a shared machine
+does not change them much; wall seconds are printed too).
 
-    python benchmarks/bench_palette.py 30000:4096 40000:32768 1500000:65536 [--no-exact-above 100000]
+    python benchmarks/bench_palette.py 40000:32768 70000:65536 1500000:65536 [--no-exact-above 140000]
     python benchmarks/bench_palette.py --checkpoint outputs/.../nerfstudio_models/step-000000999.ckpt
 
 The SH vectors: bands 1-3 (45 values, channel-major) as bench_export_scale.py makes them (4,096
@@ -48,28 +50,32 @@ def main() -> None:
     parser.add_argument("sizes", nargs="*", help="points:palette, e.g. 40000:32768")
     parser.add_argument("--checkpoint", help="a trained run's step-*.ckpt: its SH instead of generated ones")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-exact-above", type=int, default=100_000)
+    parser.add_argument("--no-exact-above", type=int, default=140_000)
     args = parser.parse_args()
     from splat_metal_method.export import quantize
 
-    print("| points → palette | exact k-means | two-level palette |\n|---|---:|---:|")
+    print("| points → palette | exact k-means | the export's palette | two-level palette |\n|---|---:|---:|---:|")
     rows = [(None, None)] if args.checkpoint else [tuple(map(int, size.split(":"))) for size in args.sizes]
     for n, k in rows:
         x = sh_vectors(n, args.seed) if n else checkpoint_sh(args.checkpoint)
         if k is None:
             n, k = len(x), quantize.palette_size(len(x))
         cells = []
-        for mode, limit in (("exact", 1 << 62), ("two-level", 0)):
+        limits = quantize.EXACT_LIMIT, quantize.BOUNDED_LIMIT
+        for mode, exact, bounded in (("exact", 1 << 62, 1 << 62), ("export", *limits), ("two-level", 0, 0)):
             if mode == "exact" and n > args.no_exact_above:
                 cells.append("not run")
                 continue
-            quantize.EXACT_LIMIT = limit
+            quantize.EXACT_LIMIT, quantize.BOUNDED_LIMIT = exact, bounded
             wall, cpu = time.perf_counter(), time.process_time()
             centroids, labels = quantize.kmeans(x, k, 10)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             rel = float(np.sqrt(((centroids[labels] - x) ** 2).sum() / (x**2).sum()))
-            cells.append(f"{rel:.4f} ({cpu:.1f} s CPU, {wall:.1f} s wall)")
-        print(f"| {n:,} → {k:,} | {cells[0]} | {cells[1]} |", flush=True)
+            tier = 0 if n <= k else 1 if n * k <= exact else 2 if n * k < bounded else 3
+            path = f"{('copy', 'exact', 'bounded', 'two-level')[tier]}, " if mode == "export" else ""
+            cells.append(f"{rel:.4f} ({path}{cpu:.1f} s CPU, {wall:.1f} s wall)")
+        quantize.EXACT_LIMIT, quantize.BOUNDED_LIMIT = limits
+        print(f"| {n:,} → {k:,} | {' | '.join(cells)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -140,6 +140,9 @@ def palette_size(n: int) -> int:
 
 
 EXACT_LIMIT = 1 << 29  # N x k distances per iteration up to which the palette is exact k-means (N < 32,768)
+BOUNDED_LIMIT = 1 << 33  # beyond, below this: exact k-means with bounds, to convergence (N < 131,072)
+BOUNDED_ITERATIONS = 50  # at most, with the bounds (the run stops once no label changes)
+MOVED_SHARE = 2  # the centroids measured exactly in the bounds' update: up to k / 2 that moved most
 CELL_FACTOR = 4  # coarse cells: 4 sqrt(k) (1,024 for 65,536 entries, 64 entries each)
 COARSE_SAMPLE = 32  # points per coarse cell its k-means trains on
 CELL_ITERATIONS = 5  # k-means iterations within a cell
@@ -171,8 +174,10 @@ def kmeans(
     work advances.
 
     Up to N x k = EXACT_LIMIT (2^29: every N below 32,768 with splat-transform's palette size, at
-    most ~16 s of CPU): exact Lloyd iterations
-    (``lloyd``). Beyond, the N x k distances per iteration are what make it slow (1.5M x 65,536 x
+    most ~16 s of CPU): exact Lloyd iterations (``lloyd``). Below BOUNDED_LIMIT (2^33: every N
+    below 131,072): the same k-means with bounds that skip most distances after the first
+    assignment, run to convergence (``lloyd_bounded``: exact k-means' error or less, ~2 full
+    assignments). Beyond, the N x k distances per iteration are what make it slow (1.5M x 65,536 x
     45 dimensions: ~10^13 operations per iteration), and the palette is built as faiss trains its
     large inverted-file codebooks (faiss.contrib.clustering.two_level_clustering; Nistér & Stewénius
     2006), ``two_level``. Same points, same seed: same result, whatever the number of cores."""
@@ -189,6 +194,8 @@ def kmeans(
     with _cpu_threads(device) as pool:
         if n * k <= EXACT_LIMIT:
             return lloyd(x, k, iterations, device, np.random.default_rng(seed), progress, pool)
+        if n * k < BOUNDED_LIMIT:
+            return lloyd_bounded(x, k, iterations, device, np.random.default_rng(seed), progress, pool)
         return two_level(x, k, iterations, device, seed, progress, pool)
 
 
@@ -224,6 +231,110 @@ def lloyd(x: np.ndarray, k: int, iterations: int, device: torch.device, rng: np.
         if progress is not None:
             progress("k-means", it + 1, iterations)
     return centroids, labels
+
+
+def lloyd_bounded(x: np.ndarray, k: int, iterations: int, device: torch.device, rng: np.random.Generator,
+                  progress=None, pool: Optional[ThreadPoolExecutor] = None):  # fmt: skip
+    """``lloyd``'s k-means (the same seeds, the same means, the same re-seeding of empty clusters),
+    with the assignments after the first one pruned by bounds, as Hamerly's (Hamerly 2010): per
+    point an upper bound on the distance to its centroid and a lower bound on the distance to every
+    other one, moved each iteration by how far the centroids moved. Hamerly moves the lower bound by
+    the largest move of all, which here is most points' whole margin (a few centroids move far:
+    re-seeded, or a cluster that gained a point); instead the centroids that moved most (all that
+    moved, up to k / MOVED_SHARE) are measured exactly, and only the rest's largest move comes off
+    the bound. Only the points whose bounds still cross are compared with all k centroids again.
+
+    Run past ``iterations`` until no label changes (at most BOUNDED_ITERATIONS): Lloyd's error
+    never grows from one iteration to the next, so the result is exact k-means' (same seeds) or
+    better, for about two full assignments: with N up to a few times k most clusters are one or two
+    points, and from the second iteration on only a few centroids move. Same bytes on any number of
+    threads (the points to compare again, and their blocks, do not depend on them). x [N, D] float32,
+    N > k."""
+    n = x.shape[0]
+    centroids = x[np.sort(rng.permutation(n)[:k])]
+    x_sq = (x.astype(np.float64) ** 2).sum(1)
+    labels, upper, _, lower = _bounds(x, centroids, x_sq, device, pool)
+    where = np.full(k, -1, np.int64)  # a centroid's place among the measured ones, or -1
+    for it in range(1, max(iterations, BOUNDED_ITERATIONS) + 1):
+        moved = _means(x, labels, k, rng)
+        drift = np.sqrt(((moved.astype(np.float64) - centroids) ** 2).sum(1)) * (1 + 1e-6) + 1e-12
+        drift[np.all(moved == centroids, axis=1)] = 0.0
+        centroids = moved
+        by_drift = np.argsort(-drift, kind="stable")
+        measured = by_drift[: min(int((drift > 0).sum()), k // MOVED_SHARE)]
+        rest = drift[by_drift[len(measured)]] if len(measured) < k else 0.0  # the largest unmeasured move
+        upper += drift[labels]
+        open_ = np.flatnonzero(upper > lower - drift[by_drift[0]])  # Hamerly's test fails
+        lower[open_] -= rest
+        if len(measured) and len(open_):  # their distances to the centroids that moved most, exactly
+            where[measured] = np.arange(len(measured))
+            near = _bounds(x[open_], centroids[measured], x_sq[open_], device, pool, where[labels[open_]])[2]
+            where[measured] = -1
+            lower[open_] = np.minimum(lower[open_], near)
+        untouched = np.ones(n, bool)
+        untouched[open_] = False
+        lower[untouched] -= drift[by_drift[0]]
+        open_ = open_[upper[open_] > lower[open_]]
+        if len(open_):  # tighten the upper bound to the exact distance
+            diff = (x[open_] - centroids[labels[open_]]).astype(np.float64)
+            upper[open_] = np.sqrt((diff * diff).sum(1)) * (1 + 1e-6)
+            open_ = open_[upper[open_] > lower[open_]]
+        changed = 0
+        if len(open_):  # compare with all k
+            a, u, _, lo = _bounds(x[open_], centroids, x_sq[open_], device, pool)
+            changed = int((a != labels[open_]).sum())
+            labels[open_], upper[open_], lower[open_] = a, u, lo
+        if progress is not None:
+            progress("k-means", min(it, iterations), iterations)
+        if it >= iterations and not changed:
+            break
+    return centroids, labels
+
+
+def _bounds(x: np.ndarray, c: np.ndarray, x_sq: np.ndarray, device: torch.device,
+            pool: Optional[ThreadPoolExecutor] = None, skip: Optional[np.ndarray] = None):  # fmt: skip
+    """For each row of x [N, D]: its nearest row of c [M, D] (int64 [N]), an upper and a lower bound
+    on the distance to it, and a lower bound on the distance to the second nearest (float64 [N],
+    Euclidean, widened by the float32 products' rounding; x_sq [N] is |x|^2 in float64). With ``skip`` [N]
+    (a row of c per point, -1 for none) that row is left out for that point. As ``nearest``: in
+    chunks of at most 2^20 distances, over ``pool`` when given, the same bytes on any number of
+    threads."""
+    c_sq = (c * c).sum(1)
+    c2 = c * np.float32(-2)  # (a power of two: x @ c2.T is -2 x @ c.T to the bit)
+    step = max(1, (1 << 20) // c.shape[0])
+    if device.type != "cpu":
+        import torch
+
+        cd, c_sq_d = torch.from_numpy(c2).to(device), torch.from_numpy(c_sq).to(device)
+
+    def chunk(s: int):
+        rows = np.arange(min(step, x.shape[0] - s))
+        e = None if skip is None else skip[s : s + step]
+        if device.type != "cpu":
+            d = torch.addmm(c_sq_d, torch.from_numpy(x[s : s + step]).to(device), cd.T)
+            if e is not None:
+                d[torch.from_numpy(rows[e >= 0]).to(device), torch.from_numpy(e[e >= 0]).to(device)] = torch.inf
+            v, i = torch.topk(d, min(2, c.shape[0]), dim=1, largest=False)
+            v, i = v.cpu().numpy(), i[:, 0].cpu().numpy()
+            return i, v[:, 0], (v[:, 1] if c.shape[0] > 1 else np.full(len(rows), np.inf, np.float32))
+        d = x[s : s + step] @ c2.T  # [n, M] squared distances less |x|^2
+        d += c_sq
+        if e is not None:
+            d[rows[e >= 0], e[e >= 0]] = np.inf
+        i = np.argmin(d, axis=1)
+        first = d[rows, i].copy()
+        if c.shape[0] == 1:
+            return i, first, np.full(len(rows), np.inf, np.float32)
+        d[rows, i] = np.inf
+        return i, first, d.min(axis=1)
+
+    parts = list((map if pool is None else pool.map)(chunk, range(0, x.shape[0], step)))
+    idx = np.concatenate([i for i, _, _ in parts]).astype(np.int64)
+    first = np.concatenate([f for _, f, _ in parts]).astype(np.float64) + x_sq
+    second = np.concatenate([t for _, _, t in parts]).astype(np.float64) + x_sq
+    slack = 1e-5 * (x_sq + float(c_sq.max()))  # the float32 distances' error, generously
+    bound = [np.sqrt(np.maximum(v, 0)) for v in (first + slack, first - slack, second - slack)]
+    return idx, bound[0], bound[1], bound[2]
 
 
 def _means(x: np.ndarray, labels: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:

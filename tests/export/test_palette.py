@@ -1,6 +1,7 @@
-"""The .sog's SH palette (export/quantize.py ``kmeans``) beyond the size exact k-means affords: the
-two-level codebook with inverted-file refinement against exact k-means on the same points, and the
-same palette whatever the number of cores.
+"""The .sog's SH palette (export/quantize.py ``kmeans``) beyond the size plain exact k-means affords:
+the bounded exact k-means (``lloyd_bounded``, below 2^33 N x k) and the two-level codebook with
+inverted-file refinement (beyond) against exact k-means on the same points, and the same palette
+whatever the number of cores.
 
 The points: SH vectors of bands 1-3 (45 values, channel-major) as a trained scene has them, a few
 hundred shared "materials" (Laplace, per band 0.12 / 0.06 / 0.03) times a per-gaussian gain plus a
@@ -37,6 +38,7 @@ def test_two_level_palette_as_good_as_exact_kmeans(monkeypatch, n, k):
     monkeypatch.setattr(quantize, "EXACT_LIMIT", 1 << 62)
     exact = _rel(x, *quantize.kmeans(x, k, 10))
     monkeypatch.setattr(quantize, "EXACT_LIMIT", 0)  # the path 1.5M gaussians take
+    monkeypatch.setattr(quantize, "BOUNDED_LIMIT", 0)
     centroids, labels = quantize.kmeans(x, k, 10)
     assert centroids.shape == (k, 45) and centroids.dtype == np.float32 and np.isfinite(centroids).all()
     assert labels.shape == (n,) and labels.min() >= 0 and labels.max() < k
@@ -48,9 +50,11 @@ def test_two_level_palette_as_good_as_exact_kmeans(monkeypatch, n, k):
     assert two_level < 0.8 * random, f"two-level palette {two_level:.4f} vs random points {random:.4f}"
 
 
-def test_two_level_palette_same_on_one_core_and_all(monkeypatch):
+@pytest.mark.parametrize("path", ["two-level", "bounded"])
+def test_palette_same_on_one_core_and_all(monkeypatch, path):
     x = sh_vectors(6_000, seed=2)
     monkeypatch.setattr(quantize, "EXACT_LIMIT", 0)
+    monkeypatch.setattr(quantize, "BOUNDED_LIMIT", 0 if path == "two-level" else 1 << 62)
     first = quantize.kmeans(x, 1_024, 10)
     again = quantize.kmeans(x, 1_024, 10)
     monkeypatch.setattr(quantize.os, "cpu_count", lambda: 1)  # its thread pool on one core
@@ -60,3 +64,29 @@ def test_two_level_palette_same_on_one_core_and_all(monkeypatch):
     steps = []
     quantize.kmeans(x, 1_024, 10, progress=lambda step, done, total: steps.append((step, done, total)))
     assert steps and steps[-1][1] == steps[-1][2]  # progress reaches its total
+
+
+@pytest.mark.parametrize(
+    "n,k,exact_limit",
+    [
+        (34_000, 32_768, None),  # the export's own limits: 34,000 gaussians take the bounded path
+        (12_000, 8_192, 0),  # smaller, sent the same way: the bounds do more work per point
+        (20_000, 2_048, 0),
+    ],
+)
+def test_bounded_kmeans_no_worse_than_exact(monkeypatch, n, k, exact_limit):
+    x = sh_vectors(n, seed=4)
+    if exact_limit is not None:
+        monkeypatch.setattr(quantize, "EXACT_LIMIT", exact_limit)
+    assert quantize.EXACT_LIMIT < n * k < quantize.BOUNDED_LIMIT  # kmeans takes lloyd_bounded
+    steps = []
+    centroids, labels = quantize.kmeans(x, k, 10, progress=lambda step, done, total: steps.append((done, total)))
+    assert centroids.shape == (k, 45) and centroids.dtype == np.float32 and labels.shape == (n,)
+    assert steps and steps[-1] == (10, 10)
+    bounded = _rel(x, centroids, labels)
+    exact = _rel(x, *quantize.lloyd(x, k, 10, quantize.CPU, np.random.default_rng(quantize.SEED)))
+    # Lloyd from the same seeds, continued to convergence: never worse (1e-6: float32 ties a BLAS
+    # build may break the other way)
+    assert bounded <= exact * (1 + 1e-6), f"bounded k-means {bounded:.6f} vs exact k-means {exact:.6f}"
+    # and the bounds are what they say: the labels are the nearest centroids
+    assert (labels == quantize.nearest(x, centroids, quantize.CPU)[0]).mean() > 0.9999
