@@ -31,6 +31,13 @@ the backward: the previous step was fused with no GradScaler (the scaler is know
 were zeroed and stepped in it and are zeroed now (nerfstudio's gradient accumulation zeroes and steps a group
 in different iterations: never armed), and _why_not_fused accepts them (so no clipping, distributed run or
 pre-hooks: what needs ``.grad`` keeps it). ``log_gradients`` then has no gradient norm for those groups.
+
+Under the same rules means, quats, scales and opacities take theirs in that kernel too (project_bwd.metal
+PROJECT_ADAM_*: no gradient tensor is allocated for them, the means' from the projection's and the SH
+directions' gradients in registers), where the model's ``render_only_groups()`` names them (the groups only the
+render differentiates: splatfacto's scale regularisation keeps the scales out, MCMC's regularisers the opacities
+and scales, which then step after the backward as above) and the last step stepped them fused; ``fuse_params``
+False keeps them after the backward (the twin tests compare with).
 """
 
 from __future__ import annotations
