@@ -23,14 +23,18 @@ def launch_args(device, N: int, width: int, height: int, n_groups: int, eps2d: f
     """project_bwd.metal's ProjectBwdArgs (N, width, height, n_groups as int64, then eps2d as the float32 in the low
     half of a fifth int64, little-endian as Apple GPUs and the emulator's hosts are): one buffer where the kernel
     had five scalar slots. Made once per sizes and kept (the kernel only reads it), so a steady step neither
-    allocates nor copies it; made as a host tensor copied to the device, no host sync."""
+    allocates nor copies it; made on the device by fills of Python scalars (no host-to-device copy, which torch's
+    MPS backend makes a host sync), ten dispatches where a size is new (the step after a refine)."""
     bits = struct.unpack("<I", struct.pack("<f", float(eps2d)))[0]
     key = (torch.device(device), int(N), int(width), int(height), int(n_groups), bits)
     t = _ARGS.get(key)
     if t is None:
         if len(_ARGS) >= _ARGS_KEPT:
             _ARGS.pop(next(iter(_ARGS)))
-        t = _ARGS[key] = torch.tensor(list(key[1:]), dtype=torch.int64).to(key[0])
+        t = torch.empty(len(key) - 1, dtype=torch.int64, device=key[0])
+        for i, value in enumerate(key[1:]):
+            t[i].fill_(value)
+        _ARGS[key] = t
     return t
 
 
