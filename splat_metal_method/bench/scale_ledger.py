@@ -6,11 +6,11 @@ the dispatch plan of the Metal step is not the demo's. This ledger counts, at 0.
 image sizes of garden at full and at 0.8 resolution, the part of a steady training step that depends on
 the scene and the image: the render exactly as the model calls it (`rasterization` with raw splatfacto
 parameters, SH degree 3, absgrad, the model's padded intersection lists), the background composite, the
-fused L1 + SSIM loss and the backward through all of it, with the SH coefficients' Adam step inside the
+fused L1 + SSIM loss and the backward through all of it, with every gaussian parameter's Adam step inside the
 projection's backward as a steady training step arms it (engine/optimizers.py: their adam_prepare and
-project_bwd's PROJECT_SH_ADAM). The rest of the step (the other gaussian parameters' Adam, the strategy's
-statistics, the camera optimizer) is counted by the step ledger and issues the same dispatches at any
-scene size (that Adam in two launches, adam.metal; one densify_stats kernel).
+project_bwd's PROJECT_SH_ADAM and PROJECT_ADAM_*). The rest of the step (the strategy's statistics, the camera
+optimizer) is counted by the step ledger and issues the same dispatches at any scene size (one densify_stats
+kernel).
 
 Counted as step_ledger.count counts (as a Mac runs it): our kernel launches and the bytes of the buffers
 bound to each, aten dispatches and the bytes each aten kernel reads and writes, host syncs, and the
@@ -137,15 +137,17 @@ def expected_intersections(
 
 
 def sh_optimizers(scene: Scene) -> tuple:
-    """torch Adams of features_dc and features_rest with their state made, as splatfacto's (lr, eps), for the
-    SH step the render's backward takes (adam.ShStep)."""
+    """torch Adams of every gaussian parameter with their state made, as splatfacto's (lr, eps): (features_dc's,
+    features_rest's, {means, quats, scales, opacities: theirs}), for the Adam step the render's backward takes
+    (adam.ShStep: all six inside project_bwd, as a steady step of the model arms them)."""
     out = []
-    for p, lr in ((scene.features_dc, 0.0025), (scene.features_rest, 0.0025 / 20)):
+    lrs = (1.6e-4, 0.001, 0.005, 0.05, 0.0025, 0.0025 / 20)
+    for p, lr in zip(scene.params(), lrs):
         opt = torch.optim.Adam([p], lr=lr, eps=1e-15)
         opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
                         "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}  # fmt: skip
         out.append(opt)
-    return tuple(out)
+    return out[4], out[5], dict(zip(("means", "quats", "scales", "opacities"), out[:4]))
 
 
 def render_step(scene: Scene, width: int, height: int, capacities, gt: torch.Tensor, background: torch.Tensor,
@@ -159,7 +161,7 @@ def render_step(scene: Scene, width: int, height: int, capacities, gt: torch.Ten
 
     for p in scene.params():
         p.grad = None
-    adam.arm_sh_step(adam.ShStep(sh_opts) if sh_opts is not None else None)
+    adam.arm_sh_step(adam.ShStep(tuple(sh_opts[:2]), sh_opts[2]) if sh_opts is not None else None)
     viewmats, Ks = cam
     _, _, meta = rasterization(
         means=scene.means, quats=scene.quats, scales=scene.log_scales, opacities=scene.opacity_logits,

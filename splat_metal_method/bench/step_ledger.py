@@ -55,7 +55,7 @@ BOOL_INDEX_OPS = {"index.Tensor", "index_put", "index_put_", "_index_put_impl_"}
 # bytes are accesses (adam_step: parameter, gradient and both moments read, three written).
 READ_WRITE_ARGS: Dict[str, object] = {  # kernel -> argument indices, or a function of the arguments giving them
     "adam_step": adam.READ_WRITE_ARGS,
-    "project_bwd": prepare.sh_adam_read_write_args,  # the SH coefficients and their moments with PROJECT_SH_ADAM
+    "project_bwd": prepare.sh_adam_read_write_args,  # the parameters it steps and their moments (PROJECT_SH_ADAM, _ADAM_*)
 }
 ALLOCATIONS = {"empty.memory_format", "empty_strided", "empty_like", "lift_fresh", "_local_scalar_dense"}
 

@@ -31,6 +31,13 @@ the backward: the previous step was fused with no GradScaler (the scaler is know
 were zeroed and stepped in it and are zeroed now (nerfstudio's gradient accumulation zeroes and steps a group
 in different iterations: never armed), and _why_not_fused accepts them (so no clipping, distributed run or
 pre-hooks: what needs ``.grad`` keeps it). ``log_gradients`` then has no gradient norm for those groups.
+
+Under the same rules means, quats, scales and opacities take theirs in that kernel too (project_bwd.metal
+PROJECT_ADAM_*: no gradient tensor is allocated for them, the means' from the projection's and the SH
+directions' gradients in registers), where the model's ``render_only_groups()`` names them (the groups only the
+render differentiates: splatfacto's scale regularisation keeps the scales out, MCMC's regularisers the opacities
+and scales, which then step after the backward as above) and the last step stepped them fused; ``fuse_params``
+False keeps them after the backward (the twin tests compare with).
 """
 
 from __future__ import annotations
@@ -96,6 +103,9 @@ class GaussianOptimizers(Optimizers):
         self._sh_next_ok = False  # the last step allows arming the next (see the module's doc)
         self._zeroed: set = set()  # the groups zeroed this iteration
         self.sh_taken = 0  # SH steps taken inside the backward (tests, debugging)
+        self.fuse_params = True  # False: means, quats, scales, opacities never stepped in the backward (twin)
+        self.params_taken = 0  # steps in which one of those took its step inside the backward (tests, debugging)
+        self._next_ok: set = set()  # the groups the last step stepped fused with no GradScaler
 
     def zero_grad_all(self) -> None:
         self.zero_grad_some(list(self.optimizers))
@@ -112,7 +122,15 @@ class GaussianOptimizers(Optimizers):
             return
         if self._why_not_fused(None, list(self.sh_groups), need_grad=False):
             return
-        self._sh_armed = adam.ShStep(tuple(self.optimizers[n] for n in self.sh_groups))
+        others = {}
+        if self.fuse_params:  # the ones only the render differentiates, zeroed now and fused in the last step
+            allowed = getattr(self.model, "render_only_groups", lambda: ())()
+            for name in adam.PARAMS_IN_BACKWARD:
+                if name in allowed and name in self._zeroed and name in self._next_ok and name in self.optimizers:
+                    others[name] = self.optimizers[name]
+            if others and self._why_not_fused(None, list(self.sh_groups) + list(others), need_grad=False):
+                others = {}  # (their betas differ from the SH groups', ...): after the backward, as before
+        self._sh_armed = adam.ShStep(tuple(self.optimizers[n] for n in self.sh_groups), others)
         adam.arm_sh_step(self._sh_armed)
 
     def optimizer_scaler_step_all(self, grad_scaler) -> None:
@@ -139,17 +157,19 @@ class GaussianOptimizers(Optimizers):
         sh, self._sh_armed = self._sh_armed, None
         adam.arm_sh_step(None)  # not taken by now: not this iteration's
         taken = []
-        if sh is not None and sh.flag is not None:  # the backward stepped the SH coefficients
-            taken = list(self.sh_groups)
+        if sh is not None and sh.flag is not None:  # the backward stepped the SH coefficients (and maybe more)
+            taken = list(sh.taken)
             for name in taken:
                 p = self.optimizers[name].param_groups[0]["params"][0]
                 if name not in names or p.grad is not None:
                     raise RuntimeError(
                         f"{name} took its Adam step inside the backward, but "
                         + ("this step does not step it" if name not in names else "another gradient reached it")
-                        + " (a second backward or another use of it in the loss): unsupported with the fused SH step"
+                        + " (a second backward or another use of it in the loss: the model's render_only_groups"
+                        " must leave it out): unsupported with the Adam step in the backward"
                     )  # fmt: skip
             self.sh_taken += 1
+            self.params_taken += len(taken) > len(self.sh_groups)
             names = [n for n in names if n not in taken]
         self.why_not_fused = self._why_not_fused(grad_scaler, names)
         fused = [] if self.why_not_fused else names
@@ -158,6 +178,7 @@ class GaussianOptimizers(Optimizers):
         scaler_off = grad_scaler is None or not grad_scaler.is_enabled()
         stepped = set(fused) | set(taken)
         self._sh_next_ok = scaler_off and set(self.sh_groups) <= stepped & self._zeroed
+        self._next_ok = stepped & self._zeroed if scaler_off else set()
         return [n for n in param_groups if n not in stepped]
 
     def _why_not_fused(self, grad_scaler, names: List[str], need_grad: bool = True) -> str:
@@ -246,4 +267,5 @@ class GaussianOptimizers(Optimizers):
         for p in params:  # the kernel wrote them: what watches _version must see it (the viewer's copy)
             torch.autograd.graph.increment_version(p)
         checked = {id(t): (weakref.ref(t), t._version) for p in params for t in (p, p.grad) if t is not None}
-        self.last_fused = FusedStep(flag, checked) if names else None  # taken alone: the guard reads them all
+        # the flag judged what the kernels stepped (the SH step's, taken alone, too: its kernel folds the same verdict)
+        self.last_fused = FusedStep(flag, checked) if names or taken else None

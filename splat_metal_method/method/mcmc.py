@@ -253,6 +253,11 @@ class SplatMetalMCMCModel(SplatMetalModel):
             lr=self.optimizers["means"].param_groups[0]["lr"],  # as nerfstudio: after this step's scheduler update
         )
 
+    def render_only_groups(self):
+        """As the base model's, less the opacities and scales where MCMC's regularisers add loss terms on them."""
+        reg = {"opacities": self.config.mcmc_opacity_reg > 0, "scales": self.config.mcmc_scale_reg > 0}
+        return tuple(g for g in super().render_only_groups() if not reg.get(g, False))
+
     def get_loss_dict(self, outputs, batch, metrics_dict=None):
         loss_dict = super().get_loss_dict(outputs, batch, metrics_dict)
         if self.config.mcmc_opacity_reg > 0:

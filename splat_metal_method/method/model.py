@@ -481,6 +481,13 @@ class SplatMetalModel(SplatfactoModel):
         self.camera_optimizer.get_metrics_dict(metrics)
         return metrics
 
+    def render_only_groups(self) -> Tuple[str, ...]:
+        """The gaussian parameter groups whose gradient, in this configuration, comes from the render alone
+        (engine/optimizers.py then lets their Adam step happen inside the projection's backward): not the
+        scales where scale regularisation adds a loss term on them."""
+        groups = ("means", "quats", "scales", "opacities", "features_dc", "features_rest")
+        return tuple(g for g in groups if not (g == "scales" and self.config.use_scale_regularization))
+
     def get_loss_dict(self, outputs, batch, metrics_dict=None) -> Dict[str, torch.Tensor]:
         """splatfacto's (same keys and values), with two differences: main_loss is ops/loss.py's l1_ssim_loss
         (on the metal backend one fused kernel pair instead of ~25 torch ops and their backward), and the

@@ -11,8 +11,8 @@ engine/optimizers.py."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -128,14 +128,23 @@ class ShStep:
     backward (prepare.py, project_bwd.metal PROJECT_SH_ADAM) takes it in the kernel that computes their
     gradients, so no SH gradient is written and read back. ``optimizers``: torch Adams of features_dc and
     features_rest (one tensor each, checked by GaussianOptimizers); their state, step counters, learning
-    rates and eps are read when the backward takes the step. ``flag``: that step's NaN flag once taken."""
+    rates and eps are read when the backward takes the step. ``others``: the Adams of those of means, quats,
+    scales and opacities (PARAMS_IN_BACKWARD) armed with them (project_bwd.metal PROJECT_ADAM_*), stepped
+    in the same kernel where the backward differentiates exactly those tensors. ``flag``: that step's NaN
+    flag once taken; ``taken``: the groups it stepped (the SH groups first)."""
 
     optimizers: tuple  # (features_dc's, features_rest's) torch.optim.Adam
+    others: Dict[str, torch.optim.Optimizer] = field(default_factory=dict)  # name -> its Adam
     flag: Optional[Tensor] = None  # [1] set when taken
+    taken: Tuple[str, ...] = ()  # set when taken
 
     def params(self) -> tuple:
         return tuple(opt.param_groups[0]["params"][0] for opt in self.optimizers)
 
+
+# the parameters besides the SH coefficients that can take their step inside project_bwd, in the order of its
+# PROJECT_ADAM_* flags and slot bytes
+PARAMS_IN_BACKWARD = ("means", "quats", "scales", "opacities")
 
 _armed: Optional[ShStep] = None  # the step the next backward may take (one: a step is taken once)
 
@@ -146,21 +155,34 @@ def arm_sh_step(step: Optional[ShStep]) -> None:
     _armed = step
 
 
-def take_sh_step(sh_dc: Tensor, sh_rest: Tensor) -> Optional[tuple]:
-    """Where the armed step is for exactly these parameters: counts their step, derives the coefficients
-    (adam_prepare: slot 0 features_dc, slot 1 features_rest), clears a flag, disarms and returns the buffers
-    project_bwd binds: (coef, flag, exp_avg dc, exp_avg_sq dc, exp_avg rest, exp_avg_sq rest). Else None."""
+def _same(t: Tensor, p: Tensor) -> bool:
+    return t is p or (t.data_ptr() == p.data_ptr() and t.shape == p.shape)
+
+
+def take_sh_step(sh_dc: Tensor, sh_rest: Tensor, others: Optional[Dict[str, Optional[Tensor]]] = None):
+    """Where the armed step is for exactly these SH parameters: counts their step (and that of every armed
+    parameter of ``others`` (name -> the tensor the backward differentiates there, None where it takes no
+    gradient) that is the armed tensor), derives the coefficients (adam_prepare: slot 0 features_dc, slot 1
+    features_rest, then the others in PARAMS_IN_BACKWARD's order), clears a flag, disarms and returns the buffers
+    project_bwd binds: (coef, flag, exp_avg dc, exp_avg_sq dc, exp_avg rest, exp_avg_sq rest, {name: (exp_avg,
+    exp_avg_sq, slot)}). Else None."""
     global _armed
     step = _armed
     if step is None:
         return None
     params = step.params()
-    if any(
-        t is not p and (t.data_ptr() != p.data_ptr() or t.shape != p.shape) for t, p in zip((sh_dc, sh_rest), params)
-    ):
+    if any(not _same(t, p) for t, p in zip((sh_dc, sh_rest), params)):
         return None  # another render's tensors (or a densification replaced them): the gradient path
-    states = [opt.state[p] for opt, p in zip(step.optimizers, params)]
-    groups = [opt.param_groups[0] for opt in step.optimizers]
+    others = others or {}
+    opts, names = list(step.optimizers), []
+    for name in PARAMS_IN_BACKWARD:
+        opt, t = step.others.get(name), others.get(name)
+        if opt is not None and t is not None and _same(t, opt.param_groups[0]["params"][0]):
+            opts.append(opt)
+            names.append(name)
+    params = [opt.param_groups[0]["params"][0] for opt in opts]
+    states = [opt.state[p] for opt, p in zip(opts, params)]
+    groups = [opt.param_groups[0] for opt in opts]
     tensors = [(s["exp_avg"], s["exp_avg_sq"]) for s in states]
     if check(list(params), list(params), *zip(*tensors), [s["step"] for s in states]):
         return None
@@ -171,4 +193,6 @@ def take_sh_step(sh_dc: Tensor, sh_rest: Tensor) -> Optional[tuple]:
     _prepare(_lib(device), [s["step"] for s in states], [g["lr"] for g in groups], [g["eps"] for g in groups],
              beta1, beta2, coef, flag)  # fmt: skip
     step.flag = flag
-    return coef, flag, tensors[0][0], tensors[0][1], tensors[1][0], tensors[1][1]
+    step.taken = ("features_dc", "features_rest") + tuple(names)
+    more = {name: (*tensors[2 + i], 2 + i) for i, name in enumerate(names)}
+    return coef, flag, tensors[0][0], tensors[0][1], tensors[1][0], tensors[1][1], more

@@ -25,19 +25,31 @@ from torch import Tensor
 from ..autograd_stages import camera_grads
 from ..constants import SH_MAX_DEGREE
 from .kernels import grid_1d, group_library, library
-from .project_bwd import CALC_CAMERA, CALC_COMP
+from .project_bwd import CALC_CAMERA, CALC_COMP, launch_args
 from .variants import PROJECT_BWD_GROUP
 
 # project.metal / project_bwd.metal flags
 FUSED, EXP_SCALES, SIGMOID_OPACITIES, CAMPOS, MEANS_SH, NO_V_DEPTHS, SH_APART, SHADE = 1, 2, 4, 8, 16, 32, 64, 256
 SH_ADAM = 128  # project_bwd.metal: the SH coefficients' Adam step inside the backward (engine/optimizers.py)
 SH_DEGREE_SHIFT, SH_K_SHIFT = 16, 20  # project_bwd.metal: the SH degree and K ride in the flags' high bits
+# project_bwd.metal PROJECT_ADAM_*: means, quats, scales, opacities (adam.PARAMS_IN_BACKWARD's order) take their Adam
+# step in the backward too; their adam_coef slots ride in bytes of the flags from ADAM_SLOT_SHIFT
+ADAM_PARAM_FLAGS = (2048, 4096, 8192, 16384)
+ADAM_SLOT_SHIFT = 32
+# per parameter of PARAMS_IN_BACKWARD: its own slot, its exp_avg's (its gradient's) and its exp_avg_sq's
+ADAM_PARAM_ARGS = ((0, 10, 15), (1, 11, 16), (2, 12, 17), (21, 24, 20))
 
 
 def sh_adam_read_write_args(args) -> Tuple[int, ...]:
     """project_bwd's arguments it updates in place (the step ledger counts them twice): with SH_ADAM the SH
-    coefficients (27, 28) and their moments (exp_avg 29, 30; exp_avg_sq 9, 23), else none."""
-    return (9, 23, 27, 28, 29, 30) if len(args) > 25 and isinstance(args[25], int) and args[25] & SH_ADAM else ()
+    coefficients (27, 28) and their moments (exp_avg 29, 30; exp_avg_sq 9, 23), with ADAM_PARAM_FLAGS those
+    parameters and their moments (ADAM_PARAM_ARGS), else none."""
+    if not (len(args) > 25 and isinstance(args[25], int) and args[25] & SH_ADAM):
+        return ()
+    out = [9, 23, 27, 28, 29, 30]
+    for bit, slots in zip(ADAM_PARAM_FLAGS, ADAM_PARAM_ARGS):
+        out += list(slots) if args[25] & bit else []
+    return tuple(sorted(out))
 
 
 def _layout(sh_dc: Tensor, sh_rest: Optional[Tensor]) -> Tuple[Tensor, Tensor, int, int, int, int]:
@@ -115,23 +127,33 @@ class PrepareFn(torch.autograd.Function):
         v_opacities_out, v_colors = grad_or_zeros(v_opacities_out), grad_or_zeros(v_colors, 3)
         # the SH coefficients' Adam step, where the optimizer armed it for these parameters (engine/optimizers.py):
         # one camera (a thread holds its gaussian's whole gradient), splatfacto's bands apart, both need a gradient
-        sh_step = None
+        sh_step, more = None, {}
         if shade_in_projection and C == 1 and sh_rest is not None and K > 1 and need[4] and need[5]:
             from .adam import take_sh_step
 
-            sh_step = take_sh_step(sh_dc, sh_rest)
+            # means, quats, scales, opacities too where armed (their Adam in the same thread: PROJECT_ADAM_*)
+            others = dict(zip(("means", "quats", "scales", "opacities"), (means, quats, scales, opacities)))
+            others = {k: t if need[i] else None for i, (k, t) in enumerate(others.items())}
+            sh_step = take_sh_step(sh_dc, sh_rest, others)
+            if sh_step is not None:
+                sh_step, more = sh_step[:6], sh_step[6]
         lead = () if C == 1 else (C,)  # [C, N, .] written flat; for one camera the inputs' own shapes
+
+        def grad_buffer(name, shape):  # a gradient's buffer, or (stepped here) its exp_avg: nothing allocated
+            return more[name][0] if name in more else torch.empty(lead + shape, dtype=torch.float32, device=device)
+
         # the twin's SH directions' gradient is written into v_means, to which project_bwd adds its own (in place)
-        v_means = v_dirs = torch.empty(lead + (N, 3), dtype=torch.float32, device=device)
+        v_means = grad_buffer("means", (N, 3))
+        v_dirs = v_means  # (stepped in the backward, the directions' gradient stays in the thread: a placeholder)
         if sh_step is None:
             v_dc = torch.empty(lead + tuple(dc.shape), dtype=torch.float32, device=device)
             v_rest = v_dc if sh_rest is None or K == 1 else torch.empty(lead + tuple(rest.shape), dtype=torch.float32,
                                                                         device=device)  # fmt: skip
         else:  # no coefficient gradient is written: nothing to allocate
             v_dc = v_rest = v_means
-        v_quats = torch.empty(lead + (N, 4), dtype=torch.float32, device=device)
-        v_scales = torch.empty(lead + (N, 3), dtype=torch.float32, device=device)
-        v_opacities = torch.empty(lead + tuple(opacities.shape), dtype=torch.float32, device=device)
+        v_quats = grad_buffer("quats", (N, 4))
+        v_scales = grad_buffer("scales", (N, 3))
+        v_opacities = grad_buffer("opacities", tuple(opacities.shape))
         lib, group = project_bwd_library(device)
         n_groups = (N + group - 1) // group
         camera_grad = bool(need[6] or need[7])
@@ -144,9 +166,14 @@ class PrepareFn(torch.autograd.Function):
             flags |= MEANS_SH
         flags |= (CALC_COMP if calc_comp else 0) | (CALC_CAMERA if camera_grad else 0)
         adam_coef, adam_flag, m_dc, v_dc2, m_rest, v_rest2 = (v_means2d, v_means2d, v_dc, v_means2d, v_rest, v_dirs)
+        avg_sqs = [v_means, v_quats, v_scales, v_means2d]  # placeholders where no parameter is stepped here
         if sh_step is not None:  # no coefficient gradient is written: the moments take those buffers' slots
             flags |= SH_ADAM
             adam_coef, adam_flag, m_dc, v_dc2, m_rest, v_rest2 = sh_step
+            for i, name in enumerate(("means", "quats", "scales", "opacities")):
+                if name in more:  # exp_avg in its gradient's slot (above), exp_avg_sq in a freed one
+                    flags |= ADAM_PARAM_FLAGS[i] | (more[name][2] << (ADAM_SLOT_SHIFT + 8 * i))
+                    avg_sqs[i] = more[name][1]
         if C * N > 0:
             if not shade_in_projection:
                 library(device, "sh_bwd.metal").sh_fused_bwd(
@@ -156,8 +183,8 @@ class PrepareFn(torch.autograd.Function):
             lib.project_bwd(
                 means, quats, scales, viewmats, Ks, radii, v_means2d,
                 v_depths.contiguous() if v_depths is not None else v_means2d, v_conics, v_dc2,
-                v_means, v_quats, v_scales, part,
-                N, int(width), int(height), float(eps2d), adam_coef, adam_flag, n_groups,
+                v_means, v_quats, v_scales, part, launch_args(device, N, width, height, n_groups, eps2d),
+                *avg_sqs[:3], adam_coef, adam_flag, avg_sqs[3],
                 opacities, v_opacities_out, v_rest2 if sh_step is not None else v_dirs, v_opacities, flags, v_colors,
                 dc, rest, m_dc, m_rest,
                 threads=(n_groups * group, C), group_size=(group, 1),
@@ -178,6 +205,10 @@ class PrepareFn(torch.autograd.Function):
         v_sh_rest = None
         if sh_step is not None:  # stepped in place above: no gradient reaches .grad (the optimizer skips them)
             v_dc = None
+            v_means = None if "means" in more else v_means
+            v_quats = None if "quats" in more else v_quats
+            v_scales = None if "scales" in more else v_scales
+            v_opacities = None if "opacities" in more else v_opacities
         elif sh_rest is not None:
             v_sh_rest = v_rest if K > 1 else torch.zeros_like(sh_rest)
         return (

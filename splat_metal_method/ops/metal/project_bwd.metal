@@ -85,6 +85,17 @@ inline void mat3_mul_at(thread const float* a, thread const float* b, thread flo
 // unfused modes use for other buffers (a kernel has 31): exp_avg in v_sh_dc / v_sh_rest, exp_avg_sq in v_comp
 // (read only without PROJECT_FUSED) and v_means_sh (read only with PROJECT_MEANS_SH).
 #define PROJECT_SH_ADAM 128
+// PROJECT_ADAM_MEANS / _QUATS / _SCALES / _OPACITIES (each with PROJECT_SH_ADAM): that parameter takes its Adam step
+// here too, with the gradient this thread computed (the means': projection's + the SH directions'; the opacity's after
+// sigmoid's derivative, the scales' after exp's), in place, in the slot of adam_coef that byte k (means 0, quats 1,
+// scales 2, opacities 3) of the flags' bits PROJECT_ADAM_SLOT_SHIFT.. names; its gradient is not written. Its exp_avg
+// rides in its gradient's slot (v_means, v_quats, v_scales, v_opacities), its exp_avg_sq in one of the slots the
+// scalar sizes freed (args: ProjectBwdArgs) and the verdict joins the SH step's.
+#define PROJECT_ADAM_MEANS 2048
+#define PROJECT_ADAM_QUATS 4096
+#define PROJECT_ADAM_SCALES 8192
+#define PROJECT_ADAM_OPACITIES 16384
+#define PROJECT_ADAM_SLOT_SHIFT 32
 #define PROJECT_CALC_COMP 512    // the compensation term is in use (was a buffer of its own)
 #define PROJECT_CALC_CAMERA 1024 // camera gradients: uniform, so barriers stay uniform (was a buffer of its own)
 #define PROJECT_SH_DEGREE_SHIFT 16
@@ -114,12 +125,43 @@ inline bool project_sh_adam(long g, long sh_k, long rest_stride, thread const Sp
   return ok;
 }
 
+// PROJECT_ADAM_*: Adam on the `width` floats of row g of one parameter from the gradients `grad` (slot `slot` of
+// adam_coef), as adam.metal's adam_row with the gradient in registers; false where one is not finite.
+inline bool project_adam_row(device float* p, thread const float* grad, device float* m, device float* v, long width,
+                             long g, const device float* adam_coef, long slot) {
+  const float b1 = adam_coef[SPLAT_ADAM_SLOTS * SPLAT_ADAM_COEFS + 0];
+  const float b2 = adam_coef[SPLAT_ADAM_SLOTS * SPLAT_ADAM_COEFS + 1];
+  bool ok = true;
+  for (long j = 0; j < width; ++j) {
+    const long i = g * width + j;
+    float exp_avg = m[i], exp_avg_sq = v[i];
+    const float param = splat_adam_update(p[i], grad[j], &exp_avg, &exp_avg_sq, adam_coef, slot, b1, b2);
+    m[i] = exp_avg;
+    v[i] = exp_avg_sq;
+    p[i] = param;
+    ok = ok && isfinite(grad[j]) && isfinite(param);
+  }
+  return ok;
+}
+
+// The sizes of a launch in one buffer (a kernel has 31 slots): an int64 tensor [5] that project_bwd.py / prepare.py
+// keep per sizes (no allocation, no copy in a steady step); eps2d is the float in the low half of the last long
+// (little-endian), the high half 0. 40 bytes, every long at an 8-byte offset.
+struct ProjectBwdArgs {
+  long N;
+  long width;
+  long height;
+  long n_groups;
+  float eps2d;
+  float unused;
+};
+
 // A culled entry (radius 0, for any reason) had opacity 0 and constant outputs: every gradient is 0.
 [[max_total_threads_per_threadgroup(SPLAT_PROJECT_BWD_GROUP)]]
 kernel void project_bwd(
-    const device float* means [[buffer(0)]],       // [N, 3]
-    const device float* quats [[buffer(1)]],       // [N, 4] wxyz
-    const device float* scales [[buffer(2)]],      // [N, 3]
+    device float* means [[buffer(0)]],             // [N, 3]; written only with PROJECT_ADAM_MEANS
+    device float* quats [[buffer(1)]],             // [N, 4] wxyz; written only with PROJECT_ADAM_QUATS
+    device float* scales [[buffer(2)]],            // [N, 3]; written only with PROJECT_ADAM_SCALES
     const device float* viewmats [[buffer(3)]],    // [C, 4, 4]
     const device float* Ks [[buffer(4)]],          // [C, 3, 3]
     const device int* radii [[buffer(5)]],         // [C, N] (forward output; 0 = culled)
@@ -127,24 +169,26 @@ kernel void project_bwd(
     const device float* v_depths [[buffer(7)]],    // [C, N]
     const device float* v_conics [[buffer(8)]],    // [C, N, 3]
     device float* v_comp [[buffer(9)]],            // [C, N] or [1] placeholder; PROJECT_SH_ADAM: dc's exp_avg_sq
-    device float* v_means [[buffer(10)]],          // [C, N, 3]
-    device float* v_quats [[buffer(11)]],          // [C, N, 4]
-    device float* v_scales [[buffer(12)]],         // [C, N, 3]
+    device float* v_means [[buffer(10)]],          // [C, N, 3]; PROJECT_ADAM_MEANS: the means' exp_avg
+    device float* v_quats [[buffer(11)]],          // [C, N, 4]; PROJECT_ADAM_QUATS: the quats' exp_avg
+    device float* v_scales [[buffer(12)]],         // [C, N, 3]; PROJECT_ADAM_SCALES: the scales' exp_avg
     device float* v_camera_part [[buffer(13)]],    // [C, n_groups, 16] or [1] placeholder
-    constant long& N [[buffer(14)]],
-    constant long& width [[buffer(15)]],
-    constant long& height [[buffer(16)]],
-    constant float& eps2d [[buffer(17)]],
+    constant ProjectBwdArgs& args [[buffer(14)]],  // N, width, height, n_groups, eps2d
+    device float* avg_sq_means [[buffer(15)]],     // PROJECT_ADAM_MEANS: the means' exp_avg_sq (else a placeholder)
+    device float* avg_sq_quats [[buffer(16)]],     // PROJECT_ADAM_QUATS: the quats' exp_avg_sq (else a placeholder)
+    device float* avg_sq_scales [[buffer(17)]],    // PROJECT_ADAM_SCALES: the scales' exp_avg_sq (else a placeholder)
     const device float* adam_coef [[buffer(18)]],   // PROJECT_SH_ADAM: adam_prepare's [SPLAT_ADAM_SLOTS * COEFS + 2]
     device atomic_float* adam_flag [[buffer(19)]],  // PROJECT_SH_ADAM: [1], NaN where a value is not finite
-    constant long& n_groups [[buffer(20)]],
+    device float* avg_sq_opacities [[buffer(20)]],  // PROJECT_ADAM_OPACITIES: the opacities' exp_avg_sq
     // The fused preparation (prepare.py; flags 0: the plain stage, buffers 21-24 are placeholders):
-    const device float* opacities [[buffer(21)]],    // [N] the forward's input (logits with PROJECT_SIGMOID_OPACITIES)
+    device float* opacities [[buffer(21)]],    // [N] the forward's input (logits with PROJECT_SIGMOID_OPACITIES);
+                                               // written only with PROJECT_ADAM_OPACITIES
     const device float* v_opacities_out [[buffer(22)]],  // [C, N] d loss / d opacities_out
     device float* v_means_sh [[buffer(23)]],   // [C, N, 3] d loss / d SH directions (PROJECT_MEANS_SH); may be
                                                // v_means itself (each thread reads its row before writing it);
                                                // PROJECT_SH_ADAM: the rest's exp_avg_sq
-    device float* v_opacities [[buffer(24)]],        // [C, N] d loss / d opacities (the input)
+    device float* v_opacities [[buffer(24)]],        // [C, N] d loss / d opacities (the input); PROJECT_ADAM_OPACITIES:
+                                                     // the opacities' exp_avg
     constant long& flags [[buffer(25)]],
     // PROJECT_SHADE (else placeholders): the SH coefficients as project_fwd read them (band 0 of gaussian n at
     // sh_dc[n * dc_stride], bands k >= 1 at sh_rest[n * rest_stride + rest_offset + 3 (k - 1)]; the layout from
@@ -161,6 +205,8 @@ kernel void project_bwd(
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint n_sg [[simdgroups_per_threadgroup]]) {
   threadgroup float s_part[PROJECT_BWD_MAX_SIMDGROUPS * 16];
+  const long N = args.N, width = args.width, height = args.height, n_groups = args.n_groups;
+  const float eps2d = args.eps2d;
 
   const long g = (long)gpos.x;
   const long cam = (long)gpos.y;
@@ -173,7 +219,13 @@ kernel void project_bwd(
   const long rest_offset = apart ? 0 : 3;
   const bool calc_comp = (flags & PROJECT_CALC_COMP) != 0, calc_camera = (flags & PROJECT_CALC_CAMERA) != 0;
   const bool sh_adam = (flags & PROJECT_SH_ADAM) != 0;
-  bool sh_ok = true;  // PROJECT_SH_ADAM: every SH gradient and updated coefficient of this thread finite
+  bool sh_ok = true;  // PROJECT_SH_ADAM (and _ADAM_*): every gradient it steps and updated value of this thread finite
+  // PROJECT_ADAM_*: which of means, quats, scales, opacities take their step here, and their adam_coef slots
+  const bool adam_means = (flags & PROJECT_ADAM_MEANS) != 0, adam_quats = (flags & PROJECT_ADAM_QUATS) != 0;
+  const bool adam_scales = (flags & PROJECT_ADAM_SCALES) != 0, adam_opacities = (flags & PROJECT_ADAM_OPACITIES) != 0;
+  const long slot_means = (flags >> PROJECT_ADAM_SLOT_SHIFT) & 255, slot_quats = (flags >> (PROJECT_ADAM_SLOT_SHIFT + 8)) & 255;
+  const long slot_scales = (flags >> (PROJECT_ADAM_SLOT_SHIFT + 16)) & 255;
+  const long slot_opacities = (flags >> (PROJECT_ADAM_SLOT_SHIFT + 24)) & 255;
 
   float vR[9] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // d/d viewmat[0:3, 0:3]
   float vt[3] = {0.0f, 0.0f, 0.0f};                                        // d/d viewmat[0:3, 3]
@@ -343,15 +395,23 @@ kernel void project_bwd(
     }
 
     // ---- world -> camera ----
+    float v_mean[3];
     for (int k = 0; k < 3; ++k) {
       const float v_m = Rv[0 * 3 + k] * v_mc[0] + Rv[1 * 3 + k] * v_mc[1] + Rv[2 * 3 + k] * v_mc[2];
-      v_means[3 * idx + k] = (flags & PROJECT_MEANS_SH) != 0 ? v_m + v_means_sh[3 * idx + k] : (shade ? v_m + v_sh[k] : v_m);
+      v_mean[k] = (flags & PROJECT_MEANS_SH) != 0 ? v_m + v_means_sh[3 * idx + k] : (shade ? v_m + v_sh[k] : v_m);
+    }
+    if (!adam_means) {
+      for (int k = 0; k < 3; ++k) {
+        v_means[3 * idx + k] = v_mean[k];
+      }
     }
     if ((flags & PROJECT_FUSED) != 0) {
       if ((flags & PROJECT_SIGMOID_OPACITIES) != 0) {
         v_opacity = v_opacity * (1.0f - opacity) * opacity;
       }
-      v_opacities[idx] = v_opacity;
+      if (!adam_opacities) {
+        v_opacities[idx] = v_opacity;
+      }
     }
     float tmp[9];
     float v_cov[9];  // Rv^T v_covc Rv
@@ -385,10 +445,14 @@ kernel void project_bwd(
     float vM[9];
     mat3_mul(vcs, M, vM);
     float vRq[9];
+    float v_scale[3];
     for (int k = 0; k < 3; ++k) {
-      v_scales[3 * idx + k] = vM[0 * 3 + k] * Rq[0 * 3 + k] + vM[1 * 3 + k] * Rq[1 * 3 + k] + vM[2 * 3 + k] * Rq[2 * 3 + k];
+      v_scale[k] = vM[0 * 3 + k] * Rq[0 * 3 + k] + vM[1 * 3 + k] * Rq[1 * 3 + k] + vM[2 * 3 + k] * Rq[2 * 3 + k];
       if ((flags & PROJECT_EXP_SCALES) != 0) {
-        v_scales[3 * idx + k] = v_scales[3 * idx + k] * s[k];
+        v_scale[k] = v_scale[k] * s[k];
+      }
+      if (!adam_scales) {
+        v_scales[3 * idx + k] = v_scale[k];
       }
       for (int r = 0; r < 3; ++r) {
         vRq[r * 3 + k] = vM[r * 3 + k] * s[k];
@@ -406,25 +470,62 @@ kernel void project_bwd(
     // q / max(|q|, eps): (v - qn (qn . v)) / |q| above eps, v / eps below
     const float qn[4] = {qw, qx, qy, qz};
     const float proj = qnorm > 1e-12f ? qn[0] * vqn[0] + qn[1] * vqn[1] + qn[2] * vqn[2] + qn[3] * vqn[3] : 0.0f;
+    float v_quat[4];
     for (int k = 0; k < 4; ++k) {
-      v_quats[4 * idx + k] = (vqn[k] - qn[k] * proj) / qden;
+      v_quat[k] = (vqn[k] - qn[k] * proj) / qden;
+      if (!adam_quats) {
+        v_quats[4 * idx + k] = v_quat[k];
+      }
+    }
+    // PROJECT_ADAM_*: the step, after every read of this gaussian's parameters (one camera: idx == g)
+    if (adam_means) {
+      sh_ok = project_adam_row(means, v_mean, v_means, avg_sq_means, 3, g, adam_coef, slot_means) && sh_ok;
+    }
+    if (adam_quats) {
+      sh_ok = project_adam_row(quats, v_quat, v_quats, avg_sq_quats, 4, g, adam_coef, slot_quats) && sh_ok;
+    }
+    if (adam_scales) {
+      sh_ok = project_adam_row(scales, v_scale, v_scales, avg_sq_scales, 3, g, adam_coef, slot_scales) && sh_ok;
+    }
+    if (adam_opacities) {
+      const float v_op[1] = {v_opacity};
+      sh_ok = project_adam_row(opacities, v_op, v_opacities, avg_sq_opacities, 1, g, adam_coef, slot_opacities) && sh_ok;
     }
   } else if (g < N) {
+    const float zeros[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // culled: every gradient 0, stepped all the same
     for (int k = 0; k < 3; ++k) {
-      v_means[3 * idx + k] = 0.0f;
-      v_scales[3 * idx + k] = 0.0f;
+      if (!adam_means) {
+        v_means[3 * idx + k] = 0.0f;
+      }
+      if (!adam_scales) {
+        v_scales[3 * idx + k] = 0.0f;
+      }
     }
     for (int k = 0; k < 4; ++k) {
-      v_quats[4 * idx + k] = 0.0f;
+      if (!adam_quats) {
+        v_quats[4 * idx + k] = 0.0f;
+      }
     }
-    if ((flags & PROJECT_FUSED) != 0) {
+    if ((flags & PROJECT_FUSED) != 0 && !adam_opacities) {
       v_opacities[idx] = 0.0f;  // culled: its opacity_out was the constant 0
+    }
+    if (adam_means) {
+      sh_ok = project_adam_row(means, zeros, v_means, avg_sq_means, 3, g, adam_coef, slot_means) && sh_ok;
+    }
+    if (adam_quats) {
+      sh_ok = project_adam_row(quats, zeros, v_quats, avg_sq_quats, 4, g, adam_coef, slot_quats) && sh_ok;
+    }
+    if (adam_scales) {
+      sh_ok = project_adam_row(scales, zeros, v_scales, avg_sq_scales, 3, g, adam_coef, slot_scales) && sh_ok;
+    }
+    if (adam_opacities) {
+      sh_ok = project_adam_row(opacities, zeros, v_opacities, avg_sq_opacities, 1, g, adam_coef, slot_opacities) && sh_ok;
     }
     if (shade && sh_adam) {  // culled: gradient 0, stepped all the same (as torch's Adam steps every row)
       SplatShColorGrad t;
       t.n_bases = 0;
       sh_ok = project_sh_adam(g, sh_k, rest_stride, &t, sh_dc, sh_rest, v_sh_dc, v_comp, v_sh_rest, v_means_sh,
-                              adam_coef);
+                              adam_coef) && sh_ok;
     } else if (shade) {
       splat_sh_color_bwd_zero(sh_k, v_sh_dc + idx * dc_stride, v_sh_rest + idx * rest_stride + rest_offset);
     }

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import struct
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -13,6 +14,28 @@ from .variants import PROJECT_BWD_GROUP
 
 GROUP = PROJECT_BWD_GROUP  # threads per group (variants.py)
 CALC_COMP, CALC_CAMERA = 512, 1024  # project_bwd.metal's PROJECT_CALC_COMP / PROJECT_CALC_CAMERA flags
+
+_ARGS: Dict[tuple, Tensor] = {}  # (device, N, width, height, n_groups, eps2d bits) -> its ProjectBwdArgs
+_ARGS_KEPT = 8  # sizes kept per process (a densification changes N: the oldest goes)
+
+
+def launch_args(device, N: int, width: int, height: int, n_groups: int, eps2d: float) -> Tensor:
+    """project_bwd.metal's ProjectBwdArgs (N, width, height, n_groups as int64, then eps2d as the float32 in the low
+    half of a fifth int64, little-endian as Apple GPUs and the emulator's hosts are): one buffer where the kernel
+    had five scalar slots. Made once per sizes and kept (the kernel only reads it), so a steady step neither
+    allocates nor copies it; made on the device by fills of Python scalars (no host-to-device copy, which torch's
+    MPS backend makes a host sync), ten dispatches where a size is new (the step after a refine)."""
+    bits = struct.unpack("<I", struct.pack("<f", float(eps2d)))[0]
+    key = (torch.device(device), int(N), int(width), int(height), int(n_groups), bits)
+    t = _ARGS.get(key)
+    if t is None:
+        if len(_ARGS) >= _ARGS_KEPT:
+            _ARGS.pop(next(iter(_ARGS)))
+        t = torch.empty(len(key) - 1, dtype=torch.int64, device=key[0])
+        for i, value in enumerate(key[1:]):
+            t[i].fill_(value)
+        _ARGS[key] = t
+    return t
 
 
 def project_bwd(
@@ -64,8 +87,8 @@ def project_bwd(
             means.contiguous(), quats.contiguous(), scales.contiguous(), viewmats.contiguous(), Ks.contiguous(),
             radii.contiguous(), v_means2d.contiguous(), v_depths.contiguous(), v_conics.contiguous(),
             v_compensations.contiguous() if v_compensations is not None else v_depths,
-            v_means, v_quats, v_scales, part,
-            N, int(width), int(height), float(eps2d), v_depths, v_means, n_groups,  # no SH Adam step (prepare.py)
+            v_means, v_quats, v_scales, part, launch_args(device, N, width, height, n_groups, eps2d),
+            v_means, v_quats, v_scales, v_depths, v_means, v_depths,  # no Adam step (prepare.py)
             v_depths, v_depths, v_depths, v_means,  # plain: not fused (prepare.py)
             (CALC_COMP if v_compensations is not None else 0) | (CALC_CAMERA if camera_grad else 0),
             v_depths, v_depths, v_depths, v_means, v_means,  # nor the SH colour's backward

@@ -265,27 +265,38 @@ def test_sh_degree_4_trains_past_step_4_intervals(demo_dir, monkeypatch, tmp_pat
 
 def test_fused_sh_step_training_run_matches_its_twin(demo_dir, monkeypatch):
     """splatfacto's default (no camera optimizer): the fused preparation renders, and from the second step on
-    the SH coefficients take their Adam step inside project_bwd (one more adam_prepare a step). Through a
-    densification, the run equals bit for bit the same run with that step after the backward (fuse_sh off)."""
+    every gaussian parameter takes its Adam step inside project_bwd (its adam_prepare there, no adam_step left).
+    Through a densification, the run equals bit for bit the same run with those steps after the backward
+    (fuse_sh off), and the run with the SH coefficients' alone inside it (fuse_params off: one more
+    adam_prepare a step)."""
     monkeypatch.setenv("SPLAT_METAL_BACKEND", "metal")
     monkeypatch.setenv("SPLAT_METAL_EMU_THREADS", "1")  # the rasterizer's float atomics in one order
     steps, runs = STEPS, []
-    for fuse_sh in (False, True):
+    for fuse_sh, fuse_params in ((False, False), (True, False), (True, True)):
         pipeline, optimizers, callbacks = pipelines.make_pipeline(
             demo_dir, 0, warmup=WARMUP, refine_every=REFINE_EVERY, sh_degree_interval=SH_INTERVAL, camera_mode="off"
         )  # fmt: skip
-        optimizers.fuse_sh = fuse_sh
+        optimizers.fuse_sh, optimizers.fuse_params = fuse_sh, fuse_params
         seed_all(1)
-        prepares, sizes = [], []
+        prepares, adam_steps, sizes = [], [], []
         for step in range(steps):
             runtime.reset_launch_counts()
             train_step(pipeline, optimizers, callbacks, step)
             prepares.append(runtime.launch_counts().get("adam_prepare"))
+            adam_steps.append(runtime.launch_counts().get("adam_step", 0))
             sizes.append(pipeline.model.num_points)
-        runs.append((pipeline.model.gauss_params, optimizers, prepares, sizes))
-    (twin, twin_opts, twin_prepares, sizes), (ours, opts, prepares, our_sizes) = runs
-    assert twin_prepares == [1] * steps and prepares == [1] + [2] * (steps - 1), (twin_prepares, prepares)
-    assert opts.sh_taken == steps - 1 and len(set(sizes)) > 1 and sizes == our_sizes, sizes
+        runs.append((pipeline.model.gauss_params, optimizers, prepares, sizes, adam_steps))
+    (twin, twin_opts, twin_prepares, sizes, _), (sh, sh_opts, sh_prepares, sh_sizes, _) = runs[:2]
+    ours, opts, prepares, our_sizes, adam_steps = runs[2]
+    assert twin_prepares == [1] * steps and sh_prepares == [1] + [2] * (steps - 1), (twin_prepares, sh_prepares)
+    assert prepares == [1] * steps and adam_steps == [1] + [0] * (steps - 1), (prepares, adam_steps)
+    assert opts.sh_taken == opts.params_taken == sh_opts.sh_taken == steps - 1 and sh_opts.params_taken == 0
+    assert len(set(sizes)) > 1 and sizes == our_sizes == sh_sizes, sizes
+    for name in twin:
+        assert torch.equal(twin[name], sh[name]), name
+        a, b = twin_opts.optimizers[name].state[twin[name]], sh_opts.optimizers[name].state[sh[name]]
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(a[key], b[key]), (name, key)
     for name in twin:
         assert torch.equal(twin[name], ours[name]), name
         a, b = twin_opts.optimizers[name].state[twin[name]], opts.optimizers[name].state[ours[name]]
