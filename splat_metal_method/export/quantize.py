@@ -140,7 +140,7 @@ def palette_size(n: int) -> int:
 
 
 EXACT_LIMIT = 1 << 29  # N x k distances per iteration up to which the palette is exact k-means (N < 32,768)
-BOUNDED_LIMIT = 1 << 33  # beyond, below this: exact k-means with bounds, to convergence (N < 131,072)
+BOUNDED_LIMIT = 1 << 32  # beyond, below this: exact k-means with bounds, to convergence (32,768 <= N < 65,536)
 BOUNDED_ITERATIONS = 50  # at most, with the bounds (the run stops once no label changes)
 MOVED_SHARE = 2  # the centroids measured exactly in the bounds' update: up to k / 2 that moved most
 CELL_FACTOR = 4  # coarse cells: 4 sqrt(k) (1,024 for 65,536 entries, 64 entries each)
@@ -174,8 +174,8 @@ def kmeans(
     work advances.
 
     Up to N x k = EXACT_LIMIT (2^29: every N below 32,768 with splat-transform's palette size, at
-    most ~16 s of CPU): exact Lloyd iterations (``lloyd``). Below BOUNDED_LIMIT (2^33: every N
-    below 131,072): the same k-means with bounds that skip most distances after the first
+    most ~16 s of CPU): exact Lloyd iterations (``lloyd``). Below BOUNDED_LIMIT (2^32: every N
+    below 65,536, whose palette is 32,768 entries): the same k-means with bounds that skip most distances after the first
     assignment, run to convergence (``lloyd_bounded``: exact k-means' error or less, ~2 full
     assignments). Beyond, the N x k distances per iteration are what make it slow (1.5M x 65,536 x
     45 dimensions: ~10^13 operations per iteration), and the palette is built as faiss trains its

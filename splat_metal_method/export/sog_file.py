@@ -24,7 +24,7 @@ The codebooks are k-means (quantize.py): 1-D into 256 entries for log scales, DC
 palette's values; the palette itself is k-means of the [N, 3(K-1)] SH vectors into
 splat-transform's palette size (quantize.palette_size: 65,536 from 65,536 gaussians on): exact up to
 2^29 point-entry distances per iteration, exact with bounds that skip most distances (run to
-convergence: never worse than exact) below 2^33, a two-level codebook refined by inverted-file Lloyd
+convergence: never worse than exact) below 2^32 (N < 65,536), a two-level codebook refined by inverted-file Lloyd
 iterations beyond (quantize.kmeans; 1.5M gaussians in seconds of CPU), on the device the model is on. Bytes that splat-transform truncates are rounded here (positions,
 quaternions, opacity), which halves their worst error; every reader decodes them the same way.
 SH degree 4 models keep bands 1-3 (meta.shN.bands is at most 3).
