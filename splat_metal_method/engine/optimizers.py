@@ -38,10 +38,17 @@ directions' gradients in registers), where the model's ``render_only_groups()`` 
 render differentiates: splatfacto's scale regularisation keeps the scales out, MCMC's regularisers the opacities
 and scales, which then step after the backward as above) and the last step stepped them fused; ``fuse_params``
 False keeps them after the backward (the twin tests compare with).
+
+The model's ``visible_adam`` (off by default) makes every path a masked Adam step, gsplat's SelectiveAdam: a gaussian
+culled in this step's render (radius 0 in every camera, ``model.info["radii"]``) keeps its parameters and both
+moments, a visible one steps as above (step counters and bias corrections per tensor, as torch's). Inside the
+backward project_bwd.metal PROJECT_ADAM_VISIBLE skips the culled ones' update; after it adam_step reads the radii;
+torch's optimizers step and the culled rows get back what they held (``_keep_culled``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -106,6 +113,9 @@ class GaussianOptimizers(Optimizers):
         self.fuse_params = True  # False: means, quats, scales, opacities never stepped in the backward (twin)
         self.params_taken = 0  # steps in which one of those took its step inside the backward (tests, debugging)
         self._next_ok: set = set()  # the groups the last step stepped fused with no GradScaler
+        # the model's visible_adam: a gaussian culled in this step's render (radius 0 in every camera) takes no Adam
+        # step at all (parameters and both moments untouched; see the module's doc), on every path
+        self.visible_adam = bool(getattr(getattr(model, "config", None), "visible_adam", False))
 
     def zero_grad_all(self) -> None:
         self.zero_grad_some(list(self.optimizers))
@@ -130,22 +140,69 @@ class GaussianOptimizers(Optimizers):
                     others[name] = self.optimizers[name]
             if others and self._why_not_fused(None, list(self.sh_groups) + list(others), need_grad=False):
                 others = {}  # (their betas differ from the SH groups', ...): after the backward, as before
-        self._sh_armed = adam.ShStep(tuple(self.optimizers[n] for n in self.sh_groups), others)
+        self._sh_armed = adam.ShStep(
+            tuple(self.optimizers[n] for n in self.sh_groups), others, visible_only=self.visible_adam
+        )
         adam.arm_sh_step(self._sh_armed)
 
     def optimizer_scaler_step_all(self, grad_scaler) -> None:
         self.optimizer_scaler_step_some(grad_scaler, list(self.optimizers))
 
     def optimizer_scaler_step_some(self, grad_scaler, param_groups: List[str]) -> None:
-        super().optimizer_scaler_step_some(grad_scaler, self._step_gaussians(grad_scaler, param_groups))
+        rest = self._step_gaussians(grad_scaler, param_groups)
+        with self._keep_culled(rest):
+            super().optimizer_scaler_step_some(grad_scaler, rest)
 
     def optimizer_step_all(self) -> None:
         """nerfstudio's (no grad scaler: what tests and scripts call), the gaussians fused as above."""
-        for name in self._step_gaussians(None, list(self.optimizers)):
-            max_norm = self.config[name]["optimizer"].max_norm
-            if max_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.parameters[name], max_norm)
-            self.optimizers[name].step()
+        rest = self._step_gaussians(None, list(self.optimizers))
+        with self._keep_culled(rest):
+            for name in rest:
+                max_norm = self.config[name]["optimizer"].max_norm
+                if max_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(self.parameters[name], max_norm)
+                self.optimizers[name].step()
+
+    def _radii(self, n: int) -> torch.Tensor:
+        """visible_adam: this step's render's radii as [C, n] int32 (what adam_step reads; gsplat 1.5's [C, n, 2]
+        folded), from the model's ``info``; a clear error where there is none for these ``n`` gaussians."""
+        radii = (getattr(self.model, "info", None) or {}).get("radii")
+        if radii is not None and radii.dim() == 3:
+            radii = radii.amax(dim=-1)
+        if radii is None or radii.dim() != 2 or radii.shape[1] != n:
+            got = "none" if radii is None else list(radii.shape)
+            raise RuntimeError(
+                f"visible_adam: the Adam step needs this step's render's radii [C, {n}] (model.info['radii']), got "
+                f"{got}: a render between the backward and the optimizer step, or a densification before it?"
+            )
+        return radii.to(torch.int32).contiguous()
+
+    @contextlib.contextmanager
+    def _keep_culled(self, names: List[str]):
+        """visible_adam on torch's optimizers (cpu, cuda, or where the fused step is not taken): torch's Adam steps the
+        gaussians' groups among ``names`` and the rows of the gaussians culled in this step's render get back their
+        parameters and both moments (zeros where the state is new), so a culled gaussian takes no step at all while
+        a visible one's is torch's exactly (the step counter and bias correction per tensor, as gsplat's
+        SelectiveAdam). Else nothing."""
+        names = [n for n in names if n in self.gaussian_groups] if self.visible_adam else []
+        kept = []
+        with torch.no_grad():
+            for name in names:
+                p = self.optimizers[name].param_groups[0]["params"][0]
+                if p.grad is None:  # torch's Adam skips it
+                    continue
+                culled = ((self._radii(p.shape[0]) > 0).sum(dim=0) == 0).nonzero().squeeze(1)
+                state = self.optimizers[name].state[p]
+                moments = {k: state[k][culled].clone() for k in ("exp_avg", "exp_avg_sq") if k in state}
+                kept.append((name, p, culled, p[culled].clone(), moments))
+        yield
+        with torch.no_grad():
+            for name, p, culled, old, moments in kept:
+                p.index_copy_(0, culled, old)
+                state = self.optimizers[name].state[p]
+                for k in ("exp_avg", "exp_avg_sq"):
+                    if k in state:
+                        state[k].index_copy_(0, culled, moments.get(k, torch.zeros_like(state[k][culled])))
 
     def _step_gaussians(self, grad_scaler, param_groups: List[str]) -> List[str]:
         """Steps the gaussians' groups among ``param_groups`` in one fused pass where it can (else nothing);
@@ -256,7 +313,7 @@ class GaussianOptimizers(Optimizers):
             flag = fused_adam(
                 params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                 [s["step"] for s in states], [g["lr"] for g in groups], [g["eps"] for g in groups], beta1, beta2,
-                flag=flag,
+                flag=flag, radii=self._radii(params[0].shape[0]) if self.visible_adam else None,
             )  # fmt: skip
         opts += [self.optimizers[n] for n in taken]
         params += [self.optimizers[n].param_groups[0]["params"][0] for n in taken]

@@ -166,6 +166,11 @@ class SplatMetalModelConfig(SplatfactoModelConfig):
     """When a gaussian parameter or gradient becomes NaN/Inf (checked after every step, reported with the
     step and parameter): "recover" drops the affected gaussians and continues; "stop" ends training
     before that step is saved, keeping the last good checkpoint (splat_metal_method/engine/reliability.py)."""
+    visible_adam: bool = False
+    """Adam over the gaussians visible in the step's render only (gsplat's simple_trainer option of this name, its
+    SelectiveAdam): a gaussian culled in it (radius 0) keeps its parameters and both Adam moments, where torch's
+    Adam would step it with a zero gradient (its moments decay and momentum still moves it). Off: torch's Adam.
+    Measured quality: docs/training.md."""
     min_train_size: int = 128
     """Training never renders an image smaller than this many pixels on its longer side: splatfacto's
     resolution schedule (num_downscales) is clamped for small images (said once at start); 0: no

@@ -79,7 +79,9 @@ inline bool adam_row(device float* p, const device float* g, device float* m, de
 // slot), in place. The NaN guard's verdict comes out of the same pass: a simdgroup with a non-finite
 // gradient or updated parameter (simd_any, one vote) has its first lane store NaN into flag[0] with
 // one atomic; a finite step issues no atomic. No barriers, no threadgroup memory: threads past N vote
-// "finite" and do nothing else. Bounds: n < N checked before any access; row n of slot k is
+// "finite" and do nothing else. With `cams` > 0 (the model's visible_adam, engine/optimizers.py) a gaussian
+// whose radius is 0 in every one of the render's cameras takes no step: its row of every slot (parameter and
+// both moments) is neither read nor written (gsplat's SelectiveAdam; the step counters stay per tensor). Bounds: n < N checked before any access; row n of slot k is
 // [n * width_k, (n + 1) * width_k).
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void adam_step(
@@ -99,9 +101,15 @@ kernel void adam_step(
     device atomic_float* flag [[buffer(25)]],  // [1]
     constant long& N [[buffer(26)]],
     constant long& widths [[buffer(27)]],  // byte k: floats per row of slot k
+    const device int* radii [[buffer(28)]],  // [cams, N] the render's radii (visible_adam), else a placeholder
+    constant long& cams [[buffer(29)]],      // 0: every gaussian steps; else only one with a radius > 0 in a camera
     uint n [[thread_position_in_grid]]) {
   bool ok = true;
-  if ((long)n < N) {
+  bool visible = cams == 0;
+  for (long c = 0; c < cams && !visible && (long)n < N; ++c) {
+    visible = radii[c * N + n] > 0;
+  }
+  if ((long)n < N && visible) {
     const float b1 = coef[SPLAT_ADAM_SLOTS * SPLAT_ADAM_COEFS + 0];
     const float b2 = coef[SPLAT_ADAM_SLOTS * SPLAT_ADAM_COEFS + 1];
     ok = adam_row(p0, g0, m0, v0, (widths >> 0) & 255, n, coef, 0, b1, b2) && ok;

@@ -28,6 +28,7 @@ MAX_WIDTH = 255  # floats per row of one slot (a byte of adam_step's `widths`)
 # ledger counts them twice, so Adam's bytes are its accesses (7 per float: p, g, m, v read; p, m, v written).
 READ_WRITE_ARGS = tuple(4 * k + j for k in range(SLOTS) for j in (0, 2, 3))
 
+_no_radii: Dict[torch.device, Tensor] = {}  # adam_step's radii placeholder where every gaussian steps
 _scratch: Dict[torch.device, list] = {}  # device -> [coef, flags, steps so far]: reused (stream-ordered)
 
 
@@ -88,14 +89,24 @@ def fused_adam(
     beta1: float,
     beta2: float,
     flag: Optional[Tensor] = None,  # this step's flag where the SH step in the backward (ShStep) set it up
+    radii: Optional[Tensor] = None,  # [C, N] int32, the render's: a gaussian with radius 0 in each takes no step
 ) -> Tensor:  # [1] float32: 0, or NaN where a gradient or an updated parameter is not finite
     """One Adam step (torch's, amsgrad/weight decay/maximize off) of every tensor. No host sync. The flag
     is a buffer reused by the next step on this device: read (or copy) it before then. Given ``flag`` (what
-    the backward's SH step already folded its verdict into), this step folds its own into it."""
+    the backward's SH step already folded its verdict into), this step folds its own into it. Given ``radii``
+    (the model's visible_adam), a gaussian not visible in that render keeps its parameters and moments."""
     why = check(params, grads, exp_avgs, exp_avg_sqs, steps)
     if why:
         raise ValueError(f"[fused_adam] {why}")
     device = params[0].device
+    n = params[0].shape[0]
+    if radii is not None and (radii.dim() != 2 or radii.shape[1] != n or radii.dtype != torch.int32
+                              or radii.device != device or not radii.is_contiguous()):  # fmt: skip
+        raise ValueError(f"[fused_adam] radii must be [C, {n}] contiguous int32 on {device}, got "
+                         f"{list(radii.shape)} {radii.dtype} on {radii.device}")  # fmt: skip
+    cams = 0 if radii is None else radii.shape[0]
+    if radii is None:
+        radii = _no_radii.setdefault(device, torch.zeros(1, dtype=torch.int32, device=device))  # never read
     if flag is None:
         coef, flag = scratch(device)
         cleared = flag
@@ -105,12 +116,11 @@ def fused_adam(
     pad = SLOTS - k
     lib = _lib(device)
     _prepare(lib, steps, lrs, eps, beta1, beta2, coef, cleared)
-    n = params[0].shape[0]
     widths = sum(math.prod(p.shape[1:]) << (8 * i) for i, p in enumerate(params))
     quads = [t for i in range(k) for t in (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i])]
     quads += [params[0], grads[0], exp_avgs[0], exp_avg_sqs[0]] * pad  # unused slots: width 0, never read
     if n > 0:
-        lib.adam_step(*quads, coef, flag, n, widths, **grid_1d(n))
+        lib.adam_step(*quads, coef, flag, n, widths, radii, cams, **grid_1d(n))
     return flag
 
 
@@ -131,12 +141,15 @@ class ShStep:
     rates and eps are read when the backward takes the step. ``others``: the Adams of those of means, quats,
     scales and opacities (PARAMS_IN_BACKWARD) armed with them (project_bwd.metal PROJECT_ADAM_*), stepped
     in the same kernel where the backward differentiates exactly those tensors. ``flag``: that step's NaN
-    flag once taken; ``taken``: the groups it stepped (the SH groups first)."""
+    flag once taken; ``taken``: the groups it stepped (the SH groups first). ``visible_only`` (the model's
+    visible_adam): the kernel leaves a gaussian culled in that render (radius 0) and its moments untouched
+    (project_bwd.metal PROJECT_ADAM_VISIBLE)."""
 
     optimizers: tuple  # (features_dc's, features_rest's) torch.optim.Adam
     others: Dict[str, torch.optim.Optimizer] = field(default_factory=dict)  # name -> its Adam
     flag: Optional[Tensor] = None  # [1] set when taken
     taken: Tuple[str, ...] = ()  # set when taken
+    visible_only: bool = False  # the model's visible_adam: a gaussian culled in the render takes no step at all
 
     def params(self) -> tuple:
         return tuple(opt.param_groups[0]["params"][0] for opt in self.optimizers)
@@ -165,7 +178,7 @@ def take_sh_step(sh_dc: Tensor, sh_rest: Tensor, others: Optional[Dict[str, Opti
     gradient) that is the armed tensor), derives the coefficients (adam_prepare: slot 0 features_dc, slot 1
     features_rest, then the others in PARAMS_IN_BACKWARD's order), clears a flag, disarms and returns the buffers
     project_bwd binds: (coef, flag, exp_avg dc, exp_avg_sq dc, exp_avg rest, exp_avg_sq rest, {name: (exp_avg,
-    exp_avg_sq, slot)}). Else None."""
+    exp_avg_sq, slot)}, visible_only). Else None."""
     global _armed
     step = _armed
     if step is None:
@@ -195,4 +208,4 @@ def take_sh_step(sh_dc: Tensor, sh_rest: Tensor, others: Optional[Dict[str, Opti
     step.flag = flag
     step.taken = ("features_dc", "features_rest") + tuple(names)
     more = {name: (*tensors[2 + i], 2 + i) for i, name in enumerate(names)}
-    return coef, flag, tensors[0][0], tensors[0][1], tensors[1][0], tensors[1][1], more
+    return coef, flag, tensors[0][0], tensors[0][1], tensors[1][0], tensors[1][1], more, step.visible_only

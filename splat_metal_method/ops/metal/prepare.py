@@ -36,6 +36,7 @@ SH_DEGREE_SHIFT, SH_K_SHIFT = 16, 20  # project_bwd.metal: the SH degree and K r
 # step in the backward too; their adam_coef slots ride in bytes of the flags from ADAM_SLOT_SHIFT
 ADAM_PARAM_FLAGS = (2048, 4096, 8192, 16384)
 ADAM_SLOT_SHIFT = 32
+ADAM_VISIBLE = 32768  # project_bwd.metal PROJECT_ADAM_VISIBLE: a culled gaussian takes no step (visible_adam)
 # per parameter of PARAMS_IN_BACKWARD: its own slot, its exp_avg's (its gradient's) and its exp_avg_sq's
 ADAM_PARAM_ARGS = ((0, 10, 15), (1, 11, 16), (2, 12, 17), (21, 24, 20))
 
@@ -127,7 +128,7 @@ class PrepareFn(torch.autograd.Function):
         v_opacities_out, v_colors = grad_or_zeros(v_opacities_out), grad_or_zeros(v_colors, 3)
         # the SH coefficients' Adam step, where the optimizer armed it for these parameters (engine/optimizers.py):
         # one camera (a thread holds its gaussian's whole gradient), splatfacto's bands apart, both need a gradient
-        sh_step, more = None, {}
+        sh_step, more, visible_only = None, {}, False
         if shade_in_projection and C == 1 and sh_rest is not None and K > 1 and need[4] and need[5]:
             from .adam import take_sh_step
 
@@ -136,7 +137,7 @@ class PrepareFn(torch.autograd.Function):
             others = {k: t if need[i] else None for i, (k, t) in enumerate(others.items())}
             sh_step = take_sh_step(sh_dc, sh_rest, others)
             if sh_step is not None:
-                sh_step, more = sh_step[:6], sh_step[6]
+                sh_step, more, visible_only = sh_step[:6], sh_step[6], sh_step[7]
         lead = () if C == 1 else (C,)  # [C, N, .] written flat; for one camera the inputs' own shapes
 
         def grad_buffer(name, shape):  # a gradient's buffer, or (stepped here) its exp_avg: nothing allocated
@@ -168,7 +169,7 @@ class PrepareFn(torch.autograd.Function):
         adam_coef, adam_flag, m_dc, v_dc2, m_rest, v_rest2 = (v_means2d, v_means2d, v_dc, v_means2d, v_rest, v_dirs)
         avg_sqs = [v_means, v_quats, v_scales, v_means2d]  # placeholders where no parameter is stepped here
         if sh_step is not None:  # no coefficient gradient is written: the moments take those buffers' slots
-            flags |= SH_ADAM
+            flags |= SH_ADAM | (ADAM_VISIBLE if visible_only else 0)
             adam_coef, adam_flag, m_dc, v_dc2, m_rest, v_rest2 = sh_step
             for i, name in enumerate(("means", "quats", "scales", "opacities")):
                 if name in more:  # exp_avg in its gradient's slot (above), exp_avg_sq in a freed one

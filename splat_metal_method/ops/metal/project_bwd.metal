@@ -96,6 +96,11 @@ inline void mat3_mul_at(thread const float* a, thread const float* b, thread flo
 #define PROJECT_ADAM_SCALES 8192
 #define PROJECT_ADAM_OPACITIES 16384
 #define PROJECT_ADAM_SLOT_SHIFT 32
+// PROJECT_ADAM_VISIBLE (with PROJECT_SH_ADAM; the model's visible_adam option, engine/optimizers.py): a culled gaussian
+// (radius 0 in this one camera: not visible in this render) takes no Adam step at all, neither its parameters nor
+// their moments are read or written (gsplat's SelectiveAdam); a visible one's step is the same as without it. The
+// step counters and bias corrections stay per tensor (adam_prepare), as torch's.
+#define PROJECT_ADAM_VISIBLE 32768
 #define PROJECT_CALC_COMP 512    // the compensation term is in use (was a buffer of its own)
 #define PROJECT_CALC_CAMERA 1024 // camera gradients: uniform, so barriers stay uniform (was a buffer of its own)
 #define PROJECT_SH_DEGREE_SHIFT 16
@@ -493,6 +498,7 @@ kernel void project_bwd(
     }
   } else if (g < N) {
     const float zeros[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // culled: every gradient 0, stepped all the same
+    const bool step_culled = (flags & PROJECT_ADAM_VISIBLE) == 0;  // PROJECT_ADAM_VISIBLE: no step for it
     for (int k = 0; k < 3; ++k) {
       if (!adam_means) {
         v_means[3 * idx + k] = 0.0f;
@@ -509,19 +515,21 @@ kernel void project_bwd(
     if ((flags & PROJECT_FUSED) != 0 && !adam_opacities) {
       v_opacities[idx] = 0.0f;  // culled: its opacity_out was the constant 0
     }
-    if (adam_means) {
+    if (adam_means && step_culled) {
       sh_ok = project_adam_row(means, zeros, v_means, avg_sq_means, 3, g, adam_coef, slot_means) && sh_ok;
     }
-    if (adam_quats) {
+    if (adam_quats && step_culled) {
       sh_ok = project_adam_row(quats, zeros, v_quats, avg_sq_quats, 4, g, adam_coef, slot_quats) && sh_ok;
     }
-    if (adam_scales) {
+    if (adam_scales && step_culled) {
       sh_ok = project_adam_row(scales, zeros, v_scales, avg_sq_scales, 3, g, adam_coef, slot_scales) && sh_ok;
     }
-    if (adam_opacities) {
+    if (adam_opacities && step_culled) {
       sh_ok = project_adam_row(opacities, zeros, v_opacities, avg_sq_opacities, 1, g, adam_coef, slot_opacities) && sh_ok;
     }
-    if (shade && sh_adam) {  // culled: gradient 0, stepped all the same (as torch's Adam steps every row)
+    if (shade && sh_adam && !step_culled) {
+      // PROJECT_ADAM_VISIBLE: the coefficients and their moments untouched; no coefficient gradient is written
+    } else if (shade && sh_adam) {  // culled: gradient 0, stepped all the same (as torch's Adam steps every row)
       SplatShColorGrad t;
       t.n_bases = 0;
       sh_ok = project_sh_adam(g, sh_k, rest_stride, &t, sh_dc, sh_rest, v_sh_dc, v_comp, v_sh_rest, v_means_sh,
