@@ -516,8 +516,9 @@ def _records(trace: Path) -> List[dict]:
     return [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
 
 
-def _stop(proc: subprocess.Popen, timeout: float = 60) -> bool:
-    """Ctrl+C to the process group, as a user would; SIGKILL if it does not end. True if it ended by itself."""
+def _stop(proc: subprocess.Popen, timeout: float = 120) -> bool:
+    """Ctrl+C to the process group, as a user would; SIGKILL if it does not end. True if it ended by itself.
+    (The render in flight finishes first: under the emulator on a loaded 2-core machine one took over 60 s.)"""
     if proc.poll() is not None:
         return True
     os.killpg(proc.pid, signal.SIGINT)
