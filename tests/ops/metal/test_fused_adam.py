@@ -24,10 +24,10 @@ import pytest
 import torch
 from nerfstudio.engine.optimizers import Optimizers
 from test_adam import LRS, config, gaussians, resumed
-from test_sh_adam import STEPS, assert_same, run, train_step
+from test_sh_adam import STEPS, assert_same, plant_in_project_bwd, run, train_step
 
 from splat_metal_method.engine.optimizers import GaussianOptimizers
-from splat_metal_method.ops.metal import kernels, prepare, runtime
+from splat_metal_method.ops.metal import runtime
 
 ALL = tuple(LRS)
 
@@ -87,13 +87,8 @@ def test_the_fused_step_matches_torch_adam():
 
 def test_a_planted_bug_fails_the_twin_comparison(monkeypatch):
     """project_bwd.metal's step of the quats (a visible gaussian's) with the means' adam_coef slot."""
-    group = prepare.project_bwd_library(torch.device("cpu"))[1]
-    src = kernels.stage_source("project_bwd.metal", extra=(("SPLAT_PROJECT_BWD_GROUP", group),))
     old = "v_quat, v_quats, avg_sq_quats, 4, g, adam_coef, slot_quats"
-    assert src.count(old) == 1, "project_bwd.metal changed: update the planted bug"
-    planted = runtime.library_for("cpu", src.replace(old, old.replace("slot_quats", "slot_means")),
-                                  name="project_bwd.metal")  # fmt: skip
-    monkeypatch.setattr(prepare, "project_bwd_library", lambda device: (planted, group))
+    plant_in_project_bwd(monkeypatch, old, old.replace("slot_quats", "slot_means"))
     with pytest.raises(AssertionError, match="quats param differs from the twin"):
         run([make("twin"), make("fused")], 3, range(4))
 

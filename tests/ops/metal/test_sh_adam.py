@@ -110,14 +110,18 @@ def test_the_fused_sh_step_matches_torch_adam():
     run([make("torch"), make("fused")], 3)
 
 
-def test_a_planted_bug_fails_the_twin_comparison(monkeypatch):
-    """project_bwd.metal's SH step with the rest's coefficients on band 0's coefficients (learning rate)."""
+def plant_in_project_bwd(monkeypatch, old: str, new: str) -> None:
+    """The backward compiled with ``old`` (found once in project_bwd.metal) replaced by ``new``, for this test."""
     group = prepare.project_bwd_library(torch.device("cpu"))[1]
     src = kernels.stage_source("project_bwd.metal", extra=(("SPLAT_PROJECT_BWD_GROUP", group),))
-    old = "adam_coef, k == 0 ? 0 : 1, b1, b2"
     assert src.count(old) == 1, "project_bwd.metal changed: update the planted bug"
-    planted = runtime.library_for("cpu", src.replace(old, "adam_coef, 0, b1, b2"), name="project_bwd.metal")
+    planted = runtime.library_for("cpu", src.replace(old, new), name="project_bwd.metal")
     monkeypatch.setattr(prepare, "project_bwd_library", lambda device: (planted, group))
+
+
+def test_a_planted_bug_fails_the_twin_comparison(monkeypatch):
+    """project_bwd.metal's SH step with the rest's coefficients on band 0's coefficients (learning rate)."""
+    plant_in_project_bwd(monkeypatch, "adam_coef, k == 0 ? 0 : 1, b1, b2", "adam_coef, 0, b1, b2")
     with pytest.raises(AssertionError, match="features_rest param differs from the twin"):
         run([make("twin"), make("fused")], 3, range(4))
 

@@ -19,11 +19,11 @@ import types
 import pytest
 import torch
 from test_adam import LRS, SCALER, config, densify, gaussians
-from test_sh_adam import STEPS, H, W, assert_same
+from test_sh_adam import STEPS, H, W, assert_same, plant_in_project_bwd
 
 from splat_metal_method.engine.optimizers import GaussianOptimizers
 from splat_metal_method.ops import rasterization
-from splat_metal_method.ops.metal import adam, kernels, prepare, runtime
+from splat_metal_method.ops.metal import adam, kernels, runtime
 
 ALL = tuple(LRS)
 
@@ -168,12 +168,9 @@ def test_a_culled_gaussian_keeps_everything_and_a_visible_one_takes_torch_adams_
 
 def test_a_planted_bug_in_the_kernels_skip_fails_the_twin_comparison(monkeypatch):
     """project_bwd.metal stepping the culled gaussians although PROJECT_ADAM_VISIBLE is set."""
-    group = prepare.project_bwd_library(torch.device("cpu"))[1]
-    src = kernels.stage_source("project_bwd.metal", extra=(("SPLAT_PROJECT_BWD_GROUP", group),))
-    old = "const bool step_culled = (flags & PROJECT_ADAM_VISIBLE) == 0;"
-    assert src.count(old) == 1, "project_bwd.metal changed: update the planted bug"
-    planted = runtime.library_for("cpu", src.replace(old, "const bool step_culled = true;"), name="project_bwd.metal")
-    monkeypatch.setattr(prepare, "project_bwd_library", lambda device: (planted, group))
+    plant_in_project_bwd(
+        monkeypatch, "const bool step_culled = (flags & PROJECT_ADAM_VISIBLE) == 0;", "const bool step_culled = true;"
+    )
     with pytest.raises(AssertionError, match="differs from the twin"):
         run([make("twin"), make("fused")], 3, range(4))
 
