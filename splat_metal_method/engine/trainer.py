@@ -135,6 +135,7 @@ class SplatMetalTrainer(Trainer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.train_lock = TurnTakingLock()  # before setup() hands it to the viewer
+        self._collective_failed = False
         try:  # set up already by the config's set_timestamp under ns-train; here for other callers
             ctx = distributed.setup(self.config.machine.device_type, self.config.machine.num_devices)
         except distributed.DistributedError as e:
@@ -284,6 +285,8 @@ class SplatMetalTrainer(Trainer):
 
     # ---- signals
     def _on_signal(self, signum, frame) -> None:
+        if self._collective_failed:  # torchrun's SIGTERM after the failure this rank is already reporting
+            return
         if self._stop_signal is not None:  # the second one: stop now
             if self.sharded is not None:  # torchrun passes a terminal's Ctrl-C on once more: the same request
                 return
@@ -327,8 +330,8 @@ class SplatMetalTrainer(Trainer):
         try:
             yield
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+            for s, handler in previous.items():  # after a failed collective torchrun's SIGTERM stays ignored
+                signal.signal(s, signal.SIG_IGN if self._collective_failed and s == signal.SIGTERM else handler)
 
     def _restore_signals(self) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -339,20 +342,16 @@ class SplatMetalTrainer(Trainer):
     def train(self) -> None:
         try:
             with self._stop_on_signals():
-                super().train()
+                try:
+                    super().train()
+                except RuntimeError as e:
+                    if self.sharded is None or not distributed.is_collective_failure(e):
+                        raise
+                    self._stop_after_collective_failure(e)
         except NonFiniteError as e:
             self._stop(f"{e.message}{self._last_good()}", NonFiniteError)
         except CheckpointWriteError as e:
             self._stop(str(e.code), CheckpointWriteError)
-        except RuntimeError as e:
-            if self.sharded is None or not distributed.is_collective_failure(e):
-                raise
-            self._stop(
-                f"splat-metal distributed: rank {self.sharded.ctx.rank} stopped at step {self.step}: a collective with "
-                f"the other ranks failed ({str(e).splitlines()[0][:300]}). Another rank died, hung or was stopped: "
-                f"torchrun's summary names it.{self._last_good()}",
-                distributed.CollectiveFailed,
-            )
         except KeyboardInterrupt:
             if self.training_state == "completed":  # Ctrl-C in the viewer's wait after training: quit
                 self._shutdown()
@@ -367,6 +366,21 @@ class SplatMetalTrainer(Trainer):
         if self._cut_short:  # _after_train saved the checkpoint and shut the viewer down
             raise SystemExit(INTERRUPTED_EXIT_CODE)
         self._shutdown()  # finished: no viewer render may still be running when the process exits
+
+    def _stop_after_collective_failure(self, error: RuntimeError) -> None:
+        """Another rank died, hung or was stopped. torchrun sees the same failure and sends this rank SIGTERM
+        a moment later: from here on that signal is ignored (``_on_signal``), and the message is written
+        and flushed before anything else, inside the signal handlers, so it cannot be lost to the race."""
+        self._collective_failed = True
+        message = (
+            f"splat-metal distributed: rank {self.sharded.ctx.rank} stopped at step {self.step}: a collective with "
+            f"the other ranks failed ({str(error).splitlines()[0][:300]}). Another rank died, hung or was stopped: "
+            f"torchrun's summary names it.{self._last_good()}"
+        )
+        print(message, file=sys.stderr, flush=True)
+        writer.write_out_storage()
+        self._shutdown()
+        raise distributed.CollectiveFailed(1)
 
     def _last_good(self) -> str:
         last = self._latest_checkpoint()

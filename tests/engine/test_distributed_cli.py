@@ -273,10 +273,26 @@ def _intact(run: Path) -> None:
     assert n > 0 and state["optimizers"]["means"]["state"][0]["exp_avg"].shape[0] == n
 
 
+def _sigterm_until_ended(rank_0: int, rank_1: int) -> None:
+    """torchrun SIGTERMs the surviving ranks as soon as it sees rank 1 gone, which may be while rank 0 is
+    still writing what failed; this sends SIGTERM again and again until rank 0 has exited, so the
+    message must survive a SIGTERM at any moment (a fresh-clone suite once lost it to that race)."""
+    deadline = time.monotonic() + 120
+    while not _ended(rank_0) and time.monotonic() < deadline:
+        try:
+            os.kill(rank_0, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+
+
 def test_a_killed_rank_stops_the_others_with_a_message_naming_it(scene, tmp_path):
-    code, text, took, run = _start_and_hurt(scene, tmp_path, lambda pid: os.kill(pid, signal.SIGKILL))
+    code, text, took, run = _start_and_hurt(
+        scene, tmp_path, lambda pid: os.kill(pid, signal.SIGKILL), after_hurt=_sigterm_until_ended
+    )
     flat = " ".join(text.split())
     assert code != 0 and took < 120, (code, took)
+    assert re.search(r"rank : 0 \(local_rank: 0\) exitcode : 1 ", flat), text[-3000:]  # its own exit, not SIGTERM
     assert "a collective with the other ranks failed" in flat, text[-3000:]
     assert re.search(r"Root Cause .*? rank : 1 \(local_rank: 1\) exitcode : -9", flat), text[-3000:]  # torchrun's
     _intact(run)
