@@ -330,6 +330,12 @@ def kernel_grows(name: str) -> str:
 
 
 OURS_ATOMICS_PER_GROUP = 11  # rasterize_bwd.metal: 8 + D quantities (conic 3, opacity, means2d 2, absgrad 2, rgb 3)
+# rasterize_bwd.metal reduces three float4s per active group whatever it issues after (conic + opacity, the
+# 2-D gradient and its absolute value, rgb + a pad): 12 components. The number of active groups is read from
+# these and not from the atomics, which the tile merge (SPLAT_METAL_BWD_TILE_MERGE) and a step without absgrad
+# issue fewer of per group: counted from the atomics, such a step had fewer groups, and its reductions and
+# atomics were scaled up by as much as they had gone down.
+OURS_SUMS_PER_GROUP = 12
 PIXEL_PARTS = ("model, loss, camera opt",)
 
 
@@ -386,7 +392,9 @@ class OursFromLedger:
 
     def _measured_groups(self) -> float:
         w = self.ledger["kernels"].get("rasterize_bwd", {})
-        return max(w.get("device_atomics", 0) / OURS_ATOMICS_PER_GROUP, 1.0)
+        if w.get("simd_reductions"):
+            return max(w["simd_reductions"] / OURS_SUMS_PER_GROUP, 1.0)
+        return max(w.get("device_atomics", 0) / OURS_ATOMICS_PER_GROUP, 1.0)  # a ledger without the sums
 
     def step(self, s: Scene, device: str, c: Calib) -> Breakdown:
         led = self.ledger

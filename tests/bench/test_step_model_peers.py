@@ -119,6 +119,21 @@ def test_ours_over_msplat_follows_the_ledger_counts():
     assert b.gpu_ms > a.gpu_ms and a.cpu_ms == b.cpu_ms
 
 
+def test_fewer_backward_atomics_per_group_model_a_faster_backward():
+    """The tile merge and a step without absgrad issue fewer atomics for the same active groups (the same simd
+    reductions): the backward must model faster. Counting groups from the atomics made it slower: the fewer
+    atomics read as fewer groups, and the scene's groups scaled the reductions up by as much."""
+    led = peers.ledger_dict(ledger_snapshots.BEFORE_ISSUE30["garden-points 20k 1/4"])
+    merged = copy.deepcopy(led)
+    merged["kernels"]["rasterize_bwd"]["device_atomics"] = led["kernels"]["rasterize_bwd"]["device_atomics"] * 9 // 11
+    for scene in peers.COMPARE_SCENES:
+        old = peers.OursFromLedger(led).step(scene, M4, peers.CALIBRATED)
+        new = peers.OursFromLedger(merged).step(scene, M4, peers.CALIBRATED)
+        saved = old.terms["rasterize backward"] - new.terms["rasterize backward"]
+        expected = peers._Gpu(M4, peers.CALIBRATED).atomics_ms(2 * scene.groups)  # 2 of 11 atomics a group
+        assert saved == pytest.approx(expected, rel=0.02), (scene.name, saved, expected)
+
+
 def test_ledger_dict_round_trips_a_ledger():
     from splat_metal_method.bench.step_ledger import KernelWork, Ledger
 
