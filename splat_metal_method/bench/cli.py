@@ -6,6 +6,8 @@ into an issue.
     splat-metal-bench --out results/  # where bench.csv, memory.csv, memory.png and summary.txt go
     splat-metal-bench --vs msplat [--data my_scene]  # side by side with msplat where it is installed
                                                      # (msplat_bench.py: matched settings, one line)
+    splat-metal-bench --vs tile-merge  # the metal backend with the backward's tile merge off, then on
+                                       # (SPLAT_METAL_BWD_TILE_MERGE): backward ms and atomics of each, one line
 
 For each standard scene (the demo scene; garden-points at 1/4 and full size of its 648x420 cameras
 when garden_points.npz is found, see bench_scenes.py) and backend, nerfstudio's Trainer runs a short
@@ -51,6 +53,8 @@ class Run:
     host_syncs: Optional[int] = None
     memory: List[Dict[str, float]] = field(default_factory=list)  # step, gaussians, MiB columns
     gaussians: int = 0
+    variant: str = ""  # --vs tile-merge: "direct" or "tile merge"
+    device_atomics: Optional[int] = None  # of the counted step (the step ledger's; our kernels only)
 
     @property
     def steps_per_s(self) -> float:
@@ -79,7 +83,25 @@ def memory_sample(device: str) -> Dict[str, float]:
 
 
 def run_scene(data: Path, scene: str, backend: str, device: str, steps: int, hooks: bool, mem_every: int,
-              refine_every: int, work: Path, count_syncs: bool) -> Run:  # fmt: skip
+              refine_every: int, work: Path, count_syncs: bool, tile_merge: Optional[bool] = None) -> Run:  # fmt: skip
+    """One training run. ``tile_merge`` (metal backend): the backward's tile merge on or off for this run
+    (ops/metal/rasterize_bwd.py TILE_MERGE, read at each call); None leaves it as the environment set it."""
+    from ..ops.metal import rasterize_bwd
+
+    merge_before = rasterize_bwd.TILE_MERGE
+    if tile_merge is not None:
+        rasterize_bwd.TILE_MERGE = tile_merge
+    try:
+        run = _run_scene(data, scene, backend, device, steps, hooks, mem_every, refine_every, work, count_syncs)
+    finally:
+        rasterize_bwd.TILE_MERGE = merge_before
+    if tile_merge is not None:
+        run.variant = "tile merge" if tile_merge else "direct"
+    return run
+
+
+def _run_scene(data: Path, scene: str, backend: str, device: str, steps: int, hooks: bool, mem_every: int,
+               refine_every: int, work: Path, count_syncs: bool) -> Run:  # fmt: skip
     from nerfstudio.engine.callbacks import TrainingCallbackLocation  # noqa: F401 (before writer: import order)
     from nerfstudio.utils import writer
 
@@ -115,6 +137,7 @@ def run_scene(data: Path, scene: str, backend: str, device: str, steps: int, hoo
             with step_ledger.count("bench", step_ledger.host_resident(trainer)) as ledger:
                 timed_step(trainer, step, device)
             run.host_syncs = ledger.host_syncs
+            run.device_atomics = ledger.kernel_total().device_atomics
         run.gaussians = len(model.means)
         return run
     finally:
@@ -146,7 +169,7 @@ def write_outputs(runs: List[Run], out: Path, device: str) -> Path:
     with open(out / "bench.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["scene", "backend", "hooks", "steps", "gaussians", "steps_per_s", "host_syncs_per_step",
-                    *(f"{s}_ms" for s in STAGES)])  # fmt: skip
+                    *(f"{s}_ms" for s in STAGES), "variant", "device_atomics_per_step"])  # fmt: skip
         for r in runs:
             w.writerow(
                 [
@@ -158,6 +181,8 @@ def write_outputs(runs: List[Run], out: Path, device: str) -> Path:
                     f"{r.steps_per_s:.3f}",
                     "" if r.host_syncs is None else r.host_syncs,
                     *(f"{r.median(s):.2f}" for s in STAGES),
+                    r.variant,
+                    "" if r.device_atomics is None else r.device_atomics,
                 ]
             )
     keys = sorted({k for r in runs for m in r.memory for k in m} - {"step", "gaussians"})
@@ -210,6 +235,45 @@ def summary_line(runs: List[Run], device: str) -> str:
     return " | ".join(parts)
 
 
+def tile_merge_line(runs: List[Run], device: str) -> str:
+    """One line: per scene the backward's median ms and the step's device atomics, direct then merged."""
+    parts = [f"splat-metal-bench --vs tile-merge, {device} {platform.machine()} {platform.platform(terse=True)}",
+             f"torch {torch.__version__}"]  # fmt: skip
+    if device != "mps":
+        parts.append("EMULATED (the Metal kernels on the CPU): the times say nothing of a Mac, the atomics are counted")
+    by_scene: Dict[str, Dict[str, Run]] = {}
+    for r in runs:
+        by_scene.setdefault(r.scene, {})[r.variant] = r
+    for scene, pair in by_scene.items():
+        d, m = pair["direct"], pair["tile merge"]
+        bd, bm = d.median("backward"), m.median("backward")
+        parts.append(
+            f"{scene}: backward {bd:.2f} ms direct, {bm:.2f} ms merged (merged / direct {bm / bd if bd else 0:.2f}), "
+            f"step {1000 / d.steps_per_s if d.steps_per_s else 0:.2f} / {1000 / m.steps_per_s if m.steps_per_s else 0:.2f} ms, "
+            f"device atomics a step {d.device_atomics} / {m.device_atomics}"
+        )
+    return " | ".join(parts)
+
+
+def tile_merge_ab(scene_paths: Dict[str, Path], device: str, steps: int, mem_every: int, refine_every: int,
+                  work: Path, out: Path, quick: bool) -> int:  # fmt: skip
+    """--vs tile-merge: each scene trained twice on the metal backend, the tile merge off then on, same seed."""
+    runs: List[Run] = []
+    n = EMULATED_QUICK_STEPS if (quick and device == "cpu") else steps
+    for scene, data in scene_paths.items():
+        for merge in (False, True):
+            t0 = time.perf_counter()
+            run = run_scene(data, scene, "metal", device, n, True, mem_every, refine_every, work, True, merge)
+            runs.append(run)
+            print(f"{scene}, metal, {run.variant}: backward {run.median('backward'):.1f} ms, "
+                  f"{run.device_atomics} device atomics a step ({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+    write_outputs(runs, out, device)
+    line = tile_merge_line(runs, device)
+    (out / "summary.txt").write_text(line + "\n")
+    print(f"\nPaste into an issue:\n{line}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="splat-metal-bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small demo scene, 8 steps (about a minute on a CPU)")
@@ -219,9 +283,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 200; --quick 8)")
     ap.add_argument("--mem-every", type=int, default=None, help="memory sample every N steps (default steps/20)")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default ./splat-metal-bench-<time>)")
-    ap.add_argument("--vs", choices=("msplat",), default=None,
-                    help="train msplat beside us with matched settings (needs `pip install msplat`: macOS 14+, "
-                         "Python 3.12+) and print one line")  # fmt: skip
+    ap.add_argument("--vs", choices=("msplat", "tile-merge"), default=None,
+                    help="msplat: train msplat beside us with matched settings (needs `pip install msplat`: macOS "
+                         "14+, Python 3.12+) and print one line; tile-merge: the metal backend with the backward's "
+                         "tile merge off, then on, and one line with the backward's ms and atomics of each")  # fmt: skip
     ap.add_argument("--data", type=Path, default=None, help="--vs: a nerfstudio-format scene (default: the demo)")
     ap.add_argument("--sh-degree", type=int, default=3, help="--vs: SH degree of both")
     ap.add_argument("--downscale", type=int, default=1, help="--vs: image downscale factor of both")
@@ -249,6 +314,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="splat_metal_bench_"))
     runs: List[Run] = []
+    if args.vs == "tile-merge":
+        return tile_merge_ab(scenes(args.quick, work), device, steps, mem_every, refine_every, work, out, args.quick)
     for i, (scene, data) in enumerate(scenes(args.quick, work).items()):
         for j, backend in enumerate(backends):
             # the emulator runs Metal kernels ~100x slower than a GPU: --quick times it on 3 steps

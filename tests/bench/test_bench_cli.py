@@ -67,3 +67,26 @@ def test_quick_bench_files(quick_run):
     assert len({m["gaussians"] for m in memory if m["backend"] == "cpu"}) > 1
     png = (out / "memory.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_vs_tile_merge_trains_both_and_counts_fewer_atomics_merged(tmp_path):
+    """`splat-metal-bench --vs tile-merge`: what a Mac user runs to settle the backward's tile merge (off by
+    default until measured). Here emulated: the line says its times say nothing, the atomics are counted."""
+    from cli_helpers import cli_env
+
+    out = tmp_path / "ab"
+    proc = subprocess.run([sys.executable, "-m", "splat_metal_method.bench.cli", "--quick", "--vs", "tile-merge",
+                           "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=900, env=cli_env(), cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    line = (out / "summary.txt").read_text().strip()
+    assert line in proc.stdout and "EMULATED" in line
+    m = re.search(r"demo 48x32: backward ([\d.]+) ms direct, ([\d.]+) ms merged .*device atomics a step (\d+) / (\d+)",
+                  line)  # fmt: skip
+    assert m, line
+    assert float(m[1]) > 0 and float(m[2]) > 0
+    assert 0 < int(m[4]) < int(m[3]), line  # the merge issues fewer atomics for the same training
+    rows = list(csv.DictReader(open(out / "bench.csv")))
+    assert [(r["backend"], r["variant"]) for r in rows] == [("metal", "direct"), ("metal", "tile merge")]
+    assert [int(r["device_atomics_per_step"]) for r in rows] == [int(m[3]), int(m[4])]
+    assert all(int(r["gaussians"]) > 0 for r in rows)
