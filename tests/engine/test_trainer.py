@@ -80,7 +80,7 @@ def test_resume_command_replaces_load_and_length_options():
 
 
 def test_first_signal_asks_to_stop_second_stops_at_once():
-    trainer = types.SimpleNamespace(stop_training=False, _stop_signal=None, sharded=None)
+    trainer = types.SimpleNamespace(stop_training=False, _stop_signal=None, sharded=None, _collective_failed=False)
     handler = SplatMetalTrainer._on_signal.__get__(trainer)
     handler(signal.SIGINT, None)
     assert trainer.stop_training and trainer._stop_signal == signal.SIGINT
@@ -92,12 +92,23 @@ def test_distributed_signal_is_agreed_on_and_a_repeat_is_the_same_request():
     """Under torchrun the ranks stop after the step they agree on (ShardedRun.step_end), not each on its
     own; a terminal's Ctrl-C reaches every rank and then again through torchrun: not a second press."""
     sharded = types.SimpleNamespace(stop_requested=False)
-    trainer = types.SimpleNamespace(stop_training=False, _stop_signal=None, sharded=sharded)
+    trainer = types.SimpleNamespace(stop_training=False, _stop_signal=None, sharded=sharded, _collective_failed=False)
     handler = SplatMetalTrainer._on_signal.__get__(trainer)
     handler(signal.SIGINT, None)
     assert sharded.stop_requested and not trainer.stop_training and trainer._stop_signal == signal.SIGINT
     handler(signal.SIGINT, None)  # no KeyboardInterrupt
     assert sharded.stop_requested and not trainer.stop_training
+
+
+def test_after_a_failed_collective_torchruns_sigterm_is_ignored():
+    """A rank that saw a collective fail is writing why; torchrun's SIGTERM for the same failure neither asks
+    for a step nor interrupts it (tests/engine/test_distributed_cli.py runs the real race)."""
+    sharded = types.SimpleNamespace(stop_requested=False)
+    trainer = types.SimpleNamespace(stop_training=False, _stop_signal=None, sharded=sharded, _collective_failed=True)
+    handler = SplatMetalTrainer._on_signal.__get__(trainer)
+    for _ in range(2):
+        handler(signal.SIGTERM, None)
+    assert not sharded.stop_requested and not trainer.stop_training and trainer._stop_signal is None
 
 
 def _turn_order(lock) -> list:
