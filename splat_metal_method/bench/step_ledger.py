@@ -1,7 +1,8 @@
 """The step ledger: what one training step (or render) of splat-metal asks of a Mac, counted on Linux.
 
 A real nerfstudio Trainer runs on CPU tensors with the Metal backend (its kernels under the MSL
-emulator) and, for one phase at a time (a steady training step, a refine step, an eval render),
+emulator) and, for one phase at a time (a steady training step, a refine step, an eval render, a steady step
+after refine stop),
 `count(...)` records:
 
 - host syncs, counted as a Mac runs the step: on MPS every read of a device tensor on the host drains

@@ -1,8 +1,8 @@
 """The step ledger (splat_metal_method/bench/step_ledger.py) holds the Metal training step to budgets.
 
 A real nerfstudio Trainer of splat-metal and splat-metal-mcmc runs on the demo scene with the Metal
-backend under the emulator; a steady step, a refine step and an eval render are counted as a Mac
-runs them. A count above its budget fails: the step got slower on a Mac (another host sync, more
+backend under the emulator; a steady step, a refine step, an eval render and a steady step after refine stop
+are counted as a Mac runs them. A count above its budget fails: the step got slower on a Mac (another host sync, more
 aten dispatches, more kernel launches or more work inside our kernels).
 
 BUDGETS is the one place to edit: today's numbers with small headroom. When a change lowers a
