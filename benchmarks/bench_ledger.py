@@ -1,5 +1,5 @@
 """The step ledger as a table: host syncs, aten dispatches, our kernel launches and the work inside
-our kernels per steady training step, refine step and eval render, for splat-metal and
+our kernels per steady training step, refine step, eval render and steady step after refine stop, for splat-metal and
 splat-metal-mcmc on the demo scene and a garden-points scene, then the modeled step time of garden
 at 1/4 and full resolution (a MODEL: splat_metal_method/bench/step_model.py).
 

@@ -6,9 +6,13 @@ OpenSplat, the peers' design choices, and our step against msplat's on the same 
     python benchmarks/bench_model.py --after after.json         # adds the rows of newer ledgers
     python benchmarks/bench_model.py --write-ledger after.json  # measure this tree's ledgers first (minutes)
     python benchmarks/bench_model.py --refit                    # refit the constants (else the stored fit)
+    python benchmarks/bench_model.py --write-ledger after.json --phases steady post_refine  # + the step after refine stop
 
 --write-ledger runs benchmarks/bench_ledger.py's two scenes (the demo 96x64 and, where garden_points.npz
-is found, garden-points 20k at 1/4) under the MSL emulator and writes their steady-step ledgers as JSON.
+is found, garden-points 20k at 1/4) under the MSL emulator and writes their steady-step ledgers as JSON; with
+--phases, also other phases of the step ledger, labelled "<scene> <phase>" (post_refine: a steady step after
+refine stop, which computes no densification statistics). The tables below read the steady ledgers; the other
+phases get their own rows ("after, <phase>").
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ sys.path.insert(0, str(ROOT))
 
 from splat_metal_method.bench import ledger_snapshots, peers  # noqa: E402
 
+PHASES = ("steady", "post_refine")  # of the step ledger, that --write-ledger measures
 
-def write_ledgers(path: Path) -> dict:
+
+def write_ledgers(path: Path, phases=("steady",)) -> dict:
     from splat_metal_method.bench import scenes as bench_scenes
     from splat_metal_method.bench import step_ledger
 
@@ -39,17 +45,32 @@ def write_ledgers(path: Path) -> dict:
         except FileNotFoundError as e:
             print(f"skipping {label}: {e}", flush=True)
             continue
-        led = step_ledger.measure(scene, "splat-metal", "metal", work / "outputs", phases=("steady",))["steady"]
-        out[label] = peers.ledger_dict(led)
-        print(f"measured {label}: {led.summary()}", flush=True)
+        leds = step_ledger.measure(scene, "splat-metal", "metal", work / "outputs", phases=tuple(phases))
+        for phase, led in leds.items():
+            key = label if phase == "steady" else f"{label} {phase}"
+            out[key] = peers.ledger_dict(led)
+            print(f"measured {key}: {led.summary()}", flush=True)
     path.write_text(json.dumps(out, indent=1))
     return out
 
 
+def by_phase(ledgers: dict) -> dict:
+    """{phase: {scene label: ledger}} of --write-ledger's JSON, "steady" first: a ledger written with --phases is
+    keyed "<scene> <phase>" and its "label" is the phase; any other (older files' labels name the scene) is steady."""
+    out = {"steady": {}}
+    for key, led in ledgers.items():
+        phase = led.get("label")
+        if phase in PHASES and phase != "steady" and key.endswith(f" {phase}"):
+            out.setdefault(phase, {})[key[: -len(phase) - 1]] = led
+        else:
+            out["steady"][key] = led
+    return {k: v for k, v in out.items() if v}
+
+
 def report(after: dict | None, calib: peers.Calib, rms: float, after_label: str = "after") -> str:
     runs = {"before": ledger_snapshots.BEFORE_ISSUE30}
-    if after:
-        runs[after_label] = after
+    for phase, ledgers in by_phase(after or {}).items():  # the steady ledgers first
+        runs[after_label if phase == "steady" else f"{after_label}, {phase}"] = ledgers
     parts = [
         "MODEL, not a measurement (splat_metal_method/bench/peers.py); `python benchmarks/bench_model.py`",
         "",
@@ -100,10 +121,17 @@ def main(argv=None) -> int:
     ap.add_argument("--write-ledger", type=Path, default=None, help="measure this tree's ledgers into this JSON")
     ap.add_argument("--after-label", default="after", help="what to call the newer ledgers' rows")
     ap.add_argument("--refit", action="store_true", help="fit the constants again instead of the stored fit")
+    ap.add_argument(
+        "--phases",
+        nargs="+",
+        default=["steady"],
+        choices=PHASES,
+        help="step-ledger phases --write-ledger measures (post_refine: a steady step after refine stop)",
+    )
     args = ap.parse_args(argv)
     after = None
     if args.write_ledger:
-        after = write_ledgers(args.write_ledger)
+        after = write_ledgers(args.write_ledger, args.phases)
     elif args.after:
         after = json.loads(args.after.read_text())
     calib, rms = peers.fit() if args.refit else (peers.CALIBRATED, peers.CALIBRATED_RMS)

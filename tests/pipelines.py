@@ -18,9 +18,10 @@ def seed_all(seed: int) -> None:
 
 
 def make_pipeline(data: Path, seed: int = 0, warmup: int = 10, refine_every: int = 20, sh_degree_interval: int = 10,
-                  backend: str = "auto", sh_degree: int = 3, camera_mode: str = "SO3xR3"):  # fmt: skip
+                  backend: str = "auto", sh_degree: int = 3, camera_mode: str = "SO3xR3", **model_options):  # fmt: skip
     """VanillaPipeline + Optimizers + training callbacks, as Trainer.setup builds them (no viewer), on
-    CPU, with the SO3xR3 camera optimizer (viewmats get gradients; ``camera_mode``) and a white background."""
+    CPU, with the SO3xR3 camera optimizer (viewmats get gradients; ``camera_mode``) and a white background;
+    ``model_options`` set further SplatMetalModelConfig fields."""
     from nerfstudio.cameras.camera_optimizers import CameraOptimizerConfig
 
     from splat_metal_method.method.configs import splat_metal_trainer_config
@@ -37,6 +38,9 @@ def make_pipeline(data: Path, seed: int = 0, warmup: int = 10, refine_every: int
     model.sh_degree_interval = sh_degree_interval
     model.sh_degree = sh_degree
     model.backend = backend  # "auto": SPLAT_METAL_BACKEND decides
+    for name, value in model_options.items():
+        assert hasattr(model, name), name
+        setattr(model, name, value)
     return setup_pipeline(cfg, "cpu", seed)
 
 

@@ -1,7 +1,8 @@
 """The step ledger: what one training step (or render) of splat-metal asks of a Mac, counted on Linux.
 
 A real nerfstudio Trainer runs on CPU tensors with the Metal backend (its kernels under the MSL
-emulator) and, for one phase at a time (a steady training step, a refine step, an eval render),
+emulator) and, for one phase at a time (a steady training step, a refine step, an eval render, a steady step
+after refine stop),
 `count(...)` records:
 
 - host syncs, counted as a Mac runs the step: on MPS every read of a device tensor on the host drains
@@ -373,6 +374,16 @@ METHODS = ("splat-metal", "splat-metal-mcmc")
 # buffers, compiled kernels). LOGGED_STEP is a steady step nerfstudio writes out (step % steps_per_log == 0,
 # default 10): the model computes the train PSNR and the loss dict's constant scale_reg only then.
 WARM_STEP, STEADY_STEP, LOGGED_STEP, REFINE_STEP = 3099, 3101, 3110, 3200
+# "post_refine": a steady step once the strategy has stopped refining (splatfacto's stop_split_at, 15,000 of 30,000
+# steps; MCMC's 25,000): refine_stop_iter + POST_REFINE_OFFSET, after an uncounted one two steps before it. From
+# refine_stop_iter on, gsplat's DefaultStrategy reads no statistics, and the model computes none (no absgrad in
+# the rasterizer's backward, no densify_stats): half of a default run's steps are this one.
+POST_REFINE_OFFSET = STEADY_STEP - 3000
+
+
+def post_refine_step(model) -> int:
+    """The step the "post_refine" phase counts: ``POST_REFINE_OFFSET`` steps past the strategy's refine_stop_iter."""
+    return int(model.strategy.refine_stop_iter) + POST_REFINE_OFFSET
 
 
 def build_trainer(data: Path, method: str = "splat-metal", backend: str = "metal", output_dir: Path = Path("/tmp"),
@@ -447,8 +458,9 @@ def _intersections(model) -> int:
 
 
 def measure(data: Path, method: str = "splat-metal", backend: str = "metal", output_dir: Path = Path("/tmp"),
-            phases=("steady", "logged", "refine", "eval")) -> Dict[str, Ledger]:  # fmt: skip
-    """Ledgers of a steady training step, a logged one, a refine step and an eval render of ``method``."""
+            phases=("steady", "logged", "refine", "eval", "post_refine")) -> Dict[str, Ledger]:  # fmt: skip
+    """Ledgers of a steady training step, a logged one, a refine step, an eval render and a steady step after
+    refine stop (post_refine_step) of ``method``, in the order given (steps only move forward: post_refine last)."""
     from nerfstudio.engine.callbacks import TrainingCallbackLocation  # noqa: F401 (before writer: import order)
     from nerfstudio.utils import writer
 
@@ -478,7 +490,12 @@ def measure(data: Path, method: str = "splat-metal", backend: str = "metal", out
                     model.get_outputs_for_camera(camera)
                 ledger.pixels = int(camera.width.sum()) * int(camera.height.sum())
             else:
-                step = {"steady": STEADY_STEP, "logged": LOGGED_STEP, "refine": REFINE_STEP}[phase]
+                step = {"steady": STEADY_STEP, "logged": LOGGED_STEP, "refine": REFINE_STEP}.get(phase)
+                if phase == "post_refine":
+                    step = post_refine_step(model)
+                    train_step(trainer, step - 2)  # uncounted, as WARM_STEP: the first step in a while
+                elif step is None:
+                    raise ValueError(f"[step_ledger] unknown phase {phase!r}")
                 camera_px = _train_pixels(trainer)
                 with count(phase, host_resident(trainer)) as ledger:
                     train_step(trainer, step)

@@ -171,6 +171,12 @@ class SplatMetalModelConfig(SplatfactoModelConfig):
     SelectiveAdam): a gaussian culled in it (radius 0) keeps its parameters and both Adam moments, where torch's
     Adam would step it with a zero gradient (its moments decay and momentum still moves it). Off: torch's Adam.
     Measured quality: docs/training.md."""
+    stats_after_refine_stop: bool = False
+    """Keep computing the image-plane statistics of densification (means2d.absgrad in the rasterizer's backward,
+    gsplat's retained means2d gradient) after the strategy stops reading them. Off (the default): gsplat's
+    DefaultStrategy reads them only while step < refine_stop_iter (--pipeline.model.stop-split-at), so from that
+    step on a training step computes neither (2 of the rasterizer backward's 11 atomics per gaussian and
+    simdgroup, its [C, N, 2] buffer); the parameters are the same bits either way (docs/step-model.md)."""
     min_train_size: int = 128
     """Training never renders an image smaller than this many pixels on its longer side: splatfacto's
     resolution schedule (num_downscales) is clamped for small images (said once at start); 0: no
@@ -342,6 +348,20 @@ class SplatMetalModel(SplatfactoModel):
             self._camera_matrices[idx] = ((scale, device), [(t, t._version) for t in inputs], viewmat, K)
         return viewmat, K
 
+    def strategy_reads_stats(self, step: int) -> bool:
+        """Whether the densification strategy reads training step ``step``'s image-plane statistics (means2d's
+        absgrad or retained gradient, the radii it accumulates into grad2d / count / radii). gsplat 1.4's
+        DefaultStrategy (our BudgetedStrategy) reads them in step_post_backward while ``step < refine_stop_iter``
+        and returns at once from then on: get_outputs then asks for no absgrad and skips step_pre_backward (which
+        retains means2d's gradient). Any other strategy (MCMC: absgrad off, no statistics) is asked as before;
+        stats_after_refine_stop keeps them every step. ``step`` is the model's, set by step_cb before each
+        training iteration (also the first one of a resumed run)."""
+        from gsplat.strategy import DefaultStrategy
+
+        if self.config.stats_after_refine_stop or not isinstance(self.strategy, DefaultStrategy):
+            return True
+        return step < self.strategy.refine_stop_iter
+
     def get_outputs(self, camera: Cameras) -> Dict[str, Union[torch.Tensor, List]]:
         if not isinstance(camera, Cameras):
             raise TypeError(f"SplatMetalModel.get_outputs needs a Cameras object, got {type(camera).__name__}")
@@ -405,9 +425,12 @@ class SplatMetalModel(SplatfactoModel):
             if raw["colors_rest"] is not None:
                 colors = torch.cat((colors[:, None, :], colors_rest), dim=1)  # [N, K, 3]
             scales, opacities = torch.exp(scales), torch.sigmoid(opacities).squeeze(-1)
-            raw, padded = {}, {}
+            # gsplat's distributed path (CUDA) refuses absgrad: a run that reads it until refine stop stays on ours
+            raw, padded = {}, {"absgrad_in_run": self.strategy.absgrad}
         elif self.training:  # Metal: intersection lists padded to this model's capacities, no host read
             padded["isect_capacity"] = self.isect_capacities
+        # absgrad only where a backward follows and the strategy reads it (not from refine_stop_iter on)
+        stats = self.training and self.strategy_reads_stats(self.step)
         render, alpha, self.info = rasterize(
             means=params["means"],
             quats=params["quats"],
@@ -423,7 +446,7 @@ class SplatMetalModel(SplatfactoModel):
             far_plane=1e10,
             render_mode=render_mode,
             sh_degree=sh_degree,
-            absgrad=self.strategy.absgrad,
+            absgrad=self.strategy.absgrad and stats,
             rasterize_mode=self.config.rasterize_mode,
             backend=backend,
             max_intersections=self.memory.render_budget(self.training),
@@ -431,7 +454,7 @@ class SplatMetalModel(SplatfactoModel):
             **padded,
         )
         self.memory.note_render(self.training, self.info)
-        if self.training:
+        if stats:  # DefaultStrategy's retains means2d's gradient for its statistics (without absgrad)
             self.strategy.step_pre_backward(
                 self.gauss_params, self.optimizers, self.strategy_state, self.step, self.info
             )

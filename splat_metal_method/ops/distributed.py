@@ -171,6 +171,7 @@ def distributed_rasterization(
     rasterize_mode: str = "classic",
     backend: str = "auto",
     max_intersections: Optional[int] = None,
+    absgrad_in_run: Optional[bool] = None,
 ) -> Tuple[Tensor, Tensor, Dict]:
     """Renders this rank's C_r cameras from the gaussians of every rank of ``group`` (default: the default
     process group; a process without an initialised process group is a world of one). Called collectively.
@@ -198,7 +199,10 @@ def distributed_rasterization(
     backend "gsplat" (CUDA, NCCL) passes the call to gsplat's ``rasterization(distributed=True)`` where
     that gives these semantics (same camera count and image size on every rank, no absgrad, the default
     group; meta["n_cameras"] is then C_r as above), and otherwise runs this module's implementation with
-    the reference stages on CUDA, warning once why."""
+    the reference stages on CUDA, warning once why. ``absgrad_in_run`` (None: ``absgrad``) is whether the run
+    asks for absgrad at any step: that choice of path follows it, so a run whose strategy reads absgrad until
+    its refine stop and computes none after it (model.py strategy_reads_stats) keeps one path, and the same
+    numbers, throughout."""
     initialised = dist.is_available() and dist.is_initialized()
     if not initialised and group is not None:
         raise RuntimeError("[distributed_rasterization] a group was given but torch.distributed is not initialised")
@@ -270,7 +274,10 @@ def distributed_rasterization(
     C_total = sum(cams_per_rank)
 
     if name == "gsplat":
-        misfit = gsplat_distributed_misfit(cams_per_rank, sizes, absgrad, group in (None, dist.group.WORLD), packed)
+        path_absgrad = absgrad if absgrad_in_run is None else bool(absgrad_in_run) or absgrad
+        misfit = gsplat_distributed_misfit(
+            cams_per_rank, sizes, path_absgrad, group in (None, dist.group.WORLD), packed
+        )
         if misfit is None:
             return _gsplat_distributed(
                 means, quats, scales, opacities, colors, viewmats, Ks, width, height, n_per_rank, cams_per_rank, rank,

@@ -165,6 +165,16 @@ def test_bench_model_prints_the_tables(tmp_path):
     for scene in peers.COMPARE_SCENES:
         assert out.count(f"| {scene.name} | before: ") == 2 and out.count(f"| {scene.name} | after: ") == 2
     assert "fork rast_bwd per-splat" in out and "not reproducible" in out
+    # ledgers written with --phases steady post_refine get their own rows, scene labels as the steady ones'
+    for label, led in list(after.items()):
+        after[f"{label} post_refine"] = dict(copy.deepcopy(led), label="post_refine")
+    path.write_text(json.dumps(after))
+    proc = subprocess.run([sys.executable, str(script), "--after", str(path)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for scene in peers.COMPARE_SCENES:
+        assert proc.stdout.count(f"| {scene.name} | after: ") == 2, proc.stdout
+        assert proc.stdout.count(f"| {scene.name} | after, post_refine: garden-points 20k 1/4 |") == 1
 
 
 def test_levers_say_where_cutting_pays():

@@ -375,3 +375,26 @@ def test_mcmc_on_two_processes_keeps_cap_max_resumes_bit_identical_and_exports(t
     from plyfile import PlyData
 
     assert PlyData.read(str(tmp_path / "export" / "splat.ply"))["vertex"].count == n
+
+
+POST_STEPS, POST_STOP = 45, 32  # a refine at step 30 (warm-up 20, every 10): the strategy reads steps 0..31
+
+
+def test_two_processes_past_refine_stop_end_with_the_bits_of_a_run_computing_the_statistics(tmp_path):
+    """From refine stop on, a step computes no absgrad and no statistics (model.py strategy_reads_stats): a run on
+    2 ranks past it ends with the bits of the same run computing them at every step
+    (--pipeline.model.stats-after-refine-stop True, as before issue 38)."""
+    out, scene = tmp_path, small_scene(tmp_path, 48, 36)
+
+    def train(timestamp, keep):
+        result = _train(out, _torchrun(2), timestamp, scene, max_num_iterations=POST_STEPS,
+                        pipeline__model__stop_split_at=POST_STOP, pipeline__model__stats_after_refine_stop=keep)  # fmt: skip
+        assert result.returncode == 0, result.tail()
+        return final_checkpoint(run_dir(out, timestamp))
+
+    with ThreadPoolExecutor(2) as pool:
+        skip, keep = pool.submit(train, "skip", False), pool.submit(train, "keep", True)
+        skip, keep = skip.result(), keep.result()
+    assert skip["step"] == keep["step"] == POST_STEPS - 1
+    differences = checkpoint_differences(skip, keep)
+    assert differences == [], differences[:20]
