@@ -239,8 +239,8 @@ inline bool bin_entries(const device float* means2d, const device int* radii, co
 // zeroed by isect_count) and stores the counter's old value, its rank among its tile's entries, in
 // slots[out] (out: its emission position, < capacity). The entries past the rectangle (isect_emit's
 // tile 0 padding; none while the rectangle holds `count` tiles) take consecutive ranks of tile `base`
-// with one atomic add of their number. The counters keep the bins' lengths (bin_fill reads none of them; the next
-// isect_count zeroes them).
+// with one atomic add of their number. The counters keep the bins' lengths (bin_fill reads none of
+// them; the next isect_count zeroes them).
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void bin_count(
     const device float* means2d [[buffer(0)]],        // [C*N, 2]
