@@ -293,6 +293,24 @@ def scale_compare_table(step: dict, before: dict, after: dict) -> str:
     return "\n".join(lines)
 
 
+def scale_terms_table(step: dict, rows: dict) -> str:
+    """Markdown: our modeled GPU terms (ms) at issue 30's scenes (peers.COMPARE_SCENES), from the 20k step
+    ledger ``step`` corrected by the scale ledgers ``rows`` (of the same tree), as scale_compare_table prices them."""
+    from . import peers
+
+    found = {}
+    for s in peers.COMPARE_SCENES:
+        k, base = f"{int(s.gaussians)} {s.width}x{s.height}", rows.get(f"20000 {s.width}x{s.height}")
+        if k in rows and base is not None:
+            found[s.name] = peers.OursFromLedger(at_scale(step, rows[k], base)).step(s, "M4 Max", peers.CALIBRATED)
+    names = sorted(
+        {t for b in found.values() for t in b.terms}, key=lambda t: -max(b.terms.get(t, 0) for b in found.values())
+    )
+    lines = ["| our term (ms) | " + " | ".join(found) + " |", "|---|" + "---|" * len(found)]
+    lines += [f"| {t} | " + " | ".join(f"{b.terms.get(t, 0.0):.2f}" for b in found.values()) + " |" for t in names]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     """python -m splat_metal_method.bench.step_model --step STEP.json --before A.json [..] --after B.json [..]"""
     import argparse
@@ -303,6 +321,7 @@ def main(argv=None) -> None:
     ap.add_argument("--label", default="garden-points 20k 1/4", help="which ledger of --step")
     ap.add_argument("--before", nargs="+", required=True, help="scale ledgers (scale_ledger --json) of --step's tree")
     ap.add_argument("--after", nargs="+", required=True, help="scale ledgers of this tree")
+    ap.add_argument("--terms", action="store_true", help="also our modeled terms with the --before ledgers")
     args = ap.parse_args(argv)
 
     def load(paths):
@@ -315,6 +334,9 @@ def main(argv=None) -> None:
     print("MODEL, not a measurement (bench/step_model.py at_scale, calibrated as bench/peers.py), M4 Max; "
           f"ours from the {args.label} step ledger with the render's counts of the scale ledger:\n")  # fmt: skip
     print(scale_compare_table(step, load(args.before), load(args.after)))
+    if args.terms:
+        print("\nOur modeled terms, the step ledger with the --before scale ledgers:\n")
+        print(scale_terms_table(step, load(args.before)))
 
 
 if __name__ == "__main__":

@@ -20,17 +20,20 @@
 //   2. inclusive prefix sum of tiles_per_gauss in flat order; M stays on the device.
 //   3. bin_count          every entry of the flat-order emission (camera-major, gaussian-major, tile
 //                         y-major, x-minor) within the capacity (its first min(M, capacity)) adds one
-//                         to its tile's counter (device atomics).
+//                         to its tile's counter (one device atomic per entry) and stores the counter's
+//                         old value, its rank in its tile, at its emission position (slots[out]; the
+//                         host binds bin_sort's merge buffer ranks2 there, unused until bin_sort).
 //   4. inclusive prefix sum of the counters: ends[t], the end of tile t's bin in the list.
-//   5. bin_fill           the same entries take a slot in their tile's bin by an atomic decrement and
-//                         store their gaussian's flat id g (unique per tile).
+//   5. bin_fill           the same entries store their gaussian's flat id g (unique per tile) at the
+//                         start of their tile's bin (ends[t - 1], 0 for t = 0) plus their rank: no
+//                         atomics. The counters keep the bins' lengths (isect_count zeroes them).
 //   6. bin_sort           one threadgroup per tile sorts its bin by the 64-bit key
 //                         (depth bits << 32 | g), the depth gathered here (a bitonic sort in threadgroup
 //                         memory; longer bins in blocks, then merged in device memory: exact at any
 //                         length) and writes flatten_ids, isect_ids and the tile offsets.
 // That key orders a tile exactly as the exact lists do (the depth bits compared unsigned, as the depth
 // sort and the reference's zero-extended bits compare them, then the flat id: emission order), whatever
-// order the atomics handed out the slots, and whatever the depths' signs: the lists are the exact lists
+// order the atomics handed out the ranks, and whatever the depths' signs: the lists are the exact lists
 // entry for entry. On an overflow of the capacity the entries left out are the end of the flat-order
 // emission: those of the highest flat ids (the last camera's last gaussians), not the deepest.
 // Compiled after common.h: kernels.py prepends it (compile_shader has no include path).
@@ -233,7 +236,11 @@ inline bool bin_entries(const device float* means2d, const device int* radii, co
 
 // bin_count: one thread per gaussian g < C*N (flat id). Every entry of the flat-order emission within
 // the capacity adds one to its (camera, tile) counter bins[camera * n_tiles + tile] (device atomics;
-// zeroed by isect_count).
+// zeroed by isect_count) and stores the counter's old value, its rank among its tile's entries, in
+// slots[out] (out: its emission position, < capacity). The entries past the rectangle (isect_emit's
+// tile 0 padding; none while the rectangle holds `count` tiles) take consecutive ranks of tile `base`
+// with one atomic add of their number. The counters keep the bins' lengths (bin_fill reads none of
+// them; the next isect_count zeroes them).
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void bin_count(
     const device float* means2d [[buffer(0)]],        // [C*N, 2]
@@ -241,12 +248,13 @@ kernel void bin_count(
     const device int* tiles_per_gauss [[buffer(2)]],  // [C*N]
     const device long* cum [[buffer(3)]],             // [C*N] inclusive cumsum of tiles_per_gauss (flat order)
     device atomic_int* bins [[buffer(4)]],            // [C * n_tiles + 2] counters
-    constant long& total [[buffer(5)]],               // C*N
-    constant long& N [[buffer(6)]],
-    constant long& tile_size [[buffer(7)]],
-    constant long& tile_width [[buffer(8)]],
-    constant long& tile_height [[buffer(9)]],
-    constant long& capacity [[buffer(10)]],
+    device int* slots [[buffer(5)]],                  // [capacity] each entry's rank in its tile's bin
+    constant long& total [[buffer(6)]],               // C*N
+    constant long& N [[buffer(7)]],
+    constant long& tile_size [[buffer(8)]],
+    constant long& tile_width [[buffer(9)]],
+    constant long& tile_height [[buffer(10)]],
+    constant long& capacity [[buffer(11)]],
     uint g [[thread_position_in_grid]]) {
   if ((long)g >= total) {
     return;
@@ -260,25 +268,28 @@ kernel void bin_count(
   const long base = ((long)g / N) * tile_width * tile_height;
   for (int y = y0; y < y1 && end > out; ++y) {
     for (int x = x0; x < x1 && end > out; ++x, ++out) {
-      atomic_fetch_add_explicit(&bins[base + (long)y * tile_width + x], 1, memory_order_relaxed);
+      slots[out] = atomic_fetch_add_explicit(&bins[base + (long)y * tile_width + x], 1, memory_order_relaxed);
     }
   }
   if (out < end) {
-    atomic_fetch_add_explicit(&bins[base], (int)(end - out), memory_order_relaxed);
+    const int first = atomic_fetch_add_explicit(&bins[base], (int)(end - out), memory_order_relaxed);
+    for (int i = 0; out < end; ++i, ++out) {
+      slots[out] = first + i;
+    }
   }
 }
 
-// bin_fill: one thread per gaussian g < C*N (flat id), the entries of bin_count. Each takes a slot of
-// its tile's bin [ends[t] - count_t, ends[t]) by an atomic decrement of the tile's counter (which leaves
-// it 0) and stores g there. Slots are handed out in any order: bin_sort orders each bin by
-// (depth bits, g).
+// bin_fill: one thread per gaussian g < C*N (flat id), the entries of bin_count, in the same order. Each
+// stores g at its slot: the start of its tile's bin [ends[t - 1], ends[t]) (0 for t = 0) plus the rank
+// bin_count gave it (slots[out]; the ranks of a tile are 0..count_t - 1, each once). No atomics, no
+// counters read. Ranks are handed out in any order: bin_sort orders each bin by (depth bits, g).
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void bin_fill(
     const device float* means2d [[buffer(0)]],        // [C*N, 2]
     const device int* radii [[buffer(1)]],            // [C*N]
     const device int* tiles_per_gauss [[buffer(2)]],  // [C*N]
     const device long* cum [[buffer(3)]],             // [C*N] inclusive cumsum of tiles_per_gauss (flat order)
-    device atomic_int* bins [[buffer(4)]],            // [C * n_tiles + 2] counters (bin_count's)
+    const device int* slots [[buffer(4)]],            // [capacity] bin_count's ranks, by emission position
     const device long* ends [[buffer(5)]],            // [C * n_tiles + 2] inclusive cumsum of the counters
     device uint* ranks [[buffer(6)]],                 // [capacity] flat ids, per-tile bins
     constant long& total [[buffer(7)]],
@@ -301,13 +312,12 @@ kernel void bin_fill(
   for (int y = y0; y < y1 && end > out; ++y) {
     for (int x = x0; x < x1 && end > out; ++x, ++out) {
       const long t = base + (long)y * tile_width + x;
-      const int left = atomic_fetch_sub_explicit(&bins[t], 1, memory_order_relaxed);  // 1..count_t
-      ranks[ends[t] - left] = g;
+      ranks[(t > 0 ? ends[t - 1] : 0) + slots[out]] = g;
     }
   }
+  const long start = base > 0 ? ends[base - 1] : 0;
   for (; out < end; ++out) {
-    const int left = atomic_fetch_sub_explicit(&bins[base], 1, memory_order_relaxed);
-    ranks[ends[base] - left] = g;
+    ranks[start + slots[out]] = g;
   }
 }
 

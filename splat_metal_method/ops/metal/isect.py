@@ -118,10 +118,11 @@ def isect_offset_encode_fwd(isect_ids: Tensor, C: int, tile_width: int, tile_hei
 #   C*N (the host knows N: densification cannot outrun the capacity unseen), with HEADROOM; grown by at
 #   least GROWTH when it has to grow, never shrunk. The first call for a tile grid reads M once.
 # - No global sort (isect.metal, "Padded lists"): neither the depth sort of the C*N gaussians nor the radix
-#   sort by tile. The gaussians are counted in flat order; their entries are counted per tile and placed in
-#   their tile's bin by device atomics, each storing its gaussian's flat id, then each bin is sorted by the
-#   64-bit key (depth bits << 32 | flat id), the depths gathered by the sort (bitonic in threadgroup memory;
-#   past BIN_CAPACITY entries in blocks, then merged): the same lists as isect_tiles_fwd's entry for entry
+#   sort by tile. The gaussians are counted in flat order; their entries are counted per tile by device
+#   atomics (one per entry: each keeps the rank it got) and placed in their tile's bin at that rank, each
+#   storing its gaussian's flat id, then each bin is sorted by the 64-bit key (depth bits << 32 | flat id),
+#   the depths gathered by the sort (bitonic in threadgroup memory; past BIN_CAPACITY entries in blocks, then
+#   merged): the same lists as isect_tiles_fwd's entry for entry
 #   (its stable depth sort orders by the same depth bits, then by flat id), whatever order the atomics took.
 #   The merge steps get a dispatch each, planned from the longest bin the device reported a step earlier
 #   (read without waiting, with the count); the last dispatch runs whatever steps are left, so a tile longer
@@ -331,13 +332,15 @@ def isect_tiles_padded_fwd(
 
     # Per-tile bins (isect.metal): count, place, sort each tile by (depth bits, flat id).
     geometry = (int(tile_size), int(tile_width), int(tile_height), cap)
-    lib.bin_count(means2d, radii, tiles_per_gauss, cum, bins, total, N, *geometry, **grid_1d(total))
-    ends = prefix_sum(bins, inclusive=True, out=ws.get("isect.bin_ends", n_bins + 2, torch.int64, device))
-    # whole scratch buffers (the kernels index them below the bins' ends, within cap): no slice when an earlier,
-    # larger capacity grew them
+    # whole scratch buffers (the kernels index them below cap): no slice when an earlier, larger capacity grew them
     ranks = ws.at_least("isect.ranks", cap, torch.int32, device)
     ranks2 = ws.at_least("isect.ranks2", cap, torch.int32, device)
-    lib.bin_fill(means2d, radii, tiles_per_gauss, cum, bins, ends, ranks, total, N, *geometry, **grid_1d(total))
+    # One device atomic per entry: bin_count stores each entry's rank in its tile by its emission position, in
+    # ranks2 (bin_sort's merge buffer, free until then), and bin_fill places the entries by those ranks.
+    slots = ranks2
+    lib.bin_count(means2d, radii, tiles_per_gauss, cum, bins, slots, total, N, *geometry, **grid_1d(total))
+    ends = prefix_sum(bins, inclusive=True, out=ws.get("isect.bin_ends", n_bins + 2, torch.int64, device))
+    lib.bin_fill(means2d, radii, tiles_per_gauss, cum, slots, ends, ranks, total, N, *geometry, **grid_1d(total))
     isect_ids = torch.empty((cap,), dtype=torch.int64, device=device)
     flatten_ids = torch.empty((cap,), dtype=torch.int32, device=device)
     offsets = torch.empty((n_bins + 1,), dtype=torch.int32, device=device)

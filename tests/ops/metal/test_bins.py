@@ -10,6 +10,10 @@ tile length.
   bits (negative, -0.0 and 0.0, infinities, denormals, exact ties), the padded lists equal the exact lists
   (isect_tiles_fwd: a stable radix sort by the unsigned depth bits) and the reference's entry for entry,
   short bins and a bin merged past BIN_CAPACITY alike.
+- One device atomic per entry: bin_count stores each entry's rank in its tile, bin_fill places it by that rank
+  without atomics. Run directly on two cameras with entries past their rectangle (bin_count's tail: one atomic
+  for all of them) and a capacity that holds all or cuts such a tail, every kept entry is in its bin once;
+  planted off-by-ones in the slots are caught.
 - The tests can fail: planted variants of the kernels (msplat's bins, which keep the first BIN_CAPACITY
   entries of a tile in the order the atomics handed out the slots; a sort key that does not break depth
   ties by gaussian id; a key of signed depth bits) are caught by the same comparisons.
@@ -141,11 +145,12 @@ def test_two_cameras_share_one_bin_sort():
 PLANTS = {
     # msplat's bins: a tile keeps the first BIN_CAPACITY entries the atomics hand out, the rest are dropped
     "drop past the bin": [
-        ("      atomic_fetch_add_explicit(&bins[base + (long)y * tile_width + x], 1, memory_order_relaxed);",
-         "      if (atomic_fetch_add_explicit(&bins[base + (long)y * tile_width + x], 1, memory_order_relaxed) >= "
-         "SPLAT_BIN_CAPACITY) { atomic_fetch_sub_explicit(&bins[base + (long)y * tile_width + x], 1, "
-         "memory_order_relaxed); }"),
-        ("      ranks[ends[t] - left] = g;", "      if (left > 0) { ranks[ends[t] - left] = g; }"),
+        ("      slots[out] = atomic_fetch_add_explicit(&bins[base + (long)y * tile_width + x], 1, memory_order_relaxed);",
+         "      slots[out] = atomic_fetch_add_explicit(&bins[base + (long)y * tile_width + x], 1, memory_order_relaxed);"
+         " if (slots[out] >= SPLAT_BIN_CAPACITY) { atomic_fetch_sub_explicit(&bins[base + (long)y * tile_width + x], "
+         "1, memory_order_relaxed); }"),
+        ("      ranks[(t > 0 ? ends[t - 1] : 0) + slots[out]] = g;",
+         "      if (slots[out] < SPLAT_BIN_CAPACITY) { ranks[(t > 0 ? ends[t - 1] : 0) + slots[out]] = g; }"),
     ],
     # a key that does not break depth ties by id (the block sort compares the depth bits only: ties in the
     # bitonic network's order)
@@ -262,3 +267,83 @@ def test_a_key_of_signed_depth_bits_is_caught(monkeypatch):
     )
     means2d, radii, depths = any_depth_lists()
     assert list_differences(means2d, radii, depths, calls=1) != []
+
+
+def bin_kernel_differences(lib, C: int = 2, n: int = 400, cut_in_tail: bool = False, seed: int = 3) -> list:
+    """bin_count + bin_fill run directly (isect.metal) against the bins a model of the flat-order emission
+    gives: every entry of the first `capacity` (camera-major, gaussian-major, tile y-major, x-minor) in its
+    (camera, tile) bin, once. Some gaussians are given more tiles than their rectangle holds (tiles_per_gauss
+    planted larger, as isect_emit's guard allows): the rest of their entries go to tile 0 of their camera,
+    bin_count's tail (one atomic for all of them). Two cameras; the capacity either holds every entry or cuts
+    one such tail in the last camera. Returns what differs: [] when nothing does."""
+    from splat_metal_method.ops import reference
+    from splat_metal_method.ops.metal.kernels import grid_1d
+
+    tw, th, ts = 5, 3, 16
+    n_tiles = tw * th
+    means2d, radii, depths = any_depth_lists(C, n, seed)
+    lo, span = reference.tile_bounds(means2d, radii, ts, tw, th)
+    true_counts = (span[..., 0] * span[..., 1] * (radii > 0)).reshape(-1)
+    gen = torch.Generator().manual_seed(seed)
+    extra = torch.randint(1, 4, (C * n,), generator=gen) * (torch.rand(C * n, generator=gen) < 0.2)
+    extra = extra * (radii.reshape(-1) > 0)  # a gaussian behind the camera keeps no entries
+    counts = (true_counts + extra).int()
+    cum = torch.cumsum(counts.long(), 0)
+    # the emission model: (dense bin, gaussian) per entry, in emission order
+    emission = []
+    lo, span = lo.reshape(-1, 2).tolist(), span.reshape(-1, 2).tolist()
+    for g in range(C * n):
+        base = (g // n) * n_tiles
+        if true_counts[g] > 0:
+            (x0, y0), (sx, sy) = lo[g], span[g]
+            emission += [(base + y * tw + x, g) for y in range(y0, y0 + sy) for x in range(x0, x0 + sx)]
+        emission += [(base, g)] * int(extra[g])
+    assert len(emission) == int(cum[-1])
+    capacity = len(emission)
+    if cut_in_tail:  # inside the tail of the last camera's last gaussian whose tail is 2 entries or more
+        g = max(i for i in range(n, C * n) if extra[i] >= 2)
+        capacity = int(cum[g]) - 1
+    kept = emission[:capacity]
+    want = [[] for _ in range(C * n_tiles)]
+    for t, g in kept:
+        want[t].append(g)
+
+    bins = torch.zeros(C * n_tiles + 2, dtype=torch.int32)
+    slots = torch.full((capacity,), -1, dtype=torch.int32)
+    ranks = torch.full((capacity + 5,), -1, dtype=torch.int32)  # 5 past the capacity: never written
+    geometry = (C * n, n, ts, tw, th, capacity)
+    lib.bin_count(means2d, radii, counts, cum, bins, slots, *geometry, **grid_1d(C * n))
+    ends = torch.cumsum(bins.long(), 0)
+    lib.bin_fill(means2d, radii, counts, cum, slots, ends, ranks, *geometry, **grid_1d(C * n))
+
+    out = []
+    if bins[: C * n_tiles].tolist() != [len(w) for w in want]:
+        out.append("bin lengths")
+    starts = [0] + ends[: C * n_tiles].tolist()
+    for t in range(C * n_tiles):
+        if sorted(ranks[starts[t] : starts[t + 1]].tolist()) != sorted(want[t]):
+            out.append(f"bin {t}")
+    if ranks[capacity:].tolist() != [-1] * 5:
+        out.append("past the capacity")
+    return out
+
+
+@pytest.mark.parametrize("cut_in_tail", [False, True])
+def test_bin_count_and_fill_place_every_entry_once(cut_in_tail):
+    assert bin_kernel_differences(isect.library(torch.device("cpu"), "isect.metal"), cut_in_tail=cut_in_tail) == []
+
+
+# Off-by-ones in the slots (a rank past the tail's first; a bin's start one late): caught by the comparison.
+SLOT_PLANTS = {
+    "tail rank": ("      slots[out] = first + i;", "      slots[out] = first + i + 1;"),
+    "bin start": ("ranks[(t > 0 ? ends[t - 1] : 0) + slots[out]] = g;", "ranks[(t > 0 ? ends[t - 1] + 1 : 0) + slots[out]] = g;"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("plant", sorted(SLOT_PLANTS))
+def test_planted_slots_are_caught(plant):
+    old, new = SLOT_PLANTS[plant]
+    source = stage_source("isect.metal")
+    assert source.count(old) == 1, old
+    planted = runtime.library_for(torch.device("cpu"), source.replace(old, new), name=f"isect planted: {plant}")
+    assert bin_kernel_differences(planted) != []
