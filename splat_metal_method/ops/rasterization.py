@@ -318,7 +318,9 @@ def rasterization(
     ``isect_capacity`` (not a gsplat argument; an ``ops.IntersectionCapacities`` the caller keeps, e.g. a
     model for its training steps): on the Metal backend the intersection lists are padded to capacities
     kept there, so the render reads nothing on the host (ops/metal/isect.py, "Padded lists"); meta then
-    has ``n_intersections`` (the real count, on the device). Other backends ignore it.
+    has ``n_intersections`` (the real count, on the device) and ``isect_ids`` None (the padded lists are
+    built without them: the rasterizer reads flatten_ids and the offsets, nothing in a step reads the ids;
+    ``ops.isect_tiles_padded(..., with_isect_ids=True)`` gives them). Other backends ignore it.
 
     Parameters as splatfacto stores them (not gsplat arguments): ``scales_are_log`` (scales are
     log-scales: exp is applied), ``opacities_are_logits`` (opacities [N] or [N, 1] are logits: sigmoid),
@@ -415,7 +417,12 @@ def rasterization(
     if chunks is None:
         # With the caller's capacities, on Metal: padded lists, no host read of the intersection count.
         padded = getattr(ops, "isect_tiles_padded", None) if isect_capacity is not None else None
-        padded = padded(means2d, radii, depths, tile_size, tile_width, tile_height, isect_capacity) if padded else None
+        # no isect_ids (with_isect_ids=False): no [capacity] int64 buffer written in every training step
+        padded = (
+            padded(means2d, radii, depths, tile_size, tile_width, tile_height, isect_capacity, with_isect_ids=False)
+            if padded
+            else None
+        )
         if padded is not None:
             tiles_per_gauss, isect_ids, flatten_ids, isect_offsets = padded  # offsets: [C*th*tw + 1]
         else:
@@ -467,8 +474,9 @@ def rasterization(
         "isect_ids": isect_ids,
         "flatten_ids": flatten_ids,
         "isect_offsets": isect_offsets,
-        # padded lists (Metal training steps): isect_ids/flatten_ids hold n_intersections ([1] int32, on
-        # the device) real entries, then padding; None where the lists are exact (their length).
+        # padded lists (Metal training steps): flatten_ids holds n_intersections ([1] int32, on the device)
+        # real entries, then padding, and isect_ids is None (not built: nothing in a step reads it; the
+        # chunked path has None there too); None where the lists are exact (their length).
         "n_intersections": n_intersections,
         # the latest count the host has heard of (a step or two old), for logs that must not read the device
         "n_intersections_seen": isect_capacity.last_count if n_intersections is not None else None,

@@ -268,3 +268,21 @@ def test_bins_with_one_atomic_an_entry_cut_the_intersect_term():
     (two, fill_two), (one, fill_one) = rows("issue38_merged"), rows("oneatomic")
     assert fill_two > 0 and fill_one == 0
     assert all(b < 0.7 * a for a, b in zip(two, one)), (two, one)
+
+
+@pytest.mark.skipif(not (RESULTS / "scale_after_noisectids_1297.json").exists(), reason="stored ledgers not here")
+def test_training_renders_without_isect_ids_bind_fewer_bytes():
+    """The stored scale ledgers before (oneatomic) and after (noisectids) training renders stopped building
+    isect_ids: at every scene the same intersections and bin_sort launches, one aten dispatch fewer, and
+    bin_sort's bound bytes fewer by a whole int64 buffer per launch (8 B a capacity entry, capacity >= M)."""
+    for image in ("1024", "1297"):
+        before = json.loads((RESULTS / f"scale_after_oneatomic_{image}.json").read_text())
+        after = json.loads((RESULTS / f"scale_after_noisectids_{image}.json").read_text())
+        assert before.keys() == after.keys()
+        for key in before:
+            b, a = before[key], after[key]
+            assert a["intersections"] == b["intersections"] and a["aten_dispatches"] == b["aten_dispatches"] - 1, key
+            sb, sa = b["kernels"]["bin_sort"], a["kernels"]["bin_sort"]
+            assert sa["launches"] == sb["launches"], key
+            saved = sb["buffer_bytes"] - sa["buffer_bytes"]
+            assert saved % (8 * sa["launches"]) == 0 and saved // (8 * sa["launches"]) >= a["intersections"], key

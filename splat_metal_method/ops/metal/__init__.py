@@ -222,16 +222,21 @@ def isect_tiles_padded(
     tile_width: int,
     tile_height: int,
     capacities: IntersectionCapacities,
-) -> Optional[Tuple[Tensor, Tensor, Tensor, Tensor]]:
+    with_isect_ids: bool = True,
+) -> Optional[Tuple[Tensor, Optional[Tensor], Tensor, Tensor]]:
     """Metal only (training steps): isect_tiles + isect_offset_encode into buffers of a capacity kept
     from earlier steps (`capacities`, the caller's), without reading the intersection count on the host
     (isect.py, "Padded lists").
     tiles_per_gauss [C,N] int32, isect_ids [cap] int64, flatten_ids [cap] int32, isect_offsets
     [C*th*tw + 1] int32 (the end slot: the real entries' count), which rasterize_to_pixels takes as is.
+    ``with_isect_ids=False``: isect_ids is None, neither allocated nor written (rasterization's training
+    renders: nothing in a step reads them); the other three are the same.
     None where the keys would not fit (then the exact stages run)."""
     if not padded_supported(radii.shape[0], int(tile_width), int(tile_height)):
         return None
-    return isect_tiles_padded_fwd(means2d, radii, depths, int(tile_size), int(tile_width), int(tile_height), capacities)
+    return isect_tiles_padded_fwd(
+        means2d, radii, depths, int(tile_size), int(tile_width), int(tile_height), capacities, bool(with_isect_ids)
+    )
 
 
 def isect_offset_encode(isect_ids: Tensor, C: int, tile_width: int, tile_height: int) -> Tensor:

@@ -30,7 +30,8 @@
 //   6. bin_sort           one threadgroup per tile sorts its bin by the 64-bit key
 //                         (depth bits << 32 | g), the depth gathered here (a bitonic sort in threadgroup
 //                         memory; longer bins in blocks, then merged in device memory: exact at any
-//                         length) and writes flatten_ids, isect_ids and the tile offsets.
+//                         length) and writes flatten_ids, the tile offsets and, when asked (with_ids:
+//                         training renders do not ask, nothing in a step reads them), isect_ids.
 // That key orders a tile exactly as the exact lists do (the depth bits compared unsigned, as the depth
 // sort and the reference's zero-extended bits compare them, then the flat id: emission order), whatever
 // order the atomics handed out the ranks, and whatever the depths' signs: the lists are the exact lists
@@ -359,11 +360,14 @@ inline long count_below(const device uint* src, long lo, long hi, ulong x, const
   return lo;
 }
 
-// Entry i of the sorted list: the entry of bin_key `k` in tile t (camera t / n_tiles).
+// Entry i of the sorted list: the entry of bin_key `k` in tile t (camera t / n_tiles); its isect_id only
+// `with_ids` (else isect_ids is a placeholder, not written).
 inline void bin_write(long i, ulong k, long t, device long* isect_ids, device int* flatten_ids, long n_tiles,
-                      long tile_bits) {
-  const ulong key = ((ulong)(t / n_tiles) << (uint)tile_bits) | (ulong)(t % n_tiles);
-  isect_ids[i] = (long)((key << 32) | (k >> 32));
+                      long tile_bits, long with_ids) {
+  if (with_ids != 0) {
+    const ulong key = ((ulong)(t / n_tiles) << (uint)tile_bits) | (ulong)(t % n_tiles);
+    isect_ids[i] = (long)((key << 32) | (k >> 32));
+  }
   flatten_ids[i] = (int)(uint)k;
 }
 
@@ -392,7 +396,8 @@ inline int bin_merges(long len) {
 // whatever its length, so the result is exact even when the estimate was short.
 // Step 0 also writes offsets[t] = start (offsets[C * n_tiles] = the list's end, from the last tile),
 // the longest bin (atomic max into bins[n + 1]) and the intersection count M (bins[n], from cum),
-// and gives the padding entries [end of the list, capacity) a key past every tile.
+// and gives the padding entries [end of the list, capacity) flat id 0 and (with_ids) a key past every tile.
+// with_ids = 0 (training renders): isect_ids is a small placeholder buffer, never written.
 // Threadgroup memory: SPLAT_BIN_CAPACITY ulongs (16 KiB). Every thread runs the same steps (len, and
 // so the step count, is uniform in the group); a device-memory barrier ends each step.
 [[max_total_threads_per_threadgroup(SPLAT_BIN_THREADS)]]
@@ -403,7 +408,7 @@ kernel void bin_sort(
     const device float* depths [[buffer(3)]],      // [C*N]
     const device long* cum [[buffer(4)]],          // [C*N] inclusive cumsum of tiles_per_gauss (flat order)
     device atomic_int* bins [[buffer(5)]],         // [n + 2]: bins[n] = M, bins[n + 1] = the longest bin
-    device long* isect_ids [[buffer(6)]],          // [capacity]
+    device long* isect_ids [[buffer(6)]],          // [capacity]; with_ids = 0: a placeholder, not written
     device int* flatten_ids [[buffer(7)]],         // [capacity]
     device int* offsets [[buffer(8)]],             // [n + 1]
     constant long& n [[buffer(9)]],                // C * n_tiles
@@ -414,6 +419,7 @@ kernel void bin_sort(
     constant long& sentinel [[buffer(14)]],        // the padding's key: (1 << key bits) - 1
     constant long& step_lo [[buffer(15)]],
     constant long& step_hi [[buffer(16)]],
+    constant long& with_ids [[buffer(17)]],        // 1: write isect_ids; 0: flatten_ids and offsets only
     uint tid [[thread_index_in_threadgroup]],
     uint3 tgp [[threadgroup_position_in_grid]]) {
   threadgroup ulong keys[SPLAT_BIN_CAPACITY];
@@ -436,7 +442,9 @@ kernel void bin_sort(
         }
       }
       for (long i = ends[n - 1] + t * SPLAT_BIN_THREADS + tid; i < capacity; i += n * SPLAT_BIN_THREADS) {
-        isect_ids[i] = (long)((ulong)sentinel << 32);
+        if (with_ids != 0) {
+          isect_ids[i] = (long)((ulong)sentinel << 32);
+        }
         flatten_ids[i] = 0;
       }
       for (long b0 = 0; b0 < len; b0 += SPLAT_BIN_CAPACITY) {
@@ -452,7 +460,7 @@ kernel void bin_sort(
         bitonic_sort(keys, width, tid);
         for (uint i = tid; (long)i < bl; i += SPLAT_BIN_THREADS) {
           if (merges == 0) {
-            bin_write(start + i, keys[i], t, isect_ids, flatten_ids, n_tiles, tile_bits);
+            bin_write(start + i, keys[i], t, isect_ids, flatten_ids, n_tiles, tile_bits, with_ids);
           } else {
             ranks[start + b0 + i] = (uint)keys[i];
           }
@@ -476,7 +484,7 @@ kernel void bin_sort(
           pos = (i - b0) + (count_below(src, start + a0, start + b0, x, depths) - (start + a0));
         }
         if (s == merges) {
-          bin_write(start + a0 + pos, x, t, isect_ids, flatten_ids, n_tiles, tile_bits);
+          bin_write(start + a0 + pos, x, t, isect_ids, flatten_ids, n_tiles, tile_bits, with_ids);
         } else {
           dst[start + a0 + pos] = (uint)x;
         }

@@ -291,12 +291,16 @@ def isect_tiles_padded_fwd(
     tile_width: int,
     tile_height: int,
     capacities: IntersectionCapacities,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    with_isect_ids: bool = True,
+) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor]:
     """isect_tiles + isect_offset_encode without a host read (see above), sized by `capacities`. Returns tiles_per_gauss
     [C,N] int32, isect_ids [cap] int64 and flatten_ids [cap] int32 (the real entries first, in the
     order isect_tiles_fwd gives them; then padding), and isect_offsets [C*th*tw + 1] int32 whose last
     entry is the real entries' count (the end of the last tile). No host sync, but on the first call
-    for a tile grid (one read of M sizes the capacity)."""
+    for a tile grid (one read of M sizes the capacity).
+    ``with_isect_ids=False`` (training renders: the rasterizer reads flatten_ids and the offsets only): isect_ids
+    is None, neither allocated nor written (bin_sort binds `ends` in its place and skips those writes);
+    flatten_ids and the offsets are the same."""
     C, N = radii.shape
     device = means2d.device
     tile_bits = _tile_bits(tile_width, tile_height)
@@ -312,7 +316,9 @@ def isect_tiles_padded_fwd(
     ws = workspace()
     if total == 0:
         offsets = torch.zeros((C * n_tiles + 1,), dtype=torch.int32, device=device)
-        return tiles_per_gauss, *_no_intersections(device), offsets
+        if with_isect_ids:
+            return tiles_per_gauss, *_no_intersections(device), offsets
+        return tiles_per_gauss, None, torch.empty((0,), dtype=torch.int32, device=device), offsets
 
     n_bins = C * n_tiles
     bins = ws.get("isect.bins", n_bins + 2, torch.int32, device)  # counters, then M and the longest bin
@@ -341,13 +347,15 @@ def isect_tiles_padded_fwd(
     lib.bin_count(means2d, radii, tiles_per_gauss, cum, bins, slots, total, N, *geometry, **grid_1d(total))
     ends = prefix_sum(bins, inclusive=True, out=ws.get("isect.bin_ends", n_bins + 2, torch.int64, device))
     lib.bin_fill(means2d, radii, tiles_per_gauss, cum, slots, ends, ranks, total, N, *geometry, **grid_1d(total))
-    isect_ids = torch.empty((cap,), dtype=torch.int64, device=device)
     flatten_ids = torch.empty((cap,), dtype=torch.int32, device=device)
     offsets = torch.empty((n_bins + 1,), dtype=torch.int32, device=device)
+    # Without isect_ids: no [cap] int64 buffer; ends (int64, bound anyway) is bound in its place, never written.
+    isect_ids = torch.empty((cap,), dtype=torch.int64, device=device) if with_isect_ids else None
     grid = {"threads": (n_bins * BIN_THREADS,), "group_size": (BIN_THREADS,)}
     for lo, hi in bin_sort_steps(state.merge_estimate(total)):
-        lib.bin_sort(ranks, ranks2, ends, depths, cum, bins, isect_ids, flatten_ids, offsets, n_bins, n_tiles,
-                     tile_bits, total, cap, (1 << bits) - 1, lo, hi, **grid)  # fmt: skip
+        lib.bin_sort(ranks, ranks2, ends, depths, cum, bins, isect_ids if with_isect_ids else ends, flatten_ids,
+                     offsets, n_bins, n_tiles, tile_bits, total, cap, (1 << bits) - 1, lo, hi, int(with_isect_ids),
+                     **grid)  # fmt: skip
     # What the rasterizer plans its dispatches from: this grid's latest intersections per tile row, seen a
     # step or more ago, scaled to this call's C*N (rasterize.plan_from_rows). Until the device has said
     # (the first call of a grid): its count spread evenly over the rows.

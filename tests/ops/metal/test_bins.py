@@ -75,10 +75,17 @@ def differences(got, exact) -> list:
     for name in ("isect_offsets", "tiles_per_gauss"):
         if not torch.equal(meta[name], want[name]):
             out.append(name)
+    if meta["isect_ids"] is not None:  # a training render builds none (bin_sort skips them)
+        out.append("isect_ids built")
     if M <= meta["flatten_ids"].numel():
-        for name in ("isect_ids", "flatten_ids"):
-            if not torch.equal(meta[name][:M], want[name]):
-                out.append(name)
+        if not torch.equal(meta["flatten_ids"][:M], want["flatten_ids"]):
+            out.append("flatten_ids")
+        # asked for on the same projection (fresh capacities: one bin_sort dispatch runs every merge step)
+        ids = isect.isect_tiles_padded_fwd(meta["means2d"].detach(), meta["radii"], meta["depths"].detach(),
+                                           meta["tile_size"], meta["tile_width"], meta["tile_height"],
+                                           IntersectionCapacities(), with_isect_ids=True)[1]  # fmt: skip
+        if not torch.equal(ids[:M], want["isect_ids"]):
+            out.append("isect_ids")
     if not (torch.equal(got[0], exact[0]) and torch.equal(got[1], exact[1])):
         out.append("pixels")
     for g, w in zip(got[3], exact[3]):  # two exact renders differ by ~1e-5 here (the order of float atomics)

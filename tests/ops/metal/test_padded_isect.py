@@ -61,6 +61,15 @@ def render(params, viewmats, width, height, caps=None, tile_size=16):
     return colors.detach(), alphas.detach(), meta, [p.grad for p in leaves], meta["means2d"].absgrad
 
 
+def isect_ids_of(meta, caps, tile_size):
+    """The isect_ids of a training render's padded lists (which it does not build), asked for: the same call
+    (its projection, its capacities) with with_isect_ids=True."""
+    got = isect.isect_tiles_padded_fwd(meta["means2d"].detach(), meta["radii"], meta["depths"].detach(), tile_size,
+                                       meta["tile_width"], meta["tile_height"], caps, with_isect_ids=True)  # fmt: skip
+    assert torch.equal(got[2], meta["flatten_ids"]) and torch.equal(got[3][:-1], meta["isect_offsets"].reshape(-1))
+    return got[1]
+
+
 def assert_gradients_close(got, want):
     for g, w in zip(got, want):
         scale = w.abs().max().item() or 1.0
@@ -81,10 +90,43 @@ def test_padded_lists_render_as_the_exact_ones(size, C, monkeypatch, caps):
         meta, want = got[2], exact[2]
         M = want["flatten_ids"].numel()
         assert meta["n_intersections"].tolist() == [M] and meta["flatten_ids"].numel() >= M * isect.HEADROOM
-        assert torch.equal(meta["isect_ids"][:M], want["isect_ids"])
+        assert meta["isect_ids"] is None  # a training render builds no isect_ids; asked for, they are exact
+        ids = isect_ids_of(meta, caps, tile_size=16)
+        assert torch.equal(ids[:M], want["isect_ids"])
         assert torch.equal(meta["flatten_ids"][:M], want["flatten_ids"])
         assert torch.equal(meta["isect_offsets"], want["isect_offsets"])
         assert torch.equal(meta["tiles_per_gauss"], want["tiles_per_gauss"])
+
+
+@pytest.mark.parametrize("C", [1, 2])
+def test_training_renders_build_no_isect_ids(C, monkeypatch):
+    """A training render (rasterization with capacities) builds its padded lists without isect_ids: meta has
+    None there, and the lists it renders from (flatten_ids with its padding, the offsets, the count) and the
+    render and its gradients are those of the same renders with isect_ids built (ops.isect_tiles_padded
+    forced to with_isect_ids=True), call after call of one renderer each."""
+    from splat_metal_method.ops import metal
+
+    *params, viewmats = scene(C=C, seed=5)
+    width, height = 70, 45
+    without, forced = IntersectionCapacities(), IntersectionCapacities()
+    exact = render(params, viewmats, width, height)
+    M = exact[2]["flatten_ids"].numel()
+    real = metal.isect_tiles_padded
+    for call in range(2):  # unplanned, then planned from what the device said
+        got = render(params, viewmats, width, height, caps=without)
+        with monkeypatch.context() as m:
+            m.setattr(metal, "isect_tiles_padded", lambda *a, with_isect_ids, **k: real(*a, with_isect_ids=True, **k))
+            want = render(params, viewmats, width, height, caps=forced)
+        assert got[2]["isect_ids"] is None, f"call {call}"
+        assert want[2]["isect_ids"] is not None and torch.equal(want[2]["isect_ids"][:M], exact[2]["isect_ids"])
+        for name in ("flatten_ids", "isect_offsets", "tiles_per_gauss", "n_intersections"):
+            assert torch.equal(got[2][name], want[2][name]), f"call {call}: {name}"
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"call {call}: pixels differ"
+        assert_gradients_close(got[3], want[3])
+        assert_gradients_close([got[4]], [want[4]])
+    assert without.entries(math.ceil(width / 16), math.ceil(height / 16), C) == forced.entries(
+        math.ceil(width / 16), math.ceil(height / 16), C
+    )
 
 
 @pytest.mark.parametrize("tile_size", [8, 16, 32])
