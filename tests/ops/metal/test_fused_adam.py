@@ -24,7 +24,14 @@ import pytest
 import torch
 from nerfstudio.engine.optimizers import Optimizers
 from test_adam import LRS, config, gaussians, resumed
-from test_sh_adam import STEPS, assert_same, plant_in_project_bwd, run, train_step
+from test_sh_adam import (
+    STEPS,
+    assert_same,
+    check_untaken_step_is_left_to_the_optimizer,
+    plant_in_project_bwd,
+    run,
+    train_step,
+)
 
 from splat_metal_method.engine.optimizers import GaussianOptimizers
 from splat_metal_method.ops.metal import runtime
@@ -96,14 +103,7 @@ def test_a_planted_bug_fails_the_twin_comparison(monkeypatch):
 def test_a_backward_that_does_not_take_the_step_leaves_it_to_the_optimizer():
     """Armed, but a two-camera render: the backward writes every gradient and the optimizer step steps every
     group, once; the next one-camera step takes them all in the backward again."""
-    twin, fused = make("twin"), make("fused")
-    run([twin, fused], 3, range(2))
-    for params, opts in (twin, fused):
-        train_step(params, opts, 2, 3, cameras=2)
-    assert fused[1].params_taken == 1 and fused[0]["means"].grad is not None
-    assert_same(*twin, *fused, 2, exact=True)
-    run([twin, fused], 3, range(3, 5))
-    assert fused[1].params_taken == 3
+    check_untaken_step_is_left_to_the_optimizer(make("twin"), make("fused"), "params_taken", "means")
 
 
 def test_resume_through_a_checkpoint_with_the_fused_step_is_bit_identical(tmp_path):
