@@ -158,3 +158,33 @@ def test_rasterize_bytes_are_split_by_what_the_buffers_hold():
     assert out["bytes_by_kind"] == pytest.approx({"G": 50 * 20, "P": 200 / 100, "M": 100 / 5})
     assert out["buffer_bytes"] == pytest.approx(sum(out["bytes_by_kind"].values()))
     assert peers.kernel_grows("rasterize_fwd") != "P"  # one ratio for all would misprice the image part
+
+
+def test_the_model_prices_moved_bytes_where_counted_and_bound_bytes_elsewhere():
+    """step_ledger.MOVED_BYTES (bin_sort, scan_block_sums): a row with what a kernel's launches moved is priced by
+    that (at_scale carries it, scaled by what each part holds; peers prefers it); a row without (ledger files
+    written before it) is priced by its bound bytes as before."""
+    from splat_metal_method.bench import peers, step_model
+
+    step = {"aten_kernels": 28, "n_gaussians": 20_000, "intersections": 1_000, "pixels": 100, "part_bytes": {},
+            "host_syncs": 0, "kernels": {"bin_sort": {"launches": 1, "buffer_bytes": 10, "moved_bytes": 5}}}  # fmt: skip
+    bound = {"launches": 3, "buffer_bytes": 8e9, "threads": 1e6, "bytes_by_kind": {"G": 1e9, "P": 0, "M": 7e9}}
+    moved = {**bound, "moved_bytes": 3e9, "moved_by_kind": {"G": 0, "P": 0, "M": 3e9}}
+    scene = peers.COMPARE_SCENES[-1]
+    terms, per_g = {}, {}
+    for label, w in (("bound", bound), ("moved", moved)):
+        scale = {"aten_kernels": 30, "n_gaussians": int(scene.gaussians), "intersections": 15_000_000,
+                 "pixels": scene.width * scene.height, "kernels": {"bin_sort": w}}  # fmt: skip
+        out = step_model.at_scale(step, scale, {"aten_kernels": 28, "kernels": {}})
+        sort = out["kernels"]["bin_sort"]
+        assert ("moved_bytes" in sort) == (label == "moved")  # the step ledger's own figure is not carried over
+        b = peers.OursFromLedger(out).step(scene, "M4 Max", peers.CALIBRATED)
+        terms[label] = b.terms["sort (radix + scan)"]
+        per_g[label] = step_model.bytes_per_gaussian(step, scale).get("render: bin_sort", 0.0)
+    g = peers._Gpu("M4 Max", peers.CALIBRATED)
+    assert terms["moved"] == pytest.approx(g.bytes_ms(3e9 * scene.M / 15_000_000))
+    assert terms["bound"] == pytest.approx(g.bytes_ms(1e9 * scene.gaussians / scene.gaussians + 7e9 * scene.M / 15e6))
+    assert per_g == {
+        "bound": pytest.approx(1e9 / scene.gaussians),
+        "moved": 0.0,
+    }  # the moved depths: gathers, per entry
