@@ -13,7 +13,8 @@ optimizer) is counted by the step ledger and issues the same dispatches at any s
 kernel).
 
 Counted as step_ledger.count counts (as a Mac runs it): our kernel launches and the bytes of the buffers
-bound to each, aten dispatches and the bytes each aten kernel reads and writes, host syncs, and the
+bound to each (and, for bin_sort and scan_block_sums, the bytes each launch moves: step_ledger.MOVED_BYTES; in
+count-only mode bin_sort's from the host model's bins, the intersections of each tile), aten dispatches and the bytes each aten kernel reads and writes, host syncs, and the
 command buffers the runtime's ledger closes (runtime.command_buffers()).
 
 Count-only mode (the default; ``execute=False``): the kernels are counted, not run (runtime.count_only),

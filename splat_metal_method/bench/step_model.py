@@ -8,7 +8,8 @@ What it adds up (each term cited or marked as an assumption in COSTS / DEVICES):
   Metal shaders: the model takes 10 us, between the two); each of our kernel launches costs
   ``launch_us`` (the Metal-shader figure of the same issue: torch.mps.compile_shader kernels are
   dispatched the same way).
-- GPU, per kernel: the larger of memory time (bytes of its bound buffers / DRAM bandwidth) and the
+- GPU, per kernel: the larger of memory time (bytes of its bound buffers, or those its launches move where
+  the ledger counts them, step_ledger.MOVED_BYTES, / DRAM bandwidth) and the
   time of the counted SIMD work: simdgroup reductions at 14.54 cycles (SUM<F32>) and shuffles at
   2.04 cycles per simdgroup instruction, four schedulers per core (philipturner/metal-benchmarks,
   M1 "Intra-simd communication" table and ALU layout); device atomics at ATOMIC_CYCLES and barriers at
