@@ -350,7 +350,8 @@ def ledger_dict(led, shapes: bool = False) -> dict:
         "label": led.name, "n_gaussians": led.n_gaussians, "pixels": led.pixels, "intersections": led.intersections,
         "host_syncs": led.host_syncs, "aten_dispatches": led.aten_dispatches, "aten_kernels": led.aten_kernels,
         "part_bytes": dict(led.part_bytes), "parts": dict(led.parts),
-        "kernels": {k: {kk: vv for kk, vv in asdict(w).items() if vv and (shapes or kk != "buffer_shapes")}
+        "kernels": {k: {kk: vv for kk, vv in asdict(w).items()
+                        if vv and (shapes or kk not in ("buffer_shapes", "moved_shapes"))}
                     for k, w in led.kernels.items()},
     }  # fmt: skip
 
@@ -420,8 +421,11 @@ class OursFromLedger:
             r = ratio[kernel_grows(name)]
             stage = next((k for k, pre in groups.items() if name.startswith(pre)), name)
             threads_steps = w.get("threads", 0) / SIMDGROUP * r
-            by_kind = w.get("bytes_by_kind")  # scaled by what each buffer holds where the ledger says it
-            mem = g.bytes_ms(sum(b * ratio[k] for k, b in by_kind.items()) if by_kind else w.get("buffer_bytes", 0) * r)
+            # the bytes its launches read and wrote where the ledger counted them (step_ledger.MOVED_BYTES), else the
+            # bound buffers'; scaled by what each buffer holds where the ledger says it
+            by_kind = w.get("moved_by_kind") or (None if w.get("moved_bytes") else w.get("bytes_by_kind"))
+            nbytes = w.get("moved_bytes") or w.get("buffer_bytes", 0)
+            mem = g.bytes_ms(sum(b * ratio[k] for k, b in by_kind.items()) if by_kind else nbytes * r)
             if name == "rasterize_fwd":
                 compute = g.steps_ms(walk_steps(s) + s.groups) + g.barriers_ms(w.get("barriers", 0) * ratio["M"])
                 stage = "rasterize forward"

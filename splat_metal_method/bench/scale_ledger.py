@@ -13,7 +13,8 @@ optimizer) is counted by the step ledger and issues the same dispatches at any s
 kernel).
 
 Counted as step_ledger.count counts (as a Mac runs it): our kernel launches and the bytes of the buffers
-bound to each, aten dispatches and the bytes each aten kernel reads and writes, host syncs, and the
+bound to each (and, for bin_sort and scan_block_sums, the bytes each launch moves: step_ledger.MOVED_BYTES; in
+count-only mode bin_sort's from the host model's bins, the intersections of each tile), aten dispatches and the bytes each aten kernel reads and writes, host syncs, and the
 command buffers the runtime's ledger closes (runtime.command_buffers()).
 
 Count-only mode (the default; ``execute=False``): the kernels are counted, not run (runtime.count_only),
@@ -100,10 +101,11 @@ MODEL_SAMPLE = 200_000  # gaussians the host model projects; a larger scene's co
 @torch.no_grad()
 def expected_intersections(
     scene: Scene, width: int, height: int, sample: int = MODEL_SAMPLE
-) -> Tuple[int, torch.Tensor, int]:
+) -> Tuple[int, torch.Tensor, int, torch.Tensor]:
     """The host model of a render's intersections: the reference projection's radii and tile bounds
-    (the kernels' rectangle math). Returns the count M, the intersections per tile row [1, tile_height] and
-    those of the longest tile (what the per-tile bins plan their merge dispatches from).
+    (the kernels' rectangle math). Returns the count M, the intersections per tile row [1, tile_height],
+    those of the longest tile (what the per-tile bins plan their merge dispatches from) and those of each
+    tile [tile_height, tile_width] (the bins' lengths, which bin_sort's moved bytes are counted from).
     Scenes of more than `sample` gaussians (drawn independently) are modelled from their first `sample`,
     scaled (a relative error ~1/sqrt(sample) of the count, 0.2% at 200k)."""
     from ..ops import reference
@@ -133,7 +135,8 @@ def expected_intersections(
     if k < n:
         rows = torch.round(rows.double() * (n / k)).long()
         longest = round(longest * n / k)
-    return int(rows.sum()), rows, longest
+        tiles = torch.round(tiles.double() * (n / k)).long()
+    return int(rows.sum()), rows, longest, tiles
 
 
 def sh_optimizers(scene: Scene) -> tuple:
@@ -187,25 +190,29 @@ class ScaleRow:
     command_buffers: int
     mode: str  # "count-only" or "executed"
     capacities: object = None  # the renderer's IntersectionCapacities after the counted render
+    bin_lengths: Optional[list] = None  # the bins' lengths bin_sort's moved bytes were counted from
 
     def summary(self) -> Dict[str, int]:
         s = self.ledger.summary()
+        moved = sum(w.moved_bytes if w.moved_shapes else w.buffer_bytes for w in self.ledger.kernels.values())
         return {
             "kernel_launches": s["kernel_launches"], "aten_dispatches": s["aten_dispatches"],
             "host_syncs": s["host_syncs"], "command_buffers": self.command_buffers,
-            "kernel_bytes": s["buffer_bytes"], "aten_bytes": s["aten_bytes"],
+            "kernel_bytes": s["buffer_bytes"], "kernel_moved_bytes": moved, "aten_bytes": s["aten_bytes"],
             "dispatches": s["kernel_launches"] + s["aten_dispatches"],
         }  # fmt: skip
 
 
 def measure(n: int, width: int, height: int, execute: bool = False, seed: int = 0,
-            seed_from=None) -> ScaleRow:  # fmt: skip
+            seed_from=None, bins: Optional[list] = None) -> ScaleRow:  # fmt: skip
     """Counts one steady render step of `n` gaussians at width x height (see the module docstring).
 
-    Executed: two uncounted renders first teach the capacities, as a model's earlier steps do.
+    Executed: two uncounted renders first teach the capacities, as a model's earlier steps do; bin_sort's moved
+    bytes are counted from the bins the kernels filled.
     Count-only: the capacities are seeded with what those renders would have taught (the host model of
     the scene, or ``seed_from``: an IntersectionCapacities of an executed run), one uncounted render warms
-    the workspace as it would be warm, then the counted one."""
+    the workspace as it would be warm, then the counted one; bin_sort's moved bytes are counted from the host
+    model's bins (the intersections of each tile), or ``bins`` (an executed row's bin_lengths)."""
     from ..ops import IntersectionCapacities
     from ..ops.metal import runtime
     from ..ops.workspace import workspace
@@ -221,27 +228,42 @@ def measure(n: int, width: int, height: int, execute: bool = False, seed: int = 
     if not execute:
         if seed_from is not None:
             capacities.seed_like(seed_from)
-        else:
-            M, rows, longest = expected_intersections(scene, width, height)
-            th, tw = math.ceil(height / TILE), math.ceil(width / TILE)
-            capacities.expect(tw, th, 1, n, M, rows, tile_size=TILE, longest=longest)
+        if seed_from is None or bins is None:
+            model_m, rows, longest, tiles = expected_intersections(scene, width, height)
+            bins = tiles.reshape(-1).tolist() if bins is None else bins  # one camera: tile order y * tw + x
+            if seed_from is None:
+                M = model_m
+                th, tw = math.ceil(height / TILE), math.ceil(width / TILE)
+                capacities.expect(tw, th, 1, n, M, rows, tile_size=TILE, longest=longest)
     mode = contextlib.nullcontext() if execute else runtime.count_only()
     with mode:
         for _ in range(2 if execute else 1):
             render_step(scene, width, height, capacities, gt, background, cam, sh_opts)
         runtime.reset_command_buffers()
-        with step_ledger.count(f"{n} gaussians {width}x{height}") as ledger:
+        extents = None if execute else {"bin_sort": bins}
+        with step_ledger.count(f"{n} gaussians {width}x{height}", extents=extents) as ledger:
             render_step(scene, width, height, capacities, gt, background, cam, sh_opts)
         n_buffers = len([b for b in runtime.command_buffers() if b.launches or b.work])
     ledger.n_gaussians, ledger.pixels = n, width * height
     if execute:
         M = capacities.last_count or 0
     ledger.intersections = M
-    return ScaleRow(n, width, height, M, ledger, n_buffers, "executed" if execute else "count-only", capacities)
+    return ScaleRow(
+        n,
+        width,
+        height,
+        M,
+        ledger,
+        n_buffers,
+        "executed" if execute else "count-only",
+        capacities,
+        ledger.extents.get("bin_sort"),
+    )
 
 
 COLUMNS = (("our launches", "kernel_launches"), ("aten ops", "aten_dispatches"), ("host syncs", "host_syncs"),
-           ("command buffers", "command_buffers"), ("kernel MB", "kernel_bytes"), ("aten MB", "aten_bytes"))  # fmt: skip
+           ("command buffers", "command_buffers"), ("kernel MB (bound)", "kernel_bytes"),
+           ("kernel MB (moved)", "kernel_moved_bytes"), ("aten MB", "aten_bytes"))  # fmt: skip
 
 
 def table(rows: Sequence[ScaleRow]) -> str:
@@ -303,6 +325,8 @@ def as_dict(row: ScaleRow) -> dict:
     for work in out["kernels"].values():
         shapes = work.pop("buffer_shapes", {})
         work["bytes_by_kind"] = bytes_by_kind(shapes, row.n_gaussians, row.width, row.height)
+        if "moved_shapes" in work:  # what its launches read and wrote (step_ledger.MOVED_BYTES), split alike
+            work["moved_by_kind"] = bytes_by_kind(work.pop("moved_shapes"), row.n_gaussians, row.width, row.height)
     return out
 
 

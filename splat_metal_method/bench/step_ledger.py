@@ -23,7 +23,10 @@ after refine stop),
   counters (msl_shim.h): simdgroup reductions (scalar components), shuffles/votes, device and
   threadgroup atomics, threadgroup barriers; threadgroup memory per group as declared; and bytes
   moved, estimated as the sizes of the buffers bound to each launch (each read or written once; twice
-  for those a kernel updates in place, READ_WRITE_ARGS).
+  for those a kernel updates in place, READ_WRITE_ARGS), and, for the kernels whose launches touch a part
+  of what they bind (MOVED_BYTES: bin_sort's merge steps, scan_block_sums' unread input), the bytes each
+  launch reads and writes, from the kernel's code and the data it runs on (``moved_bytes``; the model
+  prefers it where present).
 
 Used by benchmarks/bench_ledger.py (the table), tests/bench/test_step_ledger.py (budgets) and
 `splat-metal-bench` (host syncs per step).
@@ -44,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..ops.metal import adam, prepare
+from ..ops.metal import adam, isect, prepare, scan
 
 # aten ops whose output size depends on tensor values: the host must read the device to allocate.
 DATA_DEPENDENT_OPS = {
@@ -57,6 +60,15 @@ BOOL_INDEX_OPS = {"index.Tensor", "index_put", "index_put_", "_index_put_impl_"}
 READ_WRITE_ARGS: Dict[str, object] = {  # kernel -> argument indices, or a function of the arguments giving them
     "adam_step": adam.READ_WRITE_ARGS,
     "project_bwd": prepare.sh_adam_read_write_args,  # the parameters it steps and their moments (PROJECT_SH_ADAM, _ADAM_*)
+}
+# Kernels whose launches touch a part of the buffers they bind: kernel -> (function(args, extent) giving the bytes one
+# launch reads and writes ({bound buffer's shape: bytes}, as KernelWork.buffer_shapes) and the extent it counted from,
+# whether it needs an extent). The extent is the data the launch's work depends on: None when the kernels run (read
+# from the bound buffers), else a host model of it (count-only mode: count(..., extents={kernel: model})); without
+# one the launch's moved bytes are not counted (the model then takes its bound bytes).
+MOVED_BYTES = {
+    "bin_sort": (isect.bin_sort_moved_bytes, True),  # extent: the bins' lengths
+    "scan_block_sums": (scan.block_sums_moved_bytes, False),  # the launch's arguments say it all
 }
 ALLOCATIONS = {"empty.memory_format", "empty_strided", "empty_like", "lift_fresh", "_local_scalar_dense"}
 
@@ -136,14 +148,19 @@ class KernelWork:
     # buffer_bytes by the bound buffer's shape ("3x1500x2" -> bytes), so a reader that knows the scene can
     # tell per-gaussian, per-pixel and per-intersection buffers apart (scale_ledger.bytes_by_kind)
     buffer_shapes: Dict[str, int] = field(default_factory=dict)
+    # bytes its launches read and wrote, counted from the kernel's code and data (MOVED_BYTES; 0 for the other
+    # kernels, whose bound bytes stand for it), and by buffer shape as buffer_shapes
+    moved_bytes: int = 0
+    moved_shapes: Dict[str, int] = field(default_factory=dict)
 
     def add(self, other: "KernelWork") -> None:
         for k in self.__dataclass_fields__:
             if k == "threadgroup_bytes":
                 self.threadgroup_bytes = max(self.threadgroup_bytes, other.threadgroup_bytes)
-            elif k == "buffer_shapes":
-                for shape, b in other.buffer_shapes.items():
-                    self.buffer_shapes[shape] = self.buffer_shapes.get(shape, 0) + b
+            elif k in ("buffer_shapes", "moved_shapes"):
+                mine = getattr(self, k)
+                for shape, b in getattr(other, k).items():
+                    mine[shape] = mine.get(shape, 0) + b
             else:
                 setattr(self, k, getattr(self, k) + getattr(other, k))
 
@@ -169,6 +186,8 @@ class Ledger:
     n_gaussians: int = 0
     pixels: int = 0  # rendered pixels (all cameras)
     intersections: int = 0  # tile intersections of the render(s)
+    # kernel -> the extent its moved bytes were counted from at its last launch (MOVED_BYTES: bin_sort's bin lengths)
+    extents: Dict[str, object] = field(default_factory=dict)
 
     @property
     def host_syncs(self) -> int:
@@ -208,8 +227,10 @@ class Ledger:
 class _Counting:
     """The shared state of the two torch modes and the launch observer of one `count`."""
 
-    def __init__(self, ledger: Ledger, host_tensors):
+    def __init__(self, ledger: Ledger, host_tensors, extents=None):
         self.ledger = ledger
+        self.extents = dict(extents or {})  # count-only mode: host models of what MOVED_BYTES reads (kernel -> extent)
+        self.paused = False  # the ledger's own reads (MOVED_BYTES in executed mode): not the step's
         # tensors that stay on the host on a Mac, by identity (id -> weak reference: a tensor's memory
         # can be reused by the next tensor, its Python object cannot while it lives)
         self.host = {id(t): weakref.ref(t) for t in host_tensors}
@@ -229,6 +250,17 @@ class _Counting:
         lib = getattr(kernel, "_lib", None)
         counters = getattr(lib, "work_counters", None)
         before = counters() if counters else {}
+        moved, needs_extent = MOVED_BYTES.get(name, (None, False))
+        extent = None if runtime.executing() else self.extents.get(name)
+        if moved is not None and (runtime.executing() or extent is not None or not needs_extent):
+            self.paused = True
+            try:
+                moved, extent = moved(args, extent)  # before the launch: the data the launch works on
+            finally:
+                self.paused = False
+            self.ledger.extents[name] = extent
+        else:
+            moved = None
         out = kernel(*args, **launch) if runtime.executing() else None  # count-only: counted, not run
         after = counters() if counters else {}
         work = KernelWork(launches=1, threadgroup_bytes=int(getattr(kernel, "threadgroup_memory", 0) or 0))
@@ -249,6 +281,8 @@ class _Counting:
                 work.buffer_bytes += nbytes
                 shape = "x".join(str(d) for d in a.shape)
                 work.buffer_shapes[shape] = work.buffer_shapes.get(shape, 0) + nbytes
+        if moved is not None:
+            work.moved_shapes, work.moved_bytes = dict(moved), sum(moved.values())
         self.ledger.kernels.setdefault(name, KernelWork()).add(work)
         self.ledger.launch_parts[step_part(skip_ops=True)] += 1
         return out
@@ -262,6 +296,8 @@ class _AtenCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.s.paused:
+            return out
         key = aten_key(func)
         if key is None:  # profiler markers and other non-aten ops: no device work
             return out
@@ -318,6 +354,8 @@ class _TransferCounter(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.s.paused:
+            return out
         s, led = self.s, self.s.ledger
         name = getattr(func, "__name__", "")
         if func in _FACTORIES:
@@ -340,11 +378,12 @@ class _TransferCounter(TorchFunctionMode):
 
 
 class count:
-    """Context manager: ``with count("steady", host_tensors) as ledger: <one step>``."""
+    """Context manager: ``with count("steady", host_tensors) as ledger: <one step>``. ``extents``: in count-only
+    mode, host models of what MOVED_BYTES reads from the device when the kernels run (kernel -> extent)."""
 
-    def __init__(self, name: str, host_tensors=()):
+    def __init__(self, name: str, host_tensors=(), extents=None):
         self.ledger = Ledger(name)
-        self.state = _Counting(self.ledger, host_tensors)
+        self.state = _Counting(self.ledger, host_tensors, extents)
 
     def __enter__(self) -> Ledger:
         from ..ops.metal import runtime

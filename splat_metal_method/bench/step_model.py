@@ -8,7 +8,8 @@ What it adds up (each term cited or marked as an assumption in COSTS / DEVICES):
   Metal shaders: the model takes 10 us, between the two); each of our kernel launches costs
   ``launch_us`` (the Metal-shader figure of the same issue: torch.mps.compile_shader kernels are
   dispatched the same way).
-- GPU, per kernel: the larger of memory time (bytes of its bound buffers / DRAM bandwidth) and the
+- GPU, per kernel: the larger of memory time (bytes of its bound buffers, or those its launches move where
+  the ledger counts them, step_ledger.MOVED_BYTES, / DRAM bandwidth) and the
   time of the counted SIMD work: simdgroup reductions at 14.54 cycles (SUM<F32>) and shuffles at
   2.04 cycles per simdgroup instruction, four schedulers per core (philipturner/metal-benchmarks,
   M1 "Intra-simd communication" table and ALU layout); device atomics at ATOMIC_CYCLES and barriers at
@@ -118,7 +119,7 @@ def model_step(ledger: Ledger, target: Scene, device: str) -> Modeled:
         simd_cycles = (w.simd_reductions * SIMD_SUM_CYCLES + w.simd_shuffles * SHUFFLE_CYCLES) / SCHEDULERS_PER_CORE
         other_cycles = w.device_atomics * ATOMIC_CYCLES + w.barriers * BARRIER_CYCLES
         alu_s = r * (simd_cycles + other_cycles) / (d["cores"] * core_hz)
-        mem_s = r * w.buffer_bytes / bandwidth
+        mem_s = r * (w.moved_bytes or w.buffer_bytes) / bandwidth  # moved where counted (step_ledger.MOVED_BYTES)
         kernels_s += max(alu_s, mem_s)
     aten_s = 0.0
     for part, nbytes in ledger.part_bytes.items():
@@ -221,6 +222,15 @@ def at_scale(step: dict, scale: dict, base20k: dict) -> dict:
                     for kind, b in sw["bytes_by_kind"].items()
                 }
                 w["buffer_bytes"] = sum(w["bytes_by_kind"].values())
+            # what its launches read and wrote (step_ledger.MOVED_BYTES: bin_sort, scan_block_sums), alike
+            w.pop("moved_bytes", None), w.pop("moved_by_kind", None)
+            if "moved_by_kind" in sw:
+                kinds = {"G": "n_gaussians", "P": "pixels", "M": "intersections"}
+                w["moved_by_kind"] = {kind: b * step[kinds[kind]] / max(scale[kinds[kind]], 1)
+                                      for kind, b in sw["moved_by_kind"].items()}  # fmt: skip
+                w["moved_bytes"] = sum(w["moved_by_kind"].values())
+            elif "moved_bytes" in sw:
+                w["moved_bytes"] = sw["moved_bytes"] * f
             w["threads"] = sw.get("threads", 0) * f
     out["part_bytes"] = dict(step["part_bytes"])
     if "optimizer" in out["part_bytes"]:
@@ -245,7 +255,7 @@ def bytes_per_gaussian(step: dict, scale: dict) -> Dict[str, float]:
     out: Dict[str, float] = {}
     n_scale, n_step = max(scale["n_gaussians"], 1), max(step["n_gaussians"], 1)
     for name, w in scale["kernels"].items():
-        by_kind = w.get("bytes_by_kind")
+        by_kind = w.get("moved_by_kind") or w.get("bytes_by_kind")  # what it moves where counted (MOVED_BYTES)
         b = (
             by_kind.get("G", 0)
             if by_kind is not None
@@ -255,7 +265,7 @@ def bytes_per_gaussian(step: dict, scale: dict) -> Dict[str, float]:
         out[f"render: {name}"] = b * share / n_scale
     for name, w in step["kernels"].items():
         if name not in scale["kernels"] and kernel_grows(name) == "G":
-            out[f"step: {name}"] = w.get("buffer_bytes", 0) / n_step
+            out[f"step: {name}"] = (w.get("moved_bytes") or w.get("buffer_bytes", 0)) / n_step
     for part, b in step["part_bytes"].items():
         if part not in PIXEL_PARTS:
             out[f"aten: {part}"] = b * (ADAM_ACCESSES if part == "optimizer" else 1) / n_step

@@ -2,9 +2,10 @@
 backend counted at the sizes people train, held to budgets at every size.
 
 - Count-only (kernels counted, not run) equals executed (the kernels under the emulator) at small sizes:
-  the same launches, aten dispatches, host syncs, command buffers and bytes when seeded with what the
-  executed renders taught; the host model of the intersections (reference projection + tile bounds)
-  gives the count the kernels produce.
+  the same launches, aten dispatches, host syncs, command buffers and bytes (bound, and moved: bin_sort's
+  counted from the bins' lengths, step_ledger.MOVED_BYTES) when seeded with what the executed renders taught
+  and the bins they filled; the host model of the intersections (reference projection + tile bounds)
+  gives the count the kernels produce and bins within a few entries of theirs.
 - Budgets (issue 36): dispatches do not grow with the scene. Launches + aten dispatches at 3M gaussians
   at most 11 more than at 20k (what 1.15x allowed over the 77 at 20k before issue 38 removed the padded
   lists' depth sort), no host sync at any size, no work per band but the launch itself.
@@ -25,11 +26,27 @@ SMALL = [(600, 120, 78, 1), (1500, 72, 130, 1), (16_000, 64, 40, 2)]
 def test_count_only_equals_executed(n, width, height, bin_sorts):
     executed = scale_ledger.measure(n, width, height, execute=True)
     assert executed.ledger.kernels["bin_sort"].launches == bin_sorts
-    seeded = scale_ledger.measure(n, width, height, seed_from=executed.capacities)
-    modelled = scale_ledger.measure(n, width, height)  # capacities from the host model of the scene
+    seeded = scale_ledger.measure(n, width, height, seed_from=executed.capacities, bins=executed.bin_lengths)
+    modelled = scale_ledger.measure(n, width, height)  # capacities and bins from the host model of the scene
     assert executed.ledger.kernel_total().simd_reductions > 0  # the kernels ran
     assert seeded.ledger.kernel_total().simd_reductions == 0  # ... and here they did not
     assert seeded.summary() == executed.summary()
+    for k in ("bin_sort", "scan_block_sums"):  # what each launch moved, counted alike from the same bins
+        if k in executed.ledger.kernels:
+            got, want = seeded.ledger.kernels[k], executed.ledger.kernels[k]
+            assert (got.moved_bytes, got.moved_shapes, got.buffer_shapes) == (
+                want.moved_bytes,
+                want.moved_shapes,
+                want.buffer_shapes,
+            ), k
+    sort = executed.ledger.kernels["bin_sort"]
+    assert 0 < sort.moved_bytes < sort.buffer_bytes  # the merge launch moves the long tile's entries only
+    # the host model's bins: the kernels' within a few entries each (float rounding moves a rectangle edge)
+    assert len(modelled.bin_lengths) == len(executed.bin_lengths)
+    assert (
+        max(abs(a - b) for a, b in zip(modelled.bin_lengths, executed.bin_lengths))
+        <= 0.01 * max(executed.bin_lengths) + 2
+    )
     assert dict(seeded.ledger.aten_ops) == dict(executed.ledger.aten_ops)
     assert {k: w.launches for k, w in seeded.ledger.kernels.items()} == {
         k: w.launches for k, w in executed.ledger.kernels.items()
@@ -41,6 +58,9 @@ def test_count_only_equals_executed(n, width, height, bin_sorts):
     for k in ("kernel_launches", "aten_dispatches", "host_syncs", "command_buffers"):
         assert got[k] == want[k], (k, got, want)
     assert got["kernel_bytes"] == pytest.approx(want["kernel_bytes"], rel=0.05)
+    assert got["kernel_moved_bytes"] == pytest.approx(want["kernel_moved_bytes"], rel=0.05)
+    got_sort, want_sort = modelled.ledger.kernels["bin_sort"], executed.ledger.kernels["bin_sort"]
+    assert got_sort.moved_bytes == pytest.approx(want_sort.moved_bytes, rel=0.02)
 
 
 # What one steady render step (render, composite, fused loss, backward) may issue at any scene size at
@@ -138,3 +158,33 @@ def test_rasterize_bytes_are_split_by_what_the_buffers_hold():
     assert out["bytes_by_kind"] == pytest.approx({"G": 50 * 20, "P": 200 / 100, "M": 100 / 5})
     assert out["buffer_bytes"] == pytest.approx(sum(out["bytes_by_kind"].values()))
     assert peers.kernel_grows("rasterize_fwd") != "P"  # one ratio for all would misprice the image part
+
+
+def test_the_model_prices_moved_bytes_where_counted_and_bound_bytes_elsewhere():
+    """step_ledger.MOVED_BYTES (bin_sort, scan_block_sums): a row with what a kernel's launches moved is priced by
+    that (at_scale carries it, scaled by what each part holds; peers prefers it); a row without (ledger files
+    written before it) is priced by its bound bytes as before."""
+    from splat_metal_method.bench import peers, step_model
+
+    step = {"aten_kernels": 28, "n_gaussians": 20_000, "intersections": 1_000, "pixels": 100, "part_bytes": {},
+            "host_syncs": 0, "kernels": {"bin_sort": {"launches": 1, "buffer_bytes": 10, "moved_bytes": 5}}}  # fmt: skip
+    bound = {"launches": 3, "buffer_bytes": 8e9, "threads": 1e6, "bytes_by_kind": {"G": 1e9, "P": 0, "M": 7e9}}
+    moved = {**bound, "moved_bytes": 3e9, "moved_by_kind": {"G": 0, "P": 0, "M": 3e9}}
+    scene = peers.COMPARE_SCENES[-1]
+    terms, per_g = {}, {}
+    for label, w in (("bound", bound), ("moved", moved)):
+        scale = {"aten_kernels": 30, "n_gaussians": int(scene.gaussians), "intersections": 15_000_000,
+                 "pixels": scene.width * scene.height, "kernels": {"bin_sort": w}}  # fmt: skip
+        out = step_model.at_scale(step, scale, {"aten_kernels": 28, "kernels": {}})
+        sort = out["kernels"]["bin_sort"]
+        assert ("moved_bytes" in sort) == (label == "moved")  # the step ledger's own figure is not carried over
+        b = peers.OursFromLedger(out).step(scene, "M4 Max", peers.CALIBRATED)
+        terms[label] = b.terms["sort (radix + scan)"]
+        per_g[label] = step_model.bytes_per_gaussian(step, scale).get("render: bin_sort", 0.0)
+    g = peers._Gpu("M4 Max", peers.CALIBRATED)
+    assert terms["moved"] == pytest.approx(g.bytes_ms(3e9 * scene.M / 15_000_000))
+    assert terms["bound"] == pytest.approx(g.bytes_ms(1e9 * scene.gaussians / scene.gaussians + 7e9 * scene.M / 15e6))
+    assert per_g == {
+        "bound": pytest.approx(1e9 / scene.gaussians),
+        "moved": 0.0,
+    }  # the moved depths: gathers, per entry

@@ -391,3 +391,93 @@ def merge_steps(longest: int) -> int:
     while width < longest:
         steps, width = steps + 1, width * 2
     return steps
+
+
+# ------------------------------------------------------------------------------------------------
+# What a bin_sort launch reads and writes (the ledgers' count of its bytes: bench/step_ledger.py MOVED_BYTES).
+#
+# bin_sort binds every buffer whole at each launch, but a launch of steps [step_lo, step_hi) touches only the
+# entries of the tiles those steps work on. Read off isect.metal bin_sort, by role (argument index, element bytes):
+#   ranks (0, 4)        the bins (flat ids): step 0 reads every tile's bin and writes it back sorted by blocks (tiles
+#                       past one block); merge step s reads it (s odd) or writes it (s even, not the tile's last)
+#   ranks2 (1, 4)       the merge ping-pong: written at odd merge steps, read at even ones
+#   ends (2, 8)         [n + 2] ends of the bins: each group reads its start and end, every launch ([0, n))
+#   depths (3, 4)       [C*N] one gather per entry an active step reads (its key): counted as 4 bytes a gather;
+#                       the binary searches' probes of the partner run (src and depths) are not counted (that run
+#                       is read by the same step's own loop: cache hits)
+#   cum (4, 8)          [C*N] its last entry (the count M), read by tile 0 at step 0
+#   bins (5, 4)         [n + 2] bins[n] (M) and bins[n + 1] (the longest bin) written at step 0
+#   isect_ids (6, 8)    [capacity] written with the final entries (with_ids only) and the padding, as flatten_ids
+#   flatten_ids (7, 4)  [capacity] the final entries: a tile's at its last step (step 0 for a tile of one block, its
+#                       last merge otherwise); the padding [end of the list, capacity) at step 0
+#   offsets (8, 4)      [n + 1] every tile's start and the list's end, at step 0
+# A tile of `len` entries runs steps 0 .. merge_steps(len); merge step s works on the tiles with merge_steps(len) >= s,
+# i.e. len > BIN_CAPACITY << (s - 1). tests/ops/test_bin_sort_traffic.py holds this to the kernel: run under the
+# emulator with sentinel-filled buffers, every entry a launch writes lies in the ranges written here.
+BIN_SORT_ROLES = {"ranks": (0, 4), "ranks2": (1, 4), "ends": (2, 8), "depths": (3, 4), "cum": (4, 8),
+                  "bins": (5, 4), "isect_ids": (6, 8), "flatten_ids": (7, 4), "offsets": (8, 4)}  # fmt: skip
+PER_ENTRY_ROLES = ("ranks", "ranks2", "depths", "isect_ids", "flatten_ids")  # the rest: per tile (and cum's one entry)
+
+
+def bin_sort_access(lengths, capacity: int, total: int, step_lo: int, step_hi: int, with_ids: bool) -> dict:
+    """The entries one bin_sort launch of steps [step_lo, step_hi) reads and writes, from its bins' lengths
+    (`lengths`: [C * n_tiles], in tile order): {"read": {role: [(a, b), ...]}, "write": {...}}, half-open
+    ranges of each buffer's indices (depths: the ranges of the list whose entries' depths are gathered)."""
+    read: Dict[str, list] = {r: [] for r in BIN_SORT_ROLES}
+    write: Dict[str, list] = {r: [] for r in BIN_SORT_ROLES}
+    n = len(lengths)
+    finals = ("flatten_ids", "isect_ids") if with_ids else ("flatten_ids",)
+    read["ends"].append((0, n))
+    start = 0
+    for length in lengths:
+        length = int(length)
+        rng = (start, start + length)
+        merges = merge_steps(length)
+        for s in range(step_lo, min(step_hi, merges + 1)):
+            if length == 0:
+                break
+            src, dst = ("ranks", "ranks2") if s % 2 == 1 else ("ranks2", "ranks")
+            read["ranks" if s == 0 else src].append(rng)
+            read["depths"].append(rng)
+            for role in finals if s == merges else ("ranks",) if s == 0 else (dst,):
+                write[role].append(rng)
+        start += length
+    if step_lo <= 0 < step_hi and n > 0:
+        write["offsets"].append((0, n + 1))
+        write["bins"].append((n, n + 2))
+        read["cum"].append((total - 1, total))
+        if start < capacity:  # the padding
+            for role in finals:
+                write[role].append((start, capacity))
+    return {"read": read, "write": write}
+
+
+def access_bytes(access: dict) -> Dict[str, int]:
+    """Bytes of bin_sort_access's ranges by role (reads and writes added up)."""
+    return {role: sum(b - a for mode in access.values() for a, b in mode[role]) * BIN_SORT_ROLES[role][1]
+            for role in BIN_SORT_ROLES}  # fmt: skip
+
+
+def bin_lengths(ends: Tensor, n_bins: int) -> list:
+    """The bins' lengths from bin_sort's `ends` (the inclusive prefix sum of their counts), a host list."""
+    e = ends[:n_bins].tolist()
+    return [e[0]] + [b - a for a, b in zip(e[:-1], e[1:])] if e else []
+
+
+def bin_sort_moved_bytes(args, lengths=None) -> Tuple[Dict[str, int], list]:
+    """Bytes one bin_sort launch (its arguments `args`, as isect_tiles_padded_fwd binds them) reads and writes,
+    keyed by the shape of the buffer whose size they grow with ("x"-joined, as step_ledger.KernelWork.buffer_shapes:
+    the per-entry traffic, depth gathers included, under the capacity's shape, the per-tile under that of `ends`),
+    and the bins' lengths it was counted from: `lengths` (count-only: a host model of the bins), else read from
+    the bound `ends` (executed: the kernels ran, ends holds the real bins)."""
+    ends, n_bins, total, capacity = args[2], int(args[9]), int(args[12]), int(args[13])
+    step_lo, step_hi, with_ids = int(args[15]), int(args[16]), bool(int(args[17]))
+    if lengths is None:
+        lengths = bin_lengths(ends, n_bins)
+    by_role = access_bytes(bin_sort_access(lengths, capacity, total, step_lo, step_hi, with_ids))
+    entry_shape, tile_shape = str(capacity), "x".join(str(d) for d in ends.shape)
+    out: Dict[str, int] = {}
+    for role, b in by_role.items():
+        key = entry_shape if role in PER_ENTRY_ROLES else tile_shape
+        out[key] = out.get(key, 0) + b
+    return out, list(lengths)

@@ -76,6 +76,20 @@ def prefix_sum(values: Tensor, inclusive: bool = False, out: Optional[Tensor] = 
     return out
 
 
+def block_sums_moved_bytes(args, lengths=None):
+    """Bytes one scan_block_sums launch (its arguments as prefix_sum binds them) reads and writes, keyed by the
+    bound buffer's shape (as step_ledger.KernelWork.buffer_shapes): the `n` values of its one input (in32, or in64
+    when wide) read, the block totals written. The other input is bound but never read: prefix_sum binds `out`
+    there (8 bytes a value for an int32 scan), which the bound-buffer count charged. (bench/step_ledger.MOVED_BYTES)"""
+    in32, in64, block_sums, n, wide = args[:5]
+    values = in64 if int(wide) else in32
+    out: dict = {}
+    for t, b in ((values, int(n) * values.element_size()), (block_sums, block_sums.numel() * 8)):
+        key = "x".join(str(d) for d in t.shape)
+        out[key] = out.get(key, 0) + b
+    return out, None
+
+
 def select_rows(mask: Tensor, n_selected: int, with_rest: bool = False):  # [n] bool -> [n_selected] int64 (, rest)
     """torch.where(mask)[0] (and torch.where(~mask)[0] with ``with_rest``) without a host read: the
     caller knows how many rows are selected (one read it already made), the device finds which
