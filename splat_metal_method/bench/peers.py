@@ -330,10 +330,11 @@ def kernel_grows(name: str) -> str:
 
 
 OURS_ATOMICS_PER_GROUP = 11  # rasterize_bwd.metal: 8 + D quantities (conic 3, opacity, means2d 2, absgrad 2, rgb 3)
-# rasterize_bwd.metal reduces three float4s per active group whatever it issues after (conic + opacity, the
-# 2-D gradient and its absolute value, rgb + a pad): 12 components. The number of active groups is read from
-# these and not from the atomics, which the tile merge (SPLAT_METAL_BWD_TILE_MERGE) and a step without absgrad
-# issue fewer of per group: counted from the atomics, such a step had fewer groups, and its reductions and
+# The number of the backward's active (gaussian, simdgroup) groups in a ledger: counted (step_ledger.ACTIVE_GROUPS:
+# its reductions less 3 a simdgroup, over the components a group reduces, 11 with absgrad and 9 without since
+# rasterize_bwd reduces only what it issues); in ledgers from before that count, its reductions / 12 (three float4s
+# a group then). Never from the atomics, which the tile merge (SPLAT_METAL_BWD_TILE_MERGE) and a step without
+# absgrad issue fewer of per group: counted from the atomics, such a step had fewer groups, and its reductions and
 # atomics were scaled up by as much as they had gone down.
 OURS_SUMS_PER_GROUP = 12
 PIXEL_PARTS = ("model, loss, camera opt",)
@@ -393,7 +394,9 @@ class OursFromLedger:
 
     def _measured_groups(self) -> float:
         w = self.ledger["kernels"].get("rasterize_bwd", {})
-        if w.get("simd_reductions"):
+        if w.get("active_groups"):  # counted (step_ledger.ACTIVE_GROUPS)
+            return float(w["active_groups"])
+        if w.get("simd_reductions"):  # ledgers before the count: 12 components a group
             return max(w["simd_reductions"] / OURS_SUMS_PER_GROUP, 1.0)
         return max(w.get("device_atomics", 0) / OURS_ATOMICS_PER_GROUP, 1.0)  # a ledger without the sums
 

@@ -47,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..ops.metal import adam, isect, prepare, scan
+from ..ops.metal import adam, isect, prepare, rasterize_bwd, scan
 
 # aten ops whose output size depends on tensor values: the host must read the device to allocate.
 DATA_DEPENDENT_OPS = {
@@ -70,6 +70,8 @@ MOVED_BYTES = {
     "bin_sort": (isect.bin_sort_moved_bytes, True),  # extent: the bins' lengths
     "scan_block_sums": (scan.block_sums_moved_bytes, False),  # the launch's arguments say it all
 }
+# kernel -> function (arguments, counted simd reductions: components, calls) giving the launch's active groups
+ACTIVE_GROUPS = {"rasterize_bwd": rasterize_bwd.active_groups}
 ALLOCATIONS = {"empty.memory_format", "empty_strided", "empty_like", "lift_fresh", "_local_scalar_dense"}
 
 # Parts of a step, by the innermost file of the Python stack that issued an aten op (first match).
@@ -139,10 +141,12 @@ class KernelWork:
     threads: int = 0
     threadgroups: int = 0
     simd_reductions: int = 0  # scalar components (a float4 simd_sum counts 4), once per simdgroup
+    simd_reduction_ops: int = 0  # the same reductions as calls (a float4 simd_sum counts 1)
     simd_shuffles: int = 0  # shuffles, broadcasts and votes, once per simdgroup
     device_atomics: int = 0  # per calling thread
     threadgroup_atomics: int = 0
     barriers: int = 0  # threadgroup barriers, once per threadgroup
+    active_groups: int = 0  # rasterize_bwd: active (gaussian, simdgroup) pairs, from its reductions (ACTIVE_GROUPS)
     threadgroup_bytes: int = 0  # threadgroup memory one group declares
     buffer_bytes: int = 0  # sizes of the buffers bound to its launches (estimate of bytes moved)
     # buffer_bytes by the bound buffer's shape ("3x1500x2" -> bytes), so a reader that knows the scene can
@@ -272,6 +276,8 @@ class _Counting:
         group = (group,) if isinstance(group, int) else tuple(group)
         work.threads = math.prod(int(t) for t in threads)
         work.threadgroups = math.prod(-(-int(t) // int(g)) for t, g in zip(threads, group))
+        if name in ACTIVE_GROUPS and runtime.executing():
+            work.active_groups = ACTIVE_GROUPS[name](args, work.simd_reductions, work.simd_reduction_ops)
         seen, read_write = set(), READ_WRITE_ARGS.get(name, ())
         read_write = read_write(args) if callable(read_write) else read_write
         for i, a in enumerate(args):

@@ -25,7 +25,8 @@
 #define SPLAT_BWD_V_COLORS 8    // v_render_colors is bound (else it is zero)
 #define SPLAT_BWD_V_ALPHAS 16   // v_render_alphas is bound (else it is zero)
 
-// Colour gradients are reduced four channels at a time (simd_sum of a float4).
+// Colour gradients are reduced four channels at a time (simd_sum of a float4; the last vector over its used
+// channels only).
 #define SPLAT_COLOR_VEC4 ((SPLAT_CHANNELS + 3) / 4)
 // Per gaussian and simdgroup, the reduced quantities q scattered to device memory:
 //   q = 0,1,2: conic; 3: opacity; 4,5: means2d; 6,7: |means2d| (absgrad); 8 + k: colour channel k.
@@ -48,6 +49,20 @@
 #else
 #define SPLAT_BWD_PART_FLOATS 1
 #endif
+
+// The simd_sum of the last colour vector, over its SPLAT_CHANNELS - 4 (SPLAT_COLOR_VEC4 - 1) used channels
+// (the others are zero and stay zero).
+inline float4 simd_sum_last_color(float4 v) {
+#if SPLAT_CHANNELS % 4 == 1
+  return float4(simd_sum(v.x), 0.0f, 0.0f, 0.0f);
+#elif SPLAT_CHANNELS % 4 == 2
+  return float4(simd_sum(float2(v.x, v.y)), 0.0f, 0.0f);
+#elif SPLAT_CHANNELS % 4 == 3
+  return float4(simd_sum(float3(v.x, v.y, v.z)), 0.0f);
+#else
+  return simd_sum(v);
+#endif
+}
 
 // Adds quantity q (the numbering above) of gaussian g to its gradient buffer.
 inline void bwd_atomic_add(int q, long g, float value, device atomic_float* v_means2d, device atomic_float* v_conics,
@@ -308,11 +323,18 @@ kernel void rasterize_bwd(
           buf[k] += s_rgb[t * SPLAT_CHANNELS + k] * fac;
         }
       }
+      // Only the components issued below are reduced (a simd_sum costs one reduction per component):
+      // |means2d| only with absgrad, the last colour vector's used channels only (rgb: a float3).
       g_conic_opac = simd_sum(g_conic_opac);
-      g_xy = simd_sum(g_xy);
-      for (int q = 0; q < SPLAT_COLOR_VEC4; ++q) {
+      if (absgrad) {
+        g_xy = simd_sum(g_xy);
+      } else {
+        g_xy = float4(simd_sum(float2(g_xy.x, g_xy.y)), 0.0f, 0.0f);
+      }
+      for (int q = 0; q < SPLAT_COLOR_VEC4 - 1; ++q) {
         g_rgb[q] = simd_sum(g_rgb[q]);
       }
+      g_rgb[SPLAT_COLOR_VEC4 - 1] = simd_sum_last_color(g_rgb[SPLAT_COLOR_VEC4 - 1]);
       // Every lane now holds the simdgroup's sums; the quantities are shared out by lane rank.
       const long g = (long)s_ids[t];
       for (int q = sg_rank; q < SPLAT_BWD_QUANTITIES; q += sg_lanes) {

@@ -25,6 +25,35 @@ BWD_BACKGROUND, BWD_ABSGRAD, BWD_COMPOSITE, BWD_V_COLORS, BWD_V_ALPHAS = 1, 2, 4
 # each call, for a test or a benchmark.
 TILE_MERGE = os.environ.get("SPLAT_METAL_BWD_TILE_MERGE", "") not in ("", "0")
 
+# Positions of v_colors and flags in lib.rasterize_bwd's arguments (the launch in rasterize_to_pixels_bwd)
+_ARG_V_COLORS, _ARG_FLAGS = 15, 24
+# simd reductions every simdgroup that has gaussians to walk performs first: simd_max of its last bin, its lanes'
+# rank (simd_prefix_exclusive_sum) and count (simd_sum), one component each
+SETUP_REDUCTIONS = 3
+
+
+def reduced_components(flags: int, channels: int) -> Tuple[int, int]:
+    """(scalar components, simd_sum calls) an active (gaussian, simdgroup) pair reduces (rasterize_bwd.metal):
+    conic and opacity 4 in one float4, means2d 2 (+ |means2d| 2 with absgrad) in one call, the colour's channels
+    in float4s, the last over its used channels: (11, 3) for splatfacto's RGB with absgrad, (9, 3) without
+    (msplat's 9 components)."""
+    return 4 + (4 if flags & BWD_ABSGRAD else 2) + channels, 2 + (channels + 3) // 4
+
+
+def active_groups(args, components: int, calls: int) -> int:
+    """The active (gaussian, simdgroup) pairs of one rasterize_bwd launch with these arguments, from its counted
+    simd reductions as components and as calls (the step ledger's; peers.OursFromLedger scales the backward's
+    reductions and atomics by them): SETUP_REDUCTIONS of one component each per simdgroup that walks (how many
+    depends on the tiles) and reduced_components per group solve for both. Raises if they do not: the kernel's
+    reductions are not what reduced_components says."""
+    per_group, calls_per_group = reduced_components(int(args[_ARG_FLAGS]), int(args[_ARG_V_COLORS].shape[-1]))
+    groups, rest = divmod(components - calls, per_group - calls_per_group)
+    simdgroups, rest2 = divmod(calls - calls_per_group * groups, SETUP_REDUCTIONS)
+    if rest or rest2 or groups < 0 or simdgroups < 0:
+        raise ValueError(f"rasterize_bwd: {components} reduced components in {calls} calls are not "
+                         f"{SETUP_REDUCTIONS} a simdgroup plus {per_group} in {calls_per_group} an active group")  # fmt: skip
+    return groups
+
 
 def rasterize_to_pixels_bwd(
     means2d: Tensor,  # [C, N, 2]

@@ -25,7 +25,7 @@ CASES = [  # (tile size, channels, cameras, kernel passes)
 ]
 
 
-def _render(ts, D, C, merge, monkeypatch):
+def _render(ts, D, C, merge, monkeypatch, absgrad=True):
     monkeypatch.setattr(metal_rasterize_bwd, "TILE_MERGE", merge)
     W, H = 4 * ts + 3, 2 * ts + 5  # non-square, partial tiles
     scene = random_scene(n=80, C=C, width=W, height=H, seed=ts * 10 + D, scale_range=(0.05, 0.3))
@@ -36,7 +36,7 @@ def _render(ts, D, C, merge, monkeypatch):
     with step_ledger.count("bwd") as led:
         render, alpha, meta = rasterization(
             leaves["means"], leaves["quats"], leaves["scales"], leaves["opacities"], leaves["colors"],
-            scene.viewmats, scene.Ks, W, H, tile_size=ts, absgrad=True, backend="metal",
+            scene.viewmats, scene.Ks, W, H, tile_size=ts, absgrad=absgrad, backend="metal",
             **({"composite_background": torch.tensor([0.2, 0.4, 0.9])} if D == 3 else {}),
         )  # fmt: skip
         out = meta["rgb"] if D == 3 else render
@@ -44,7 +44,8 @@ def _render(ts, D, C, merge, monkeypatch):
             (out * torch.randn(out.shape, generator=g)).sum() + (alpha * torch.randn(alpha.shape, generator=g)).sum()
         ).backward()
     grads = {k: t.grad for k, t in leaves.items()}
-    grads["absgrad"] = meta["means2d"].absgrad
+    if absgrad:
+        grads["absgrad"] = meta["means2d"].absgrad
     return grads, led.kernels["rasterize_bwd"]
 
 
@@ -70,6 +71,27 @@ def test_tile_merge_matches_the_direct_atomics_with_fewer_of_them(ts, D, C, pass
     else:  # one simdgroup: the same atomics at most (the merge skips zero sums)
         assert merged_work.device_atomics <= direct_work.device_atomics
     assert merged_work.barriers > direct_work.barriers  # the price: a barrier per batch more
+
+
+@pytest.mark.parametrize("ts,D,C,passes", CASES)
+def test_each_active_group_reduces_and_issues_only_its_quantities(ts, D, C, passes, monkeypatch):
+    """The ledger counts the backward's active (gaussian, simdgroup) groups from its reductions (rasterize_bwd.py
+    active_groups: 3 a simdgroup, then 4 + 2 + D a group, + 2 with absgrad; it raises when they do not divide): the
+    same groups with and without absgrad and the tile merge, and without the merge one device atomic per reduced
+    component (11 a group for splatfacto's RGB with absgrad, 9 without: msplat's). Reducing a component more (a
+    float4 for three channels, |means2d| without absgrad) breaks the division or the equality."""
+    if passes:
+        monkeypatch.setattr(metal_rasterize, "RASTER_CHUNK", 7)
+        monkeypatch.setattr(metal_rasterize_bwd, "RASTER_CHUNK", 7)
+    groups = set()
+    for absgrad in (True, False):
+        for merge in (False, True):
+            _, work = _render(ts, D, C, merge, monkeypatch, absgrad=absgrad)
+            assert work.active_groups > 0, work
+            groups.add(work.active_groups)
+            if not merge:
+                assert work.device_atomics == (4 + 2 + D + (2 if absgrad else 0)) * work.active_groups, (absgrad, work)
+    assert len(groups) == 1, groups
 
 
 def test_tile_merge_matches_the_reference(monkeypatch):

@@ -367,7 +367,8 @@ class EmulatorKernel:
 
 
 # The shim's work counters, in the order of its `enum Count`.
-WORK_COUNTERS = ("simd_reductions", "simd_shuffles", "device_atomics", "threadgroup_atomics", "barriers")
+WORK_COUNTERS = ("simd_reductions", "simd_shuffles", "device_atomics", "threadgroup_atomics", "barriers",
+                 "simd_reduction_ops")  # fmt: skip
 
 
 class EmulatorLibrary:

@@ -520,7 +520,7 @@ struct Worker {
   uint64_t group_linear = 0;     // index of the group being run (its threadgroup memory generation)
   std::vector<uint32_t> order;   // this round's thread order
   std::vector<TgBlock> tg;       // threadgroup arrays, by declaration slot
-  int64_t count[5] = {0, 0, 0, 0, 0};  // work counters of this OS thread (see Count)
+  int64_t count[6] = {0, 0, 0, 0, 0, 0};  // work counters of this OS thread (see Count)
   void* asan_fake_stack = nullptr;
   const void* sched_stack_bottom = nullptr;  // the OS thread's own stack, for AddressSanitizer
   size_t sched_stack_size = 0;
@@ -536,11 +536,15 @@ inline thread_local Worker* tls_worker = nullptr;
 // worker finishes its share of a dispatch), read by the Python side with msl_emu_counters: what the
 // step ledger (splat_metal_method/step_ledger.py) reports per kernel. Simdgroup ops and barriers are
 // counted once per simdgroup / threadgroup (by its first live lane / thread 0), weighted by scalar
-// components for reductions (a float4 simd_sum counts 4); atomics once per calling thread.
-enum Count { SIMD_REDUCTIONS = 0, SIMD_SHUFFLES = 1, DEVICE_ATOMICS = 2, THREADGROUP_ATOMICS = 3, BARRIERS = 4 };
-inline std::atomic<int64_t> g_count[5];
+// components for reductions (a float4 simd_sum counts 4; SIMD_REDUCTION_OPS counts the calls); atomics once
+// per calling thread.
+enum Count {
+  SIMD_REDUCTIONS = 0, SIMD_SHUFFLES = 1, DEVICE_ATOMICS = 2, THREADGROUP_ATOMICS = 3, BARRIERS = 4,
+  SIMD_REDUCTION_OPS = 5, N_COUNTS = 6
+};
+inline std::atomic<int64_t> g_count[N_COUNTS];
 inline void count(Count what, int64_t n = 1) { if (tls_worker) tls_worker->count[what] += n; }
-inline void read_counters(int64_t* out) { for (int k = 0; k < 5; ++k) out[k] = g_count[k].load(); }
+inline void read_counters(int64_t* out) { for (int k = 0; k < N_COUNTS; ++k) out[k] = g_count[k].load(); }
 
 struct KernelError { std::string msg; };  // thrown only on the plain (non-fiber) path
 
@@ -766,7 +770,7 @@ inline void worker_loop(Dispatch* d) {
     bool ok = d->fibers ? run_group_fibers(&w, tg, actual) : run_group_plain(&w, tg, actual);
     if (!ok) break;
   }
-  for (int k = 0; k < 5; ++k) if (w.count[k]) g_count[k].fetch_add(w.count[k]);
+  for (int k = 0; k < N_COUNTS; ++k) if (w.count[k]) g_count[k].fetch_add(w.count[k]);
   tls_worker = saved;
 }
 
@@ -823,9 +827,21 @@ inline void count_atomic(const volatile void* p) {
     if (c >= (const char*)b.ptr && c < (const char*)b.ptr + b.bytes) { ++w->count[THREADGROUP_ATOMICS]; return; }
   ++w->count[DEVICE_ATOMICS];
 }
+// Scalar components a simd reduction of a T performs (a Metal simd_sum reduces each component: a float3 is 3,
+// not its 16 bytes / 4); 8-byte scalars count 2.
+template <class T> struct reduced_components { static constexpr int64_t n = sizeof(T) / 4 ? sizeof(T) / 4 : 1; };
+template <class T, int N> struct reduced_components<metal::vec<T, N>> {
+  static constexpr int64_t n = N * reduced_components<T>::n;
+};
+
 // Counts a simdgroup op once: by its first live lane.
 inline void count_simd(const SimdSlots& s, int par, Count what, int64_t n) {
   if (tls_worker->cur->pos.lane == uint32_t(__builtin_ctz(s.active[par]))) count(what, n);
+}
+// A simdgroup reduction of a T: its scalar components, and one call.
+template <class T> inline void count_reduction(const SimdSlots& s, int par) {
+  count_simd(s, par, SIMD_REDUCTIONS, reduced_components<T>::n);
+  count_simd(s, par, SIMD_REDUCTION_OPS, 1);
 }
 
 // ---- the per-thread side of barriers and simd ops ----
@@ -869,7 +885,7 @@ inline void simdgroup_barrier(mem_flags) {
 #define MSL_SIMD_REDUCE(name, OP, init, combine)                                                    \
   template <class T> inline T name(T v) {                                                           \
     int par; auto& s = msl_emu::simd_exchange(#name, msl_emu::OP, v, 0, par);                        \
-    msl_emu::count_simd(s, par, msl_emu::SIMD_REDUCTIONS, int64_t(sizeof(T) / 4 ? sizeof(T) / 4 : 1));    \
+    msl_emu::count_reduction<T>(s, par);    \
     bool first = true; T r = v;                                                                     \
     for (uint32_t l = 0; l < 32; ++l) if (s.active[par] >> l & 1) {                                 \
       T x = msl_emu::slot<T>(s, par, l);                                                            \
@@ -882,7 +898,7 @@ MSL_SIMD_REDUCE(simd_min, OP_MIN, 0, min(r, x))
 
 template <class T> inline T simd_prefix_exclusive_sum(T v) {
   int par; auto& s = msl_emu::simd_exchange("simd_prefix_exclusive_sum", msl_emu::OP_PREFIX_EX, v, 0, par);
-  msl_emu::count_simd(s, par, msl_emu::SIMD_REDUCTIONS, int64_t(sizeof(T) / 4 ? sizeof(T) / 4 : 1));
+  msl_emu::count_reduction<T>(s, par);
   uint32_t me = msl_emu::tls_worker->cur->pos.lane;
   T r = T(0);
   for (uint32_t l = 0; l < me; ++l) if (s.active[par] >> l & 1) r = r + msl_emu::slot<T>(s, par, l);
@@ -890,7 +906,7 @@ template <class T> inline T simd_prefix_exclusive_sum(T v) {
 }
 template <class T> inline T simd_prefix_inclusive_sum(T v) {
   int par; auto& s = msl_emu::simd_exchange("simd_prefix_inclusive_sum", msl_emu::OP_PREFIX_IN, v, 0, par);
-  msl_emu::count_simd(s, par, msl_emu::SIMD_REDUCTIONS, int64_t(sizeof(T) / 4 ? sizeof(T) / 4 : 1));
+  msl_emu::count_reduction<T>(s, par);
   uint32_t me = msl_emu::tls_worker->cur->pos.lane;
   T r = T(0);
   for (uint32_t l = 0; l <= me; ++l) if (s.active[par] >> l & 1) r = r + msl_emu::slot<T>(s, par, l);
