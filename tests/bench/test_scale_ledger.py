@@ -41,6 +41,13 @@ def test_count_only_equals_executed(n, width, height, bin_sorts):
     for k in ("kernel_launches", "aten_dispatches", "host_syncs", "command_buffers"):
         assert got[k] == want[k], (k, got, want)
     assert got["kernel_bytes"] == pytest.approx(want["kernel_bytes"], rel=0.05)
+    # bin_count's atomics: count-only records the host model's (isect.bin_count_atomics on the reference projection:
+    # exact on the same rectangles, tests/ops/metal/test_bin_histograms.py), the executed render the emulator's
+    ew, mw = executed.ledger.kernels["bin_count"], modelled.ledger.kernels["bin_count"]
+    assert 0 < ew.device_atomics < ew.threadgroup_atomics  # one threadgroup atomic an entry of the counted render
+    assert ew.threadgroup_atomics == pytest.approx(executed.intersections, rel=0.01)  # (M heard of: a render earlier)
+    assert mw.device_atomics == pytest.approx(ew.device_atomics, rel=0.03, abs=3)
+    assert mw.threadgroup_atomics == pytest.approx(ew.threadgroup_atomics, rel=0.01)
 
 
 # What one steady render step (render, composite, fused loss, backward) may issue at any scene size at
