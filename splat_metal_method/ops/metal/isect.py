@@ -118,8 +118,9 @@ def isect_offset_encode_fwd(isect_ids: Tensor, C: int, tile_width: int, tile_hei
 #   C*N (the host knows N: densification cannot outrun the capacity unseen), with HEADROOM; grown by at
 #   least GROWTH when it has to grow, never shrunk. The first call for a tile grid reads M once.
 # - No global sort (isect.metal, "Padded lists"): neither the depth sort of the C*N gaussians nor the radix
-#   sort by tile. The gaussians are counted in flat order; their entries are counted per tile by device
-#   atomics (one per entry: each keeps the rank it got) and placed in their tile's bin at that rank, each
+#   sort by tile. The gaussians are counted in flat order; their entries are counted per tile (bin_count's
+#   threadgroup tile histograms: one threadgroup atomic an entry, one device atomic per group and tile it touched;
+#   each entry keeps its rank in its tile) and placed in their tile's bin at that rank, each
 #   storing its gaussian's flat id, then each bin is sorted by the 64-bit key (depth bits << 32 | flat id),
 #   the depths gathered by the sort (bitonic in threadgroup memory; past BIN_CAPACITY entries in blocks, then
 #   merged): the same lists as isect_tiles_fwd's entry for entry
