@@ -10,9 +10,9 @@ tile length.
   bits (negative, -0.0 and 0.0, infinities, denormals, exact ties), the padded lists equal the exact lists
   (isect_tiles_fwd: a stable radix sort by the unsigned depth bits) and the reference's entry for entry,
   short bins and a bin merged past BIN_CAPACITY alike.
-- One device atomic per entry: bin_count stores each entry's rank in its tile, bin_fill places it by that rank
-  without atomics. Run directly on two cameras with entries past their rectangle (bin_count's tail: one atomic
-  for all of them) and a capacity that holds all or cuts such a tail, every kept entry is in its bin once;
+- bin_count stores each entry's rank in its tile (threadgroup tile histograms, one device atomic per group and
+  tile: tests/ops/metal/test_bin_histograms.py), bin_fill places it by that rank without atomics. Run directly on
+  two cameras with entries past their rectangle (bin_count's tail: one atomic for all of them) and a capacity that holds all or cuts such a tail, every kept entry is in its bin once;
   planted off-by-ones in the slots are caught.
 - The tests can fail: planted variants of the kernels (msplat's bins, which keep the first BIN_CAPACITY
   entries of a tile in the order the atomics handed out the slots; a sort key that does not break depth
