@@ -23,7 +23,9 @@ learns nothing from the device, so the model's capacities (what two training ren
 it: the intersection count and where the intersections lie) are seeded from a host model of the scene:
 the reference projection (ops/reference.py) and its tile bounds, the kernels' own rectangle math.
 tests/bench/test_scale_ledger.py proves count-only equals executed (the kernels under the emulator) at
-small sizes, and holds the counts to budgets at every size.
+small sizes, and holds the counts to budgets at every size. The one count of atomics count-only mode records is
+bin_count's (device and threadgroup, expected_bin_atomics: the host's count of what its threadgroup histograms
+issue, which does not grow linearly with the intersections); the other kernels' atomics are the step ledger's.
 
     python -m splat_metal_method.bench.scale_ledger            # the table at 0.5M, 1.5M, 3M (and 20k)
 """
@@ -139,6 +141,27 @@ def expected_intersections(
     return int(rows.sum()), rows, longest, tiles
 
 
+@torch.no_grad()
+def expected_bin_atomics(scene: Scene, width: int, height: int, sample: int = MODEL_SAMPLE) -> Tuple[int, int]:
+    """The host model of bin_count's atomics in a render (isect.bin_count_atomics on the reference projection):
+    (device, threadgroup). A device atomic per (threadgroup, tile) the group's run of gaussians touches (and per
+    entry of a tile past its window), so not linear in the intersections: counted here at the scene's size, not
+    scaled from a small one. Scenes of more than `sample` gaussians are modelled from their first whole runs of
+    a group within `sample` (the gaussians are drawn independently: each run alike), scaled by gaussians."""
+    from ..ops import reference
+    from ..ops.metal.isect import BIN_COUNT_ITEMS, GROUP_1D, bin_count_atomics
+
+    n = scene.means.shape[0]
+    run = GROUP_1D * BIN_COUNT_ITEMS
+    k = n if n <= sample else max(run, sample // run * run)
+    viewmats, Ks = camera(width, height, scene.means.device)
+    radii, means2d, _, _, _ = reference.project(
+        scene.means[:k], scene.quats[:k], torch.exp(scene.log_scales[:k]), viewmats, Ks, width, height
+    )
+    device, tg = bin_count_atomics(means2d, radii, TILE, math.ceil(width / TILE), math.ceil(height / TILE))
+    return round(device * n / k), round(tg * n / k)
+
+
 def sh_optimizers(scene: Scene) -> tuple:
     """torch Adams of every gaussian parameter with their state made, as splatfacto's (lr, eps): (features_dc's,
     features_rest's, {means, quats, scales, opacities: theirs}), for the Adam step the render's backward takes
@@ -247,6 +270,9 @@ def measure(n: int, width: int, height: int, execute: bool = False, seed: int = 
     ledger.n_gaussians, ledger.pixels = n, width * height
     if execute:
         M = capacities.last_count or 0
+    elif "bin_count" in ledger.kernels:  # the kernels did not run: bin_count's atomics from the host model
+        work = ledger.kernels["bin_count"]
+        work.device_atomics, work.threadgroup_atomics = expected_bin_atomics(scene, width, height)
     ledger.intersections = M
     return ScaleRow(
         n,

@@ -180,6 +180,9 @@ def calibrated_table(ledger: Ledger) -> str:
 #   scene from there, not from 20k); the rasterizer's bytes are one
 #   launch's (each pass or band binds every buffer whole but reads its share: the bound bytes of all its
 #   launches would count the per-gaussian and per-pixel buffers once per launch);
+# - bin_count's atomics: the scale ledger's where it has them (count-only mode records bin_count's from the host
+#   model of its threadgroup histograms: one device atomic per (group, tile) touched does not scale with the
+#   intersections as a 20k ledger's count would be scaled);
 # - Adam's bytes as accesses: a fused Adam reads parameter, gradient and two moments and writes three of
 #   them (7 accesses of a parameter's size; msplat's are counted so in peers.py); the step ledger counts
 #   each tensor argument once (4), so the optimizer's aten bytes are taken x 7/4.
@@ -232,6 +235,9 @@ def at_scale(step: dict, scale: dict, base20k: dict) -> dict:
             elif "moved_bytes" in sw:
                 w["moved_bytes"] = sw["moved_bytes"] * f
             w["threads"] = sw.get("threads", 0) * f
+            for k in ("device_atomics", "threadgroup_atomics"):  # where the scale ledger counted them (bin_count:
+                if k in sw:  # its host model, bench/scale_ledger.expected_bin_atomics), theirs at the target size
+                    w[k] = sw[k] * f
     out["part_bytes"] = dict(step["part_bytes"])
     if "optimizer" in out["part_bytes"]:
         out["part_bytes"]["optimizer"] *= ADAM_ACCESSES
@@ -274,11 +280,13 @@ def bytes_per_gaussian(step: dict, scale: dict) -> Dict[str, float]:
     return out
 
 
-def scale_compare_table(step: dict, before: dict, after: dict) -> str:
+def scale_compare_table(step: dict, before: dict, after: dict, c=None) -> str:
     """Markdown: ours / msplat at issue 30's scenes (peers.COMPARE_SCENES), from the 20k step ledger
     ``step`` corrected by the scale ledgers ``before`` and ``after`` (scale_ledger.key -> as_dict row;
-    ``before`` is of the tree ``step`` was measured on)."""
+    ``before`` is of the tree ``step`` was measured on); ``c``: the calibration (peers.CALIBRATED)."""
     from . import peers
+
+    c = c or peers.CALIBRATED
 
     lines = [
         "| scene (M4 Max) | scale ledger | launches / aten kernels per render | bytes a gaussian (msplat ~2,100) "
@@ -290,12 +298,12 @@ def scale_compare_table(step: dict, before: dict, after: dict) -> str:
         base = before.get(f"20000 {s.width}x{s.height}")
         if base is None:  # no scale ledger of the step ledger's tree at this image
             continue
-        ref = peers.MSPLAT.step(s, "M4 Max", peers.CALIBRATED).step_ms
+        ref = peers.MSPLAT.step(s, "M4 Max", c).step_ms
         for when, rows in (("before", before), ("after", after)):
             if k not in rows:
                 continue
             row = rows[k]
-            ours = peers.OursFromLedger(at_scale(step, row, base)).step(s, "M4 Max", peers.CALIBRATED).step_ms
+            ours = peers.OursFromLedger(at_scale(step, row, base)).step(s, "M4 Max", c).step_ms
             launches = sum(w.get("launches", 0) for w in row["kernels"].values())
             per_g = bytes_per_gaussian(step, row)["total"]
             lines.append(f"| {s.name} | {when} | {launches:,} / {row['aten_kernels']:,} | {per_g:,.0f} | {ours:.1f} | {ref:.1f} "
@@ -303,16 +311,18 @@ def scale_compare_table(step: dict, before: dict, after: dict) -> str:
     return "\n".join(lines)
 
 
-def scale_terms_table(step: dict, rows: dict) -> str:
+def scale_terms_table(step: dict, rows: dict, c=None) -> str:
     """Markdown: our modeled GPU terms (ms) at issue 30's scenes (peers.COMPARE_SCENES), from the 20k step
     ledger ``step`` corrected by the scale ledgers ``rows`` (of the same tree), as scale_compare_table prices them."""
     from . import peers
+
+    c = c or peers.CALIBRATED
 
     found = {}
     for s in peers.COMPARE_SCENES:
         k, base = f"{int(s.gaussians)} {s.width}x{s.height}", rows.get(f"20000 {s.width}x{s.height}")
         if k in rows and base is not None:
-            found[s.name] = peers.OursFromLedger(at_scale(step, rows[k], base)).step(s, "M4 Max", peers.CALIBRATED)
+            found[s.name] = peers.OursFromLedger(at_scale(step, rows[k], base)).step(s, "M4 Max", c)
     names = sorted(
         {t for b in found.values() for t in b.terms}, key=lambda t: -max(b.terms.get(t, 0) for b in found.values())
     )
@@ -332,7 +342,18 @@ def main(argv=None) -> None:
     ap.add_argument("--before", nargs="+", required=True, help="scale ledgers (scale_ledger --json) of --step's tree")
     ap.add_argument("--after", nargs="+", required=True, help="scale ledgers of this tree")
     ap.add_argument("--terms", action="store_true", help="also our modeled terms with the --before ledgers")
+    ap.add_argument("--after-terms", action="store_true", help="also our modeled terms with the --after ledgers")
+    ap.add_argument("--tg-atomics-at-device-cost", action="store_true",
+                    help="sensitivity: threadgroup atomics priced as device atomics (peers.CALIBRATED prices them at "
+                         "1 / peers.TG_ATOMIC_SHARE of one, an assumption)")  # fmt: skip
     args = ap.parse_args(argv)
+    from dataclasses import replace
+
+    from . import peers
+
+    c = peers.CALIBRATED
+    if args.tg_atomics_at_device_cost:
+        c = replace(c, tg_atomic_cycles=c.atomic_cycles)
 
     def load(paths):
         out = {}
@@ -343,10 +364,13 @@ def main(argv=None) -> None:
     step = json.loads(open(args.step).read())[args.label]
     print("MODEL, not a measurement (bench/step_model.py at_scale, calibrated as bench/peers.py), M4 Max; "
           f"ours from the {args.label} step ledger with the render's counts of the scale ledger:\n")  # fmt: skip
-    print(scale_compare_table(step, load(args.before), load(args.after)))
+    print(scale_compare_table(step, load(args.before), load(args.after), c))
     if args.terms:
         print("\nOur modeled terms, the step ledger with the --before scale ledgers:\n")
-        print(scale_terms_table(step, load(args.before)))
+        print(scale_terms_table(step, load(args.before), c))
+    if args.after_terms:
+        print("\nOur modeled terms, the step ledger with the --after scale ledgers:\n")
+        print(scale_terms_table(step, load(args.after), c))
 
 
 if __name__ == "__main__":

@@ -61,6 +61,13 @@ def test_count_only_equals_executed(n, width, height, bin_sorts):
     assert got["kernel_moved_bytes"] == pytest.approx(want["kernel_moved_bytes"], rel=0.05)
     got_sort, want_sort = modelled.ledger.kernels["bin_sort"], executed.ledger.kernels["bin_sort"]
     assert got_sort.moved_bytes == pytest.approx(want_sort.moved_bytes, rel=0.02)
+    # bin_count's atomics: count-only records the host model's (isect.bin_count_atomics on the reference projection:
+    # exact on the same rectangles, tests/ops/metal/test_bin_histograms.py), the executed render the emulator's
+    ew, mw = executed.ledger.kernels["bin_count"], modelled.ledger.kernels["bin_count"]
+    assert 0 < ew.device_atomics < ew.threadgroup_atomics  # one threadgroup atomic an entry of the counted render
+    assert ew.threadgroup_atomics == pytest.approx(executed.intersections, rel=0.01)  # (M heard of: a render earlier)
+    assert mw.device_atomics == pytest.approx(ew.device_atomics, rel=0.03, abs=3)
+    assert mw.threadgroup_atomics == pytest.approx(ew.threadgroup_atomics, rel=0.01)
 
 
 # What one steady render step (render, composite, fused loss, backward) may issue at any scene size at

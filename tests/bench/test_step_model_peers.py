@@ -286,3 +286,68 @@ def test_training_renders_without_isect_ids_bind_fewer_bytes():
             assert sa["launches"] == sb["launches"], key
             saved = sb["buffer_bytes"] - sa["buffer_bytes"]
             assert saved % (8 * sa["launches"]) == 0 and saved // (8 * sa["launches"]) >= a["intersections"], key
+
+
+def test_threadgroup_atomics_are_priced_and_their_cost_is_a_sensitivity():
+    """bin_count's threadgroup histograms (isect.metal): its threadgroup atomics are priced at
+    CALIBRATED.tg_atomic_cycles (an ASSUMPTION: a quarter of a device atomic), and the sensitivity table shows the
+    step with them at the full device cost; at_scale takes bin_count's atomics from the scale ledger."""
+    from splat_metal_method.bench import step_model
+
+    c = peers.CALIBRATED
+    assert c.tg_atomic_cycles == pytest.approx(c.atomic_cycles / peers.TG_ATOMIC_SHARE)
+    assert "tg_atomic_cycles" in peers.CONSTANT_NOTES and "ASSUMPTION" in peers.CONSTANT_NOTES["tg_atomic_cycles"]
+    led = {"label": "x", "n_gaussians": 1000, "pixels": 100, "intersections": 5000, "host_syncs": 0, "aten_dispatches": 0,
+           "aten_kernels": 0, "part_bytes": {}, "parts": {},
+           "kernels": {"bin_count": {"launches": 1, "threads": 256, "device_atomics": 500, "threadgroup_atomics": 5000}}}  # fmt: skip
+    s = peers.Scene("s", 1000, 10, 10, intersections=5000)
+    base = peers.OursFromLedger(led).step(s, M4, c).terms["intersect"]
+    none = copy.deepcopy(led)
+    none["kernels"]["bin_count"]["threadgroup_atomics"] = 0
+    g = peers._Gpu(M4, c)
+    assert base - peers.OursFromLedger(none).step(s, M4, c).terms["intersect"] == pytest.approx(g.tg_atomics_ms(5000))
+    full = replace(c, tg_atomic_cycles=c.atomic_cycles)
+    priced_full = peers.OursFromLedger(led).step(s, M4, full).terms["intersect"]
+    assert priced_full - peers.OursFromLedger(none).step(s, M4, full).terms["intersect"] == pytest.approx(
+        g.atomics_ms(5000)
+    )
+    assert "threadgroup atomics at the device atomic cost" in peers.sensitivity({"x": led})
+    # at_scale: the scale ledger's bin_count atomics, rescaled so that peers' scaling lands on them
+    step = {**led, "aten_kernels": 1}
+    scale = {"aten_kernels": 1, "n_gaussians": 10_000, "intersections": 50_000, "pixels": 100,
+             "kernels": {"bin_count": {"launches": 1, "threads": 256, "device_atomics": 7_000,
+                                       "threadgroup_atomics": 50_000}}}  # fmt: skip
+    out = step_model.at_scale(step, scale, {"aten_kernels": 1, "kernels": {}})["kernels"]["bin_count"]
+    assert out["device_atomics"] * 50_000 / 5000 == pytest.approx(7_000)
+    assert out["threadgroup_atomics"] * 50_000 / 5000 == pytest.approx(50_000)
+
+
+@pytest.mark.skipif(not (RESULTS / "scale_after_binhist_1297.json").exists(), reason="stored ledgers not here")
+def test_threadgroup_histograms_cut_the_intersect_term_under_the_assumption_only():
+    """The stored ledgers before (noisectids: one device atomic an entry) and after (binhist: bin_count's threadgroup
+    tile histograms): the scale ledgers record bin_count's atomics from the host model (one device atomic per group
+    and tile touched, one threadgroup atomic an entry), and the modeled intersect term falls at every scene with
+    threadgroup atomics at a quarter of a device atomic (CALIBRATED), but not with them at the full device cost."""
+    from splat_metal_method.bench import step_model
+
+    def terms(tag, ledger, c):
+        step = json.loads((RESULTS / f"ledger_after_{ledger}.json").read_text())["garden-points 20k 1/4"]
+        scale = {}
+        for image in ("1024", "1297"):
+            scale.update(json.loads((RESULTS / f"scale_after_{tag}_{image}.json").read_text()))
+        out = []
+        for s in peers.COMPARE_SCENES:
+            row = scale[f"{int(s.gaussians)} {s.width}x{s.height}"]
+            b = peers.OursFromLedger(step_model.at_scale(step, row, scale[f"20000 {s.width}x{s.height}"]))
+            out.append((b.step(s, M4, c).terms["intersect"], row))
+        return out
+
+    c = peers.CALIBRATED
+    full = replace(c, tg_atomic_cycles=c.atomic_cycles)
+    before = terms("noisectids", "issue38_final", c)
+    after, after_full = terms("binhist", "binhist", c), terms("binhist", "binhist", full)
+    for (b, _), (a, row), (f, _) in zip(before, after, after_full):
+        work = row["kernels"]["bin_count"]
+        assert work["threadgroup_atomics"] == pytest.approx(row["intersections"], rel=0.01)
+        assert work["device_atomics"] < row["intersections"] / 4  # ~5x fewer device atomics than entries
+        assert a < 0.6 * b and f > b, (a, b, f)

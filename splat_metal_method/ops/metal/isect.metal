@@ -20,9 +20,12 @@
 //   2. inclusive prefix sum of tiles_per_gauss in flat order; M stays on the device.
 //   3. bin_count          every entry of the flat-order emission (camera-major, gaussian-major, tile
 //                         y-major, x-minor) within the capacity (its first min(M, capacity)) adds one
-//                         to its tile's counter (one device atomic per entry) and stores the counter's
-//                         old value, its rank in its tile, at its emission position (slots[out]; the
-//                         host binds bin_sort's merge buffer ranks2 there, unused until bin_sort).
+//                         to its tile's counter and stores its rank in its tile at its emission position
+//                         (slots[out]; the host binds bin_sort's merge buffer ranks2 there, unused until
+//                         bin_sort). A threadgroup counts the entries of a run of gaussians per tile in
+//                         threadgroup memory (threadgroup atomics), then reserves each tile's ranks with
+//                         one device atomic per (group, tile) it touched (tiles past its window: one
+//                         device atomic per entry).
 //   4. inclusive prefix sum of the counters: ends[t], the end of tile t's bin in the list.
 //   5. bin_fill           the same entries store their gaussian's flat id g (unique per tile) at the
 //                         start of their tile's bin (ends[t - 1], 0 for t = 0) plus their rank: no
@@ -235,13 +238,29 @@ inline bool bin_entries(const device float* means2d, const device int* radii, co
   return true;
 }
 
-// bin_count: one thread per gaussian g < C*N (flat id). Every entry of the flat-order emission within
-// the capacity adds one to its (camera, tile) counter bins[camera * n_tiles + tile] (device atomics;
-// zeroed by isect_count) and stores the counter's old value, its rank among its tile's entries, in
-// slots[out] (out: its emission position, < capacity). The entries past the rectangle (isect_emit's
-// tile 0 padding; none while the rectangle holds `count` tiles) take consecutive ranks of tile `base`
-// with one atomic add of their number. The counters keep the bins' lengths (bin_fill reads none of
-// them; the next isect_count zeroes them).
+// bin_count: one threadgroup per run of G = threads x per_thread consecutive gaussians (flat ids
+// [G * group, G * (group + 1)); thread tid takes g = G * group + j * threads + tid, j < per_thread).
+// Every entry of the flat-order emission within the capacity adds one to its (camera, tile) counter
+// bins[camera * n_tiles + tile] (zeroed by isect_count) and ends with its rank among its tile's entries
+// in slots[out] (out: its emission position, < capacity). Threadgroup tile histograms: the counters of
+// the window of SPLAT_BIN_WINDOW dense tiles from the group's first camera's tile 0 ([w0, w0 + window),
+// spanning later cameras where the tiles are few) live in threadgroup memory for the group:
+//   pass 1  each entry of a tile in the window adds one to the tile's threadgroup counter (a threadgroup
+//           atomic) and stores the old value, its rank among the group's entries of the tile; an entry
+//           of a tile past the window (a large image, a later camera) adds one to the device counter (a
+//           device atomic, as every entry did before) and stores its final rank.
+//   reserve each tile of the window with a nonzero count reserves that many ranks of its device counter:
+//           ONE device atomic per (group, tile) the group touches; the counter's old value, the start of
+//           the group's ranks in the tile, replaces the count in threadgroup memory.
+//   pass 2  the same entries again (the rectangle math is cheap): each in-window entry adds its tile's
+//           start to its rank.
+// Ranks of a tile are therefore 0..count_t - 1, each once, in an order that depends on the scheduling
+// (bin_sort orders each bin by (depth bits, flat id): the lists do not depend on it). The entries past
+// the rectangle (isect_emit's tile 0 padding; none while the rectangle holds `count` tiles) take
+// consecutive ranks of tile `base` with one atomic add of their number (threadgroup or device, as the
+// tile's). The counters keep the bins' lengths (bin_fill reads none of them; the next isect_count
+// zeroes them). Threadgroup memory: SPLAT_BIN_WINDOW ints; every thread reaches both barriers (no early
+// return: the gaussians past C*N are skipped).
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void bin_count(
     const device float* means2d [[buffer(0)]],        // [C*N, 2]
@@ -256,26 +275,76 @@ kernel void bin_count(
     constant long& tile_width [[buffer(9)]],
     constant long& tile_height [[buffer(10)]],
     constant long& capacity [[buffer(11)]],
-    uint g [[thread_position_in_grid]]) {
-  if ((long)g >= total) {
-    return;
+    constant long& per_thread [[buffer(12)]],         // gaussians per thread (the group's run: threads x this)
+    uint tid [[thread_index_in_threadgroup]],
+    uint3 tgp [[threadgroup_position_in_grid]],
+    uint3 tpg [[threads_per_threadgroup]]) {
+  // ints seen as atomics (the emulator's address-space check builds no threadgroup array of atomic objects)
+  threadgroup int hist_ints[SPLAT_BIN_WINDOW];
+  threadgroup atomic_int* hist = (threadgroup atomic_int*)hist_ints;
+  const long threads = (long)tpg.x;
+  const long g0 = (long)tgp.x * threads * per_thread;  // the group's first gaussian
+  const long n_tiles = tile_width * tile_height;
+  const long w0 = (g0 < total ? g0 / N : 0) * n_tiles;  // the window: dense tiles [w0, w0 + SPLAT_BIN_WINDOW)
+  const long w1 = w0 + SPLAT_BIN_WINDOW;
+  for (long i = tid; i < SPLAT_BIN_WINDOW; i += threads) {
+    atomic_store_explicit(&hist[i], 0, memory_order_relaxed);
   }
-  long out, end;
-  int x0, y0, x1, y1;
-  if (!bin_entries(means2d, radii, tiles_per_gauss, cum, g, capacity, tile_size, tile_width, tile_height,
-                   out, end, x0, y0, x1, y1)) {
-    return;
-  }
-  const long base = ((long)g / N) * tile_width * tile_height;
-  for (int y = y0; y < y1 && end > out; ++y) {
-    for (int x = x0; x < x1 && end > out; ++x, ++out) {
-      slots[out] = atomic_fetch_add_explicit(&bins[base + (long)y * tile_width + x], 1, memory_order_relaxed);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (long j = 0; j < per_thread; ++j) {
+      const long gl = g0 + j * threads + (long)tid;
+      if (gl >= total) {
+        break;
+      }
+      const uint g = (uint)gl;
+      long out, end;
+      int x0, y0, x1, y1;
+      if (!bin_entries(means2d, radii, tiles_per_gauss, cum, g, capacity, tile_size, tile_width, tile_height,
+                       out, end, x0, y0, x1, y1)) {
+        continue;
+      }
+      const long base = (gl / N) * n_tiles;
+      for (int y = y0; y < y1 && end > out; ++y) {
+        for (int x = x0; x < x1 && end > out; ++x, ++out) {
+          const long t = base + (long)y * tile_width + x;
+          if (t < w1) {
+            if (pass == 0) {
+              slots[out] = atomic_fetch_add_explicit(&hist[t - w0], 1, memory_order_relaxed);
+            } else {
+              slots[out] += atomic_load_explicit(&hist[t - w0], memory_order_relaxed);
+            }
+          } else if (pass == 0) {
+            slots[out] = atomic_fetch_add_explicit(&bins[t], 1, memory_order_relaxed);
+          }
+        }
+      }
+      if (out < end) {
+        const int n = (int)(end - out);
+        if (base < w1) {
+          const int first = pass == 0 ? atomic_fetch_add_explicit(&hist[base - w0], n, memory_order_relaxed)
+                                      : atomic_load_explicit(&hist[base - w0], memory_order_relaxed);
+          for (int i = 0; out < end; ++i, ++out) {
+            slots[out] = pass == 0 ? first + i : slots[out] + first;
+          }
+        } else if (pass == 0) {
+          const int first = atomic_fetch_add_explicit(&bins[base], n, memory_order_relaxed);
+          for (int i = 0; out < end; ++i, ++out) {
+            slots[out] = first + i;
+          }
+        }
+      }
     }
-  }
-  if (out < end) {
-    const int first = atomic_fetch_add_explicit(&bins[base], (int)(end - out), memory_order_relaxed);
-    for (int i = 0; out < end; ++i, ++out) {
-      slots[out] = first + i;
+    if (pass == 0) {  // reserve: one device atomic per tile of the window the group touched
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      for (long i = tid; i < SPLAT_BIN_WINDOW; i += threads) {
+        const int c = atomic_load_explicit(&hist[i], memory_order_relaxed);
+        if (c > 0) {
+          atomic_store_explicit(&hist[i], atomic_fetch_add_explicit(&bins[w0 + i], c, memory_order_relaxed),
+                                memory_order_relaxed);
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
     }
   }
 }

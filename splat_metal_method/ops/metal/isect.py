@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..workspace import workspace
 from . import runtime
-from .kernels import BIN_CAPACITY, BIN_THREADS, grid_1d, library
+from .kernels import BIN_CAPACITY, BIN_COUNT_ITEMS, BIN_THREADS, BIN_WINDOW, GROUP_1D, grid_1d, library
 from .scan import prefix_sum
 from .sort import radix_sort_pairs
 
@@ -118,8 +118,9 @@ def isect_offset_encode_fwd(isect_ids: Tensor, C: int, tile_width: int, tile_hei
 #   C*N (the host knows N: densification cannot outrun the capacity unseen), with HEADROOM; grown by at
 #   least GROWTH when it has to grow, never shrunk. The first call for a tile grid reads M once.
 # - No global sort (isect.metal, "Padded lists"): neither the depth sort of the C*N gaussians nor the radix
-#   sort by tile. The gaussians are counted in flat order; their entries are counted per tile by device
-#   atomics (one per entry: each keeps the rank it got) and placed in their tile's bin at that rank, each
+#   sort by tile. The gaussians are counted in flat order; their entries are counted per tile (bin_count's
+#   threadgroup tile histograms: one threadgroup atomic an entry, one device atomic per group and tile it touched;
+#   each entry keeps its rank in its tile) and placed in their tile's bin at that rank, each
 #   storing its gaussian's flat id, then each bin is sorted by the 64-bit key (depth bits << 32 | flat id),
 #   the depths gathered by the sort (bitonic in threadgroup memory; past BIN_CAPACITY entries in blocks, then
 #   merged): the same lists as isect_tiles_fwd's entry for entry
@@ -341,10 +342,12 @@ def isect_tiles_padded_fwd(
     # whole scratch buffers (the kernels index them below cap): no slice when an earlier, larger capacity grew them
     ranks = ws.at_least("isect.ranks", cap, torch.int32, device)
     ranks2 = ws.at_least("isect.ranks2", cap, torch.int32, device)
-    # One device atomic per entry: bin_count stores each entry's rank in its tile by its emission position, in
-    # ranks2 (bin_sort's merge buffer, free until then), and bin_fill places the entries by those ranks.
+    # bin_count stores each entry's rank in its tile by its emission position, in ranks2 (bin_sort's merge buffer,
+    # free until then), and bin_fill places the entries by those ranks. Threadgroup tile histograms: one device
+    # atomic per (group of BIN_COUNT_ITEMS x GROUP_1D gaussians, tile it touches), not one per entry.
     slots = ranks2
-    lib.bin_count(means2d, radii, tiles_per_gauss, cum, bins, slots, total, N, *geometry, **grid_1d(total))
+    lib.bin_count(means2d, radii, tiles_per_gauss, cum, bins, slots, total, N, *geometry, BIN_COUNT_ITEMS,
+                  **bin_count_grid(total, BIN_COUNT_ITEMS))  # fmt: skip
     ends = prefix_sum(bins, inclusive=True, out=ws.get("isect.bin_ends", n_bins + 2, torch.int64, device))
     lib.bin_fill(means2d, radii, tiles_per_gauss, cum, slots, ends, ranks, total, N, *geometry, **grid_1d(total))
     flatten_ids = torch.empty((cap,), dtype=torch.int32, device=device)
@@ -376,6 +379,49 @@ def isect_tiles_padded_fwd(
     if runtime.executing():  # in count-only mode (bench/scale_ledger.py) the device says nothing
         state.pending.append((total, cap, count, row_starts, event))
     return tiles_per_gauss, isect_ids, flatten_ids, offsets
+
+
+def bin_count_grid(total: int, per_thread: int = BIN_COUNT_ITEMS, group: int = GROUP_1D) -> dict:
+    """Launch of bin_count (isect.metal): one group of `group` threads per run of group x per_thread gaussians
+    (barriers and threadgroup memory: the group size is fixed, never fitted down)."""
+    groups = max(-(-int(total) // (group * per_thread)), 1)
+    return {"threads": (groups * group,), "group_size": (group,)}
+
+
+@torch.no_grad()
+def bin_count_atomics(means2d: Tensor, radii: Tensor, tile_size: int, tile_width: int, tile_height: int,
+                      capacity: Optional[int] = None, per_thread: int = BIN_COUNT_ITEMS, group: int = GROUP_1D,
+                      window: int = BIN_WINDOW) -> Tuple[int, int]:  # fmt: skip
+    """The atomics bin_count (isect.metal) issues on these gaussians, computed on the host: (device, threadgroup).
+    Each entry of the flat-order emission within `capacity` (each gaussian's rectangle, ops/reference.py
+    tile_bounds: the kernels' rectangle math; no tail: the counts are the rectangles', as isect_count gives them)
+    of a tile in its group's window is one threadgroup atomic; each distinct (group, tile in the window) one device
+    atomic (the reservation); each entry of a tile past the window one device atomic. What the step ledger counts
+    from the emulator's execution (tests/ops/metal/test_bin_histograms.py: equal), and what the scale ledger's
+    count-only mode, where no kernel runs, records for bin_count (bench/scale_ledger.py)."""
+    from .. import reference
+
+    C, N = radii.shape
+    n_tiles = int(tile_width) * int(tile_height)
+    lo, span = reference.tile_bounds(means2d, radii, tile_size, tile_width, tile_height)  # [C, N, 2]
+    span = torch.where((radii > 0)[..., None], span, torch.zeros_like(span)).reshape(-1, 2)
+    lo = lo.reshape(-1, 2)
+    counts = span[:, 0] * span[:, 1]  # [C*N]
+    M = int(counts.sum())
+    kept = M if capacity is None else min(M, int(capacity))
+    if kept == 0:
+        return 0, 0
+    g = torch.repeat_interleave(torch.arange(C * N, device=counts.device), counts)[:kept]  # each entry's gaussian
+    k = torch.arange(kept, device=counts.device) - (torch.cumsum(counts, 0) - counts)[g]  # its place in the rectangle
+    x = lo[g, 0] + k % span[g, 0]
+    y = lo[g, 1] + torch.div(k, span[g, 0], rounding_mode="floor")
+    t = torch.div(g, N, rounding_mode="floor") * n_tiles + y * int(tile_width) + x  # dense (camera, tile)
+    run = group * per_thread
+    grp = torch.div(g, run, rounding_mode="floor")
+    w0 = torch.div(grp * run, N, rounding_mode="floor") * n_tiles  # the group's window starts at its first camera
+    inside = t < w0 + window
+    pairs = torch.unique(grp[inside] * (C * n_tiles) + t[inside]).numel()
+    return int(pairs + (~inside).sum()), int(inside.sum())
 
 
 def bin_sort_steps(merges: int) -> list:

@@ -10,9 +10,9 @@ tile length.
   bits (negative, -0.0 and 0.0, infinities, denormals, exact ties), the padded lists equal the exact lists
   (isect_tiles_fwd: a stable radix sort by the unsigned depth bits) and the reference's entry for entry,
   short bins and a bin merged past BIN_CAPACITY alike.
-- One device atomic per entry: bin_count stores each entry's rank in its tile, bin_fill places it by that rank
-  without atomics. Run directly on two cameras with entries past their rectangle (bin_count's tail: one atomic
-  for all of them) and a capacity that holds all or cuts such a tail, every kept entry is in its bin once;
+- bin_count stores each entry's rank in its tile (threadgroup tile histograms, one device atomic per group and
+  tile: tests/ops/metal/test_bin_histograms.py), bin_fill places it by that rank without atomics. Run directly on
+  two cameras with entries past their rectangle (bin_count's tail: one atomic for all of them) and a capacity that holds all or cuts such a tail, every kept entry is in its bin once;
   planted off-by-ones in the slots are caught.
 - The tests can fail: planted variants of the kernels (msplat's bins, which keep the first BIN_CAPACITY
   entries of a tile in the order the atomics handed out the slots; a sort key that does not break depth
@@ -152,10 +152,9 @@ def test_two_cameras_share_one_bin_sort():
 PLANTS = {
     # msplat's bins: a tile keeps the first BIN_CAPACITY entries the atomics hand out, the rest are dropped
     "drop past the bin": [
-        ("      slots[out] = atomic_fetch_add_explicit(&bins[base + (long)y * tile_width + x], 1, memory_order_relaxed);",
-         "      slots[out] = atomic_fetch_add_explicit(&bins[base + (long)y * tile_width + x], 1, memory_order_relaxed);"
-         " if (slots[out] >= SPLAT_BIN_CAPACITY) { atomic_fetch_sub_explicit(&bins[base + (long)y * tile_width + x], "
-         "1, memory_order_relaxed); }"),
+        ("              slots[out] += atomic_load_explicit(&hist[t - w0], memory_order_relaxed);",
+         "              slots[out] += atomic_load_explicit(&hist[t - w0], memory_order_relaxed);"
+         " if (slots[out] >= SPLAT_BIN_CAPACITY) { atomic_fetch_sub_explicit(&bins[t], 1, memory_order_relaxed); }"),
         ("      ranks[(t > 0 ? ends[t - 1] : 0) + slots[out]] = g;",
          "      if (slots[out] < SPLAT_BIN_CAPACITY) { ranks[(t > 0 ? ends[t - 1] : 0) + slots[out]] = g; }"),
     ],
@@ -276,7 +275,8 @@ def test_a_key_of_signed_depth_bits_is_caught(monkeypatch):
     assert list_differences(means2d, radii, depths, calls=1) != []
 
 
-def bin_kernel_differences(lib, C: int = 2, n: int = 400, cut_in_tail: bool = False, seed: int = 3) -> list:
+def bin_kernel_differences(lib, C: int = 2, n: int = 400, cut_in_tail: bool = False, seed: int = 3,
+                           per_thread: int = 1, group: int = 64) -> list:  # fmt: skip
     """bin_count + bin_fill run directly (isect.metal) against the bins a model of the flat-order emission
     gives: every entry of the first `capacity` (camera-major, gaussian-major, tile y-major, x-minor) in its
     (camera, tile) bin, once. Some gaussians are given more tiles than their rectangle holds (tiles_per_gauss
@@ -319,7 +319,8 @@ def bin_kernel_differences(lib, C: int = 2, n: int = 400, cut_in_tail: bool = Fa
     slots = torch.full((capacity,), -1, dtype=torch.int32)
     ranks = torch.full((capacity + 5,), -1, dtype=torch.int32)  # 5 past the capacity: never written
     geometry = (C * n, n, ts, tw, th, capacity)
-    lib.bin_count(means2d, radii, counts, cum, bins, slots, *geometry, **grid_1d(C * n))
+    lib.bin_count(means2d, radii, counts, cum, bins, slots, *geometry, per_thread,
+                  **isect.bin_count_grid(C * n, per_thread, group))  # fmt: skip
     ends = torch.cumsum(bins.long(), 0)
     lib.bin_fill(means2d, radii, counts, cum, slots, ends, ranks, *geometry, **grid_1d(C * n))
 
@@ -342,7 +343,8 @@ def test_bin_count_and_fill_place_every_entry_once(cut_in_tail):
 
 # Off-by-ones in the slots (a rank past the tail's first; a bin's start one late): caught by the comparison.
 SLOT_PLANTS = {
-    "tail rank": ("      slots[out] = first + i;", "      slots[out] = first + i + 1;"),
+    "tail rank": ("slots[out] = pass == 0 ? first + i : slots[out] + first;",
+                  "slots[out] = pass == 0 ? first + i + 1 : slots[out] + first;"),
     "bin start": ("ranks[(t > 0 ? ends[t - 1] : 0) + slots[out]] = g;", "ranks[(t > 0 ? ends[t - 1] + 1 : 0) + slots[out]] = g;"),
 }  # fmt: skip
 
