@@ -280,13 +280,15 @@ def bytes_per_gaussian(step: dict, scale: dict) -> Dict[str, float]:
     return out
 
 
-def scale_compare_table(step: dict, before: dict, after: dict, c=None) -> str:
+def scale_compare_table(step: dict, before: dict, after: dict, c=None, msplat=None) -> str:
     """Markdown: ours / msplat at issue 30's scenes (peers.COMPARE_SCENES), from the 20k step ledger
     ``step`` corrected by the scale ledgers ``before`` and ``after`` (scale_ledger.key -> as_dict row;
-    ``before`` is of the tree ``step`` was measured on); ``c``: the calibration (peers.CALIBRATED)."""
+    ``before`` is of the tree ``step`` was measured on); ``c``: the calibration (peers.CALIBRATED);
+    ``msplat``: its design (peers.MSPLAT, or the sensitivity peers.MSPLAT_BINNING_ATOMICS)."""
     from . import peers
 
     c = c or peers.CALIBRATED
+    msplat = msplat or peers.MSPLAT
 
     lines = [
         "| scene (M4 Max) | scale ledger | launches / aten kernels per render | bytes a gaussian (msplat ~2,100) "
@@ -298,7 +300,7 @@ def scale_compare_table(step: dict, before: dict, after: dict, c=None) -> str:
         base = before.get(f"20000 {s.width}x{s.height}")
         if base is None:  # no scale ledger of the step ledger's tree at this image
             continue
-        ref = peers.MSPLAT.step(s, "M4 Max", c).step_ms
+        ref = msplat.step(s, "M4 Max", c).step_ms
         for when, rows in (("before", before), ("after", after)):
             if k not in rows:
                 continue
@@ -346,6 +348,9 @@ def main(argv=None) -> None:
     ap.add_argument("--tg-atomics-at-device-cost", action="store_true",
                     help="sensitivity: threadgroup atomics priced as device atomics (peers.CALIBRATED prices them at "
                          "1 / peers.TG_ATOMIC_SHARE of one, an assumption)")  # fmt: skip
+    ap.add_argument("--msplat-binning-atomics", action="store_true",
+                    help="sensitivity: msplat's binning atomics priced at the fitted atomic cost, one per entry "
+                         "(peers.MSPLAT_BINNING_ATOMICS; the calibrated design prices them at nothing)")  # fmt: skip
     args = ap.parse_args(argv)
     from dataclasses import replace
 
@@ -364,7 +369,8 @@ def main(argv=None) -> None:
     step = json.loads(open(args.step).read())[args.label]
     print("MODEL, not a measurement (bench/step_model.py at_scale, calibrated as bench/peers.py), M4 Max; "
           f"ours from the {args.label} step ledger with the render's counts of the scale ledger:\n")  # fmt: skip
-    print(scale_compare_table(step, load(args.before), load(args.after), c))
+    msplat = peers.MSPLAT_BINNING_ATOMICS if args.msplat_binning_atomics else peers.MSPLAT
+    print(scale_compare_table(step, load(args.before), load(args.after), c, msplat))
     if args.terms:
         print("\nOur modeled terms, the step ledger with the --before scale ledgers:\n")
         print(scale_terms_table(step, load(args.before), c))

@@ -351,3 +351,24 @@ def test_threadgroup_histograms_cut_the_intersect_term_under_the_assumption_only
         assert work["threadgroup_atomics"] == pytest.approx(row["intersections"], rel=0.01)
         assert work["device_atomics"] < row["intersections"] / 4  # ~5x fewer device atomics than entries
         assert a < 0.6 * b and f > b, (a, b, f)
+
+
+def test_step_model_cli_prints_each_sensitivity(capsys):
+    """`python -m splat_metal_method.bench.step_model` on stored ledgers: msplat's modeled ms grow with its binning
+    atomics priced (--msplat-binning-atomics), ours with threadgroup atomics at the device cost
+    (--tg-atomics-at-device-cost); the calibrated run is neither."""
+    from splat_metal_method.bench import step_model
+
+    files = [str(RESULTS / f"scale_after_binhist_{image}.json") for image in ("1024", "1297")]
+    base = ["--step", str(RESULTS / "ledger_after_binhist.json"), "--before", *files, "--after", *files]
+
+    def ms(*flags):  # [(ours, msplat)] of the table's rows
+        step_model.main(base + list(flags))
+        rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| garden")]
+        return [(float(r[5]), float(r[6])) for r in rows]
+
+    plain, priced, tg_full = ms(), ms("--msplat-binning-atomics"), ms("--tg-atomics-at-device-cost")
+    assert len(plain) == 6, plain  # three scenes, before and after
+    for (o, m), (po, pm), (to, tm) in zip(plain, priced, tg_full):
+        assert po == o and pm > m, (o, m, po, pm)
+        assert to > o and tm == m, (o, m, to, tm)
