@@ -101,9 +101,10 @@ Checks (every compile_library; a violation raises MetalCompileError naming the .
     is installed (scripts/setup.sh installs it; without it a warning says the check was skipped).
   * ``SPLAT_METAL_EMU_ASAN=1`` builds the libraries with AddressSanitizer: an index past a tensor or
     a threadgroup array aborts with a report instead of reading neighbouring memory. The Python
-    process must preload the runtime: ``LD_PRELOAD=$(g++ -print-file-name=libasan.so)
-    ASAN_OPTIONS=detect_leaks=0`` (``asan_runtime()`` gives the path; the tests run part of the
-    kernel suite that way in a subprocess). Fiber stack switches are annotated for ASan.
+    process must preload the runtime (and the C++ runtime, for extension modules that throw while
+    they are imported): ``LD_PRELOAD="$(g++ -print-file-name=libasan.so) $(g++
+    -print-file-name=libstdc++.so.6)" ASAN_OPTIONS=detect_leaks=0`` (``asan_preload()`` gives the list;
+    the tests run part of the kernel suite that way in a subprocess). Fiber stack switches are annotated for ASan.
   * ``SPLAT_METAL_EMU_UBSAN=1`` builds them with UndefinedBehaviorSanitizer (float-cast-overflow,
     signed-integer-overflow, shift, bounds; no recovery), and ``SPLAT_METAL_EMU_ASAN=1`` does too. A
     float-to-int conversion of NaN, inf or an out-of-range value, undefined in C++ and MSL (x86 gives
@@ -139,6 +140,7 @@ from .library import (
     EmulatorError,
     EmulatorLibrary,
     MetalCompileError,
+    asan_preload,
     asan_runtime,
     cache_dir,
     compile_count,
@@ -151,6 +153,7 @@ __all__ = [
     "EmulatorError",
     "EmulatorLibrary",
     "MetalCompileError",
+    "asan_preload",
     "asan_runtime",
     "cache_dir",
     "compile_count",

@@ -121,6 +121,18 @@ def asan_runtime() -> str:
     return path
 
 
+def asan_preload() -> str:
+    """LD_PRELOAD for a Python process that loads ASan builds: the ASan runtime, then the C++ runtime where the
+    compiler has one. Without the latter ASan aborts ("CHECK failed: asan_interceptors.cpp ... real___cxa_throw")
+    when an extension module throws a C++ exception while it is imported, as triton does when torch imports it
+    (the step ledger's torch dispatch mode)."""
+    preload = [asan_runtime()]
+    cxx = subprocess.run([_CXX, "-print-file-name=libstdc++.so.6"], capture_output=True, text=True).stdout.strip()
+    if os.path.isabs(cxx) and os.path.exists(cxx):
+        preload.append(cxx)
+    return " ".join(preload)
+
+
 def _asan_loaded() -> bool:
     try:
         return "libasan" in Path("/proc/self/maps").read_text() or "asan" in os.environ.get("LD_PRELOAD", "")
@@ -189,7 +201,7 @@ def compile_library(source: str, name: str = "kernels") -> "EmulatorLibrary":
     if asan_enabled() and not _asan_loaded():
         raise EmulatorError(
             "SPLAT_METAL_EMU_ASAN=1: AddressSanitizer builds load only into a process started with "
-            f"LD_PRELOAD={asan_runtime()} (and ASAN_OPTIONS=detect_leaks=0 for Python)"
+            f"LD_PRELOAD='{asan_preload()}' (and ASAN_OPTIONS=detect_leaks=0 for Python)"
         )
     check_spaces = address_spaces.clang() is not None
     if not check_spaces and not _warned_no_clang:
