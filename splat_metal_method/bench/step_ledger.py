@@ -254,17 +254,16 @@ class _Counting:
         lib = getattr(kernel, "_lib", None)
         counters = getattr(lib, "work_counters", None)
         before = counters() if counters else {}
-        moved, needs_extent = MOVED_BYTES.get(name, (None, False))
+        moved_bytes, needs_extent = MOVED_BYTES.get(name, (None, False))
         extent = None if runtime.executing() else self.extents.get(name)
-        if moved is not None and (runtime.executing() or extent is not None or not needs_extent):
+        moved = None  # {shape: bytes} this launch reads and writes, where counted
+        if moved_bytes is not None and (runtime.executing() or extent is not None or not needs_extent):
             self.paused = True
             try:
-                moved, extent = moved(args, extent)  # before the launch: the data the launch works on
+                moved, extent = moved_bytes(args, extent)  # before the launch: the data the launch works on
             finally:
                 self.paused = False
             self.ledger.extents[name] = extent
-        else:
-            moved = None
         out = kernel(*args, **launch) if runtime.executing() else None  # count-only: counted, not run
         after = counters() if counters else {}
         work = KernelWork(launches=1, threadgroup_bytes=int(getattr(kernel, "threadgroup_memory", 0) or 0))

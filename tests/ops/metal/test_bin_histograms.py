@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from planted import planted_library
 
 from splat_metal_method.bench import step_ledger
 from splat_metal_method.ops import reference
-from splat_metal_method.ops.metal import isect, runtime
-from splat_metal_method.ops.metal.kernels import BIN_WINDOW, library, stage_source
+from splat_metal_method.ops.metal import isect
+from splat_metal_method.ops.metal.kernels import BIN_WINDOW, library
 
 TW, TH, TS = 7, 4, 16  # a non-square grid of 16 px tiles: 112 x 64 px
 
@@ -121,10 +122,7 @@ PLANTS = {
 
 @pytest.mark.parametrize("plant", sorted(PLANTS))
 def test_planted_histogram_bugs_are_caught(plant):
-    old, new = PLANTS[plant]
-    source = stage_source("isect.metal", extra=(("SPLAT_BIN_WINDOW", 40),))
-    assert source.count(old) == 1, old
-    planted = runtime.library_for(torch.device("cpu"), source.replace(old, new), name=f"isect planted: {plant}")
+    planted = planted_library("isect.metal", [PLANTS[plant]], f"isect planted: {plant}", (("SPLAT_BIN_WINDOW", 40),))
     means2d, radii = scene()
     diffs, _, _ = run_bins(planted, means2d, radii, False, 3, 32)
     assert diffs != []

@@ -25,10 +25,11 @@ import math
 
 import pytest
 import torch
+from planted import planted_library
 
 from splat_metal_method.ops import IntersectionCapacities, rasterization
 from splat_metal_method.ops.metal import isect, runtime
-from splat_metal_method.ops.metal.kernels import BIN_CAPACITY, stage_source
+from splat_metal_method.ops.metal.kernels import BIN_CAPACITY
 
 
 def long_tile_scene(n: int, width: int, height: int, tile: tuple, tile_size: int, seed: int = 0):
@@ -168,11 +169,7 @@ PLANT_SCENES = {"drop past the bin": 4_000, "ties in scatter order": 1_500}  # t
 
 @pytest.mark.parametrize("plant", sorted(PLANTS))
 def test_planted_bins_are_caught(plant, monkeypatch):
-    source = stage_source("isect.metal")
-    for old, new in PLANTS[plant]:
-        assert source.count(old) == 1, old
-        source = source.replace(old, new)
-    planted = runtime.library_for(torch.device("cpu"), source, name=f"isect planted: {plant}")
+    planted = planted_library("isect.metal", PLANTS[plant], f"isect planted: {plant}")
     real = isect.library
     monkeypatch.setattr(
         isect, "library", lambda device, stage, *a: planted if stage == "isect.metal" else real(device, stage, *a)
@@ -259,14 +256,11 @@ def test_bins_order_any_depth_bits_as_the_exact_lists():
 def test_a_key_of_signed_depth_bits_is_caught(monkeypatch):
     """The comparison above can fail: bins sorted by the depth bits as a signed integer (negative depths
     first, as the floats order them, unlike the exact lists' unsigned bits; the written bits unchanged)."""
-    source = stage_source("isect.metal")
-    for old, new in (("return ((ulong)as_type<uint>(depths[g]) << 32) | (ulong)g;",
-                      "return ((ulong)(as_type<uint>(depths[g]) ^ 0x80000000u) << 32) | (ulong)g;"),
-                     ("isect_ids[i] = (long)((key << 32) | (k >> 32));",
-                      "isect_ids[i] = (long)((key << 32) | ((k >> 32) ^ 0x80000000ul));")):  # fmt: skip
-        assert source.count(old) == 1, old
-        source = source.replace(old, new)
-    planted = runtime.library_for(torch.device("cpu"), source, name="isect planted: signed keys")
+    signed_keys = (("return ((ulong)as_type<uint>(depths[g]) << 32) | (ulong)g;",
+                    "return ((ulong)(as_type<uint>(depths[g]) ^ 0x80000000u) << 32) | (ulong)g;"),
+                   ("isect_ids[i] = (long)((key << 32) | (k >> 32));",
+                    "isect_ids[i] = (long)((key << 32) | ((k >> 32) ^ 0x80000000ul));"))  # fmt: skip
+    planted = planted_library("isect.metal", signed_keys, "isect planted: signed keys")
     real = isect.library
     monkeypatch.setattr(
         isect, "library", lambda device, stage, *a: planted if stage == "isect.metal" else real(device, stage, *a)
@@ -351,8 +345,5 @@ SLOT_PLANTS = {
 
 @pytest.mark.parametrize("plant", sorted(SLOT_PLANTS))
 def test_planted_slots_are_caught(plant):
-    old, new = SLOT_PLANTS[plant]
-    source = stage_source("isect.metal")
-    assert source.count(old) == 1, old
-    planted = runtime.library_for(torch.device("cpu"), source.replace(old, new), name=f"isect planted: {plant}")
+    planted = planted_library("isect.metal", [SLOT_PLANTS[plant]], f"isect planted: {plant}")
     assert bin_kernel_differences(planted) != []
