@@ -8,6 +8,8 @@ into an issue.
                                                      # (msplat_bench.py: matched settings, one line)
     splat-metal-bench --vs tile-merge  # the metal backend with the backward's tile merge off, then on
                                        # (SPLAT_METAL_BWD_TILE_MERGE): backward ms and atomics of each, one line
+    splat-metal-bench --vs pixel-order # the same with the rasterizers' pixels in rows, then in 8x4 blocks a
+                                       # simdgroup (the default; SPLAT_METAL_PIXEL_ORDER)
 
 For each standard scene (the demo scene; garden-points at 1/4 and full size of its 648x420 cameras
 when garden_points.npz is found, see bench_scenes.py) and backend, nerfstudio's Trainer runs a short
@@ -53,7 +55,7 @@ class Run:
     host_syncs: Optional[int] = None
     memory: List[Dict[str, float]] = field(default_factory=list)  # step, gaussians, MiB columns
     gaussians: int = 0
-    variant: str = ""  # --vs tile-merge: "direct" or "tile merge"
+    variant: str = ""  # --vs tile-merge / pixel-order: the AB_RUNS variant ("direct", "tile merge", "rows", "blocks")
     device_atomics: Optional[int] = None  # of the counted step (the step ledger's; our kernels only)
 
     @property
@@ -82,21 +84,33 @@ def memory_sample(device: str) -> Dict[str, float]:
     return {"rss_mib": (rss or 0) / mib, "heap_mib": (heap[0] if heap else 0) / mib}
 
 
-def run_scene(data: Path, scene: str, backend: str, device: str, steps: int, hooks: bool, mem_every: int,
-              refine_every: int, work: Path, count_syncs: bool, tile_merge: Optional[bool] = None) -> Run:  # fmt: skip
-    """One training run. ``tile_merge`` (metal backend): the backward's tile merge on or off for this run
-    (ops/metal/rasterize_bwd.py TILE_MERGE, read at each call); None leaves it as the environment set it."""
-    from ..ops.metal import rasterize_bwd
+# --vs A/B runs: option -> ((variant name, {(module under ops/metal, attribute): value}), ...), baseline first;
+# each attribute is read at each call by the kernels' dispatch code, set for one run and restored after it
+AB_RUNS = {
+    "tile-merge": (("direct", {("rasterize_bwd", "TILE_MERGE"): False}),
+                   ("tile merge", {("rasterize_bwd", "TILE_MERGE"): True})),
+    "pixel-order": (("rows", {("variants", "PIXEL_ORDER"): "rows"}),
+                    ("blocks", {("variants", "PIXEL_ORDER"): "blocks"})),
+}  # fmt: skip
 
-    merge_before = rasterize_bwd.TILE_MERGE
-    if tile_merge is not None:
-        rasterize_bwd.TILE_MERGE = tile_merge
+
+def run_scene(data: Path, scene: str, backend: str, device: str, steps: int, hooks: bool, mem_every: int,
+              refine_every: int, work: Path, count_syncs: bool, variant: Optional[tuple] = None) -> Run:  # fmt: skip
+    """One training run. ``variant`` (metal backend): one of AB_RUNS' (name, settings), set for this run (the
+    backward's tile merge, the rasterizers' pixel order); None leaves them as the environment set them."""
+    import importlib
+
+    name, settings = variant or ("", {})
+    modules = {m: importlib.import_module(f"splat_metal_method.ops.metal.{m}") for m, _ in settings}
+    before = {(m, a): getattr(modules[m], a) for m, a in settings}
+    for (m, a), v in settings.items():
+        setattr(modules[m], a, v)
     try:
         run = _run_scene(data, scene, backend, device, steps, hooks, mem_every, refine_every, work, count_syncs)
     finally:
-        rasterize_bwd.TILE_MERGE = merge_before
-    if tile_merge is not None:
-        run.variant = "tile merge" if tile_merge else "direct"
+        for (m, a), v in before.items():
+            setattr(modules[m], a, v)
+    run.variant = name
     return run
 
 
@@ -235,9 +249,10 @@ def summary_line(runs: List[Run], device: str) -> str:
     return " | ".join(parts)
 
 
-def tile_merge_line(runs: List[Run], device: str) -> str:
-    """One line: per scene the backward's median ms and the step's device atomics, direct then merged."""
-    parts = [f"splat-metal-bench --vs tile-merge, {device} {platform.machine()} {platform.platform(terse=True)}",
+def ab_line(option: str, runs: List[Run], device: str) -> str:
+    """One line: per scene the backward's median ms and the step's device atomics of both variants of ``option``."""
+    (base, _), (other, _) = AB_RUNS[option]
+    parts = [f"splat-metal-bench --vs {option}, {device} {platform.machine()} {platform.platform(terse=True)}",
              f"torch {torch.__version__}"]  # fmt: skip
     if device != "mps":
         parts.append("EMULATED (the Metal kernels on the CPU): the times say nothing of a Mac, the atomics are counted")
@@ -245,30 +260,31 @@ def tile_merge_line(runs: List[Run], device: str) -> str:
     for r in runs:
         by_scene.setdefault(r.scene, {})[r.variant] = r
     for scene, pair in by_scene.items():
-        d, m = pair["direct"], pair["tile merge"]
+        d, m = pair[base], pair[other]
         bd, bm = d.median("backward"), m.median("backward")
         parts.append(
-            f"{scene}: backward {bd:.2f} ms direct, {bm:.2f} ms merged (merged / direct {bm / bd if bd else 0:.2f}), "
+            f"{scene}: backward {bd:.2f} ms {base}, {bm:.2f} ms {other} ({other} / {base} {bm / bd if bd else 0:.2f}), "
             f"step {1000 / d.steps_per_s if d.steps_per_s else 0:.2f} / {1000 / m.steps_per_s if m.steps_per_s else 0:.2f} ms, "
             f"device atomics a step {d.device_atomics} / {m.device_atomics}"
         )
     return " | ".join(parts)
 
 
-def tile_merge_ab(scene_paths: Dict[str, Path], device: str, steps: int, mem_every: int, refine_every: int,
-                  work: Path, out: Path, quick: bool) -> int:  # fmt: skip
-    """--vs tile-merge: each scene trained twice on the metal backend, the tile merge off then on, same seed."""
+def ab_runs(option: str, scene_paths: Dict[str, Path], device: str, steps: int, mem_every: int, refine_every: int,
+            work: Path, out: Path, quick: bool) -> int:  # fmt: skip
+    """--vs tile-merge / pixel-order: each scene trained twice on the metal backend, the baseline variant then the
+    other (AB_RUNS), same seed."""
     runs: List[Run] = []
     n = EMULATED_QUICK_STEPS if (quick and device == "cpu") else steps
     for scene, data in scene_paths.items():
-        for merge in (False, True):
+        for variant in AB_RUNS[option]:
             t0 = time.perf_counter()
-            run = run_scene(data, scene, "metal", device, n, True, mem_every, refine_every, work, True, merge)
+            run = run_scene(data, scene, "metal", device, n, True, mem_every, refine_every, work, True, variant)
             runs.append(run)
             print(f"{scene}, metal, {run.variant}: backward {run.median('backward'):.1f} ms, "
                   f"{run.device_atomics} device atomics a step ({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
     write_outputs(runs, out, device)
-    line = tile_merge_line(runs, device)
+    line = ab_line(option, runs, device)
     (out / "summary.txt").write_text(line + "\n")
     print(f"\nPaste into an issue:\n{line}")
     return 0
@@ -283,10 +299,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 200; --quick 8)")
     ap.add_argument("--mem-every", type=int, default=None, help="memory sample every N steps (default steps/20)")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default ./splat-metal-bench-<time>)")
-    ap.add_argument("--vs", choices=("msplat", "tile-merge"), default=None,
+    ap.add_argument("--vs", choices=("msplat",) + tuple(AB_RUNS), default=None,
                     help="msplat: train msplat beside us with matched settings (needs `pip install msplat`: macOS "
                          "14+, Python 3.12+) and print one line; tile-merge: the metal backend with the backward's "
-                         "tile merge off, then on, and one line with the backward's ms and atomics of each")  # fmt: skip
+                         "tile merge off, then on, and one line with the backward's ms and atomics of each; "
+                         "pixel-order: the same with the rasterizers' pixels in rows, then in 8x4 blocks a simdgroup "
+                         "(the default)")  # fmt: skip
     ap.add_argument("--data", type=Path, default=None, help="--vs: a nerfstudio-format scene (default: the demo)")
     ap.add_argument("--sh-degree", type=int, default=3, help="--vs: SH degree of both")
     ap.add_argument("--downscale", type=int, default=1, help="--vs: image downscale factor of both")
@@ -314,8 +332,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="splat_metal_bench_"))
     runs: List[Run] = []
-    if args.vs == "tile-merge":
-        return tile_merge_ab(scenes(args.quick, work), device, steps, mem_every, refine_every, work, out, args.quick)
+    if args.vs in AB_RUNS:
+        return ab_runs(args.vs, scenes(args.quick, work), device, steps, mem_every, refine_every, work, out, args.quick)
     for i, (scene, data) in enumerate(scenes(args.quick, work).items()):
         for j, backend in enumerate(backends):
             # the emulator runs Metal kernels ~100x slower than a GPU: --quick times it on 3 steps

@@ -387,8 +387,9 @@ def aten_rates(ledgers) -> Optional[Dict[str, Tuple[float, float]]]:
 class OursFromLedger:
     """Our steady step: the ledger's CPU counts as they are (they do not grow with the scene), its
     kernels' work scaled from the measured scene to the target (by gaussians, pixels, intersections; the
-    backward's reductions and atomics by active groups), the rasterizer's walk modeled as msplat's (both
-    are per-pixel with 16x16 tiles), aten bytes by pixels (model/loss) or gaussians (the rest)."""
+    backward's reductions, atomics and math by active groups: the scene's, as msplat forms them, times the
+    ledger's share of ours to msplat's order's), the rasterizer's walk modeled as msplat's (both are per-pixel
+    with 16x16 tiles), aten bytes by pixels (model/loss) or gaussians (the rest)."""
 
     ledger: dict
     name: str = "ours"
@@ -406,14 +407,25 @@ class OursFromLedger:
             return max(w["simd_reductions"] / OURS_SUMS_PER_GROUP, 1.0)
         return max(w.get("device_atomics", 0) / OURS_ATOMICS_PER_GROUP, 1.0)  # a ledger without the sums
 
+    def _order_share(self) -> float:
+        """Our backward's active groups over the same launches' groups in msplat's pixel order, 8x4 pixels a
+        simdgroup (step_ledger.BLOCK_ORDER_GROUPS): Scene.groups counts groups as the calibration's backward forms
+        them (msplat 1.1.3 rasterizes in 8x8 threadgroups), so ours are that many times it. 1 in ledgers without
+        the count (the tree before it, whose 16x2 strips a simdgroup it priced as 8x4 blocks: optimistic)."""
+        w = self.ledger["kernels"].get("rasterize_bwd", {})
+        if w.get("active_groups") and w.get("block_order_groups"):
+            return w["active_groups"] / w["block_order_groups"]
+        return 1.0
+
     def step(self, s: Scene, device: str, c: Calib) -> Breakdown:
         led = self.ledger
         g = _Gpu(device, c)
+        share = self._order_share()
         ratio = {
             "G": s.gaussians / max(led["n_gaussians"], 1),
             "P": s.pixels / max(led["pixels"], 1),
             "M": s.M / max(led["intersections"], 1),
-            "A": s.groups / self._measured_groups(),
+            "A": s.groups * share / self._measured_groups(),
         }
         launches = sum(w.get("launches", 0) for w in led["kernels"].values())
         b = Breakdown(syncs=led["host_syncs"])
@@ -440,7 +452,7 @@ class OursFromLedger:
                 stage = "rasterize forward"
             elif name == "rasterize_bwd":
                 a = ratio["A"]
-                compute = (g.steps_ms(walk_steps(s) + MATH_STEPS * s.groups)
+                compute = (g.steps_ms(walk_steps(s) + MATH_STEPS * s.groups * share)
                            + g.sums_ms(w.get("simd_reductions", 0) * a)
                            + g.atomics_ms(w.get("device_atomics", 0) * a)
                            + g.barriers_ms(w.get("barriers", 0) * ratio["M"]))  # fmt: skip

@@ -69,24 +69,28 @@ def test_quick_bench_files(quick_run):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
-def test_vs_tile_merge_trains_both_and_counts_fewer_atomics_merged(tmp_path):
-    """`splat-metal-bench --vs tile-merge`: what a Mac user runs to settle the backward's tile merge (off by
-    default until measured). Here emulated: the line says its times say nothing, the atomics are counted."""
+@pytest.mark.parametrize(
+    "option,base,other", [("tile-merge", "direct", "tile merge"), ("pixel-order", "rows", "blocks")]
+)
+def test_vs_ab_trains_both_and_counts_fewer_atomics_with_the_other(tmp_path, option, base, other):
+    """`splat-metal-bench --vs tile-merge` / `--vs pixel-order`: what a Mac user runs to settle the backward's tile
+    merge (off by default until measured) and the rasterizers' 8x4 pixel blocks (on). Here emulated: the line says its
+    times say nothing, the atomics are counted: fewer merged, fewer in blocks, for the same training."""
     from cli_helpers import cli_env
 
     out = tmp_path / "ab"
-    proc = subprocess.run([sys.executable, "-m", "splat_metal_method.bench.cli", "--quick", "--vs", "tile-merge",
+    proc = subprocess.run([sys.executable, "-m", "splat_metal_method.bench.cli", "--quick", "--vs", option,
                            "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=900, env=cli_env(), cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:]
     line = (out / "summary.txt").read_text().strip()
-    assert line in proc.stdout and "EMULATED" in line
-    m = re.search(r"demo 48x32: backward ([\d.]+) ms direct, ([\d.]+) ms merged .*device atomics a step (\d+) / (\d+)",
+    assert line in proc.stdout and "EMULATED" in line and f"--vs {option}," in line
+    m = re.search(rf"demo 48x32: backward ([\d.]+) ms {base}, ([\d.]+) ms {other} .*device atomics a step (\d+) / (\d+)",
                   line)  # fmt: skip
     assert m, line
     assert float(m[1]) > 0 and float(m[2]) > 0
-    assert 0 < int(m[4]) < int(m[3]), line  # the merge issues fewer atomics for the same training
+    assert 0 < int(m[4]) < int(m[3]), line
     rows = list(csv.DictReader(open(out / "bench.csv")))
-    assert [(r["backend"], r["variant"]) for r in rows] == [("metal", "direct"), ("metal", "tile merge")]
+    assert [(r["backend"], r["variant"]) for r in rows] == [("metal", base), ("metal", other)]
     assert [int(r["device_atomics_per_step"]) for r in rows] == [int(m[3]), int(m[4])]
     assert all(int(r["gaussians"]) > 0 for r in rows)

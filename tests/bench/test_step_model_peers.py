@@ -372,3 +372,31 @@ def test_step_model_cli_prints_each_sensitivity(capsys):
     for (o, m), (po, pm), (to, tm) in zip(plain, priced, tg_full):
         assert po == o and pm > m, (o, m, po, pm)
         assert to > o and tm == m, (o, m, to, tm)
+
+
+@pytest.mark.skipif(not (RESULTS / "ledger_pixelrows.json").exists(), reason="stored ledgers not here")
+def test_the_backwards_groups_are_priced_in_msplats_pixel_order():
+    """msplat 1.1.3 rasterizes in 8x8 threadgroups, so its simdgroups are 8x4 pixel blocks, and Scene.groups counts
+    groups that way. Our ledger counts a launch's groups in that order too (step_ledger.BLOCK_ORDER_GROUPS): in the
+    default block order they are its own groups (the model as before), in the row order a fifth fewer than its own,
+    and the backward's reductions, atomics and math are priced by the share: more of them, a slower backward."""
+    blocks = json.loads((RESULTS / "ledger_after_pixelblocks.json").read_text())["garden-points 20k 1/4"]
+    rows = json.loads((RESULTS / "ledger_pixelrows.json").read_text())["garden-points 20k 1/4"]
+    wb, wr = blocks["kernels"]["rasterize_bwd"], rows["kernels"]["rasterize_bwd"]
+    assert wb["active_groups"] == wb["block_order_groups"]
+    share = wr["active_groups"] / wr["block_order_groups"]
+    assert 1.15 < share < 1.35, share  # garden: 16x2 strips meet ~24% more (gaussian, simdgroup) pairs
+    unpriced = copy.deepcopy(rows)
+    del unpriced["kernels"]["rasterize_bwd"]["block_order_groups"]
+    g = peers._Gpu(M4, peers.CALIBRATED)
+    for scene in peers.COMPARE_SCENES:
+        same = peers.OursFromLedger(blocks).step(scene, M4, peers.CALIBRATED).terms["rasterize backward"]
+        del_b = copy.deepcopy(blocks)
+        del del_b["kernels"]["rasterize_bwd"]["block_order_groups"]
+        assert peers.OursFromLedger(del_b).step(scene, M4, peers.CALIBRATED).terms["rasterize backward"] == same
+        priced = peers.OursFromLedger(rows).step(scene, M4, peers.CALIBRATED).terms["rasterize backward"]
+        flat = peers.OursFromLedger(unpriced).step(scene, M4, peers.CALIBRATED).terms["rasterize backward"]
+        per_group = (g.atomics_ms(wr["device_atomics"] / wr["active_groups"] * scene.groups)
+                     + g.sums_ms(wr["simd_reductions"] / wr["active_groups"] * scene.groups)
+                     + g.steps_ms(peers.MATH_STEPS * scene.groups))  # fmt: skip
+        assert priced - flat == pytest.approx((share - 1) * per_group, rel=1e-6), scene.name

@@ -53,6 +53,27 @@ using namespace metal;
 #endif
 #define SPLAT_RASTER_THREADS (SPLAT_TILE_SIZE * SPLAT_GROUP_ROWS)
 
+// The pixel of its group a rasterizer thread takes (column, row within the group's rows), by thread index.
+// Apple GPUs form simdgroups from 32 consecutive thread indices, so in row order a simdgroup of a 16-wide tile
+// is a 16x2 strip of pixels (gsplat's order: warps of 16x16 CUDA blocks). Where the tile width is a multiple of
+// 8 and the group's rows a multiple of 4 (16x16 tiles and their strips of 4 and 8 rows), a simdgroup takes an 8x4
+// block instead (msplat's: it rasterizes in 8x8 threadgroups): a gaussian's footprint meets fewer simdgroups (a
+// fifth fewer on garden), and the backward reduces and issues its atomics once per (gaussian, simdgroup) it meets. What a pixel computes does not depend on the order. SPLAT_PIXEL_ROWS
+// (variants.PIXEL_ORDER = "rows", SPLAT_METAL_PIXEL_ORDER=rows) keeps the row order.
+#if !defined(SPLAT_PIXEL_ROWS) && SPLAT_TILE_SIZE % 8 == 0 && SPLAT_GROUP_ROWS % 4 == 0
+#define SPLAT_PIXEL_BLOCKS 1
+#else
+#define SPLAT_PIXEL_BLOCKS 0
+#endif
+inline uint2 raster_pixel_in_group(uint tid) {
+#if SPLAT_PIXEL_BLOCKS
+  const uint block = tid / 32, lane = tid % 32;
+  return uint2((block % (SPLAT_TILE_SIZE / 8)) * 8 + lane % 8, (block / (SPLAT_TILE_SIZE / 8)) * 4 + lane / 8);
+#else
+  return uint2(tid % SPLAT_TILE_SIZE, tid / SPLAT_TILE_SIZE);
+#endif
+}
+
 // Every kernel declares [[max_total_threads_per_threadgroup(N)]] with N = the group size its host
 // code dispatches: SPLAT_TILE_PIXELS (rasterizer), SPLAT_RADIX_THREADS (sort),
 // SPLAT_PROJECT_BWD_GROUP (projection backward) or SPLAT_GROUP_1D (one thread per item), so the

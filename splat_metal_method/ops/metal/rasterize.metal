@@ -76,7 +76,6 @@ kernel void rasterize_fwd(
     device float* rgb [[buffer(26)]],                // [C, H, W, 3], or [1] placeholder
     constant long& has_composite [[buffer(27)]],
     uint3 tgp [[threadgroup_position_in_grid]],
-    uint3 lid [[thread_position_in_threadgroup]],
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
@@ -103,8 +102,9 @@ kernel void rasterize_fwd(
   const long hi = (lo + chunk < range_end) ? lo + chunk : range_end;
   const bool final_pass = hi == range_end;
 
-  const long pix_x = (long)tgp.x * SPLAT_TILE_SIZE + (long)lid.x;
-  const long pix_y = tile_y * SPLAT_TILE_SIZE + ((long)tgp.y % groups_per_tile) * SPLAT_GROUP_ROWS + (long)lid.y;
+  const uint2 in_group = raster_pixel_in_group(tid);  // common.h: 8x4 blocks a simdgroup where the tile allows
+  const long pix_x = (long)tgp.x * SPLAT_TILE_SIZE + (long)in_group.x;
+  const long pix_y = tile_y * SPLAT_TILE_SIZE + ((long)tgp.y % groups_per_tile) * SPLAT_GROUP_ROWS + (long)in_group.y;
   const bool inside = pix_x < width && pix_y < height;
   const long pix = (cam * height + pix_y) * width + pix_x;  // meaningful only if inside
   const float px = (float)pix_x + 0.5f;

@@ -8,7 +8,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import runtime
+from . import runtime, variants
 from .kernels import tile_library
 
 # Gaussians of one tile composited per pass, at most. Pass p composites entries [p chunk, (p+1) chunk)
@@ -261,7 +261,11 @@ def rasterize_to_pixels_fwd(
     bg = backgrounds.contiguous() if backgrounds is not None else opacities
 
     lib, rows = tile_library(
-        device, "rasterize.metal", "rasterize_fwd", tile_size, lambda _rows: (("SPLAT_CHANNELS", D),)
+        device,
+        "rasterize.metal",
+        "rasterize_fwd",
+        tile_size,
+        lambda _rows: (("SPLAT_CHANNELS", D),) + variants.pixel_order_defines(),
     )  # rows: of a tile per group (kernels.py)
     inputs = (means2d.contiguous(), conics.contiguous(), colors.contiguous(), opacities.contiguous(), bg)
     offsets, flatten_ids = flat_offsets(isect_offsets), flatten_ids.contiguous()

@@ -162,7 +162,6 @@ kernel void rasterize_bwd(
     const device float* render_out [[buffer(29)]],      // [C, H, W, D] the forward's render_colors, or [1]
     const device float* v_rgb [[buffer(30)]],           // [C, H, W, 3], or [1] placeholder
     uint3 tgp [[threadgroup_position_in_grid]],
-    uint3 lid [[thread_position_in_threadgroup]],
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint n_sg [[simdgroups_per_threadgroup]]) {
@@ -196,8 +195,9 @@ kernel void rasterize_bwd(
   const long lo = (hi - chunk > range_start) ? hi - chunk : range_start;
   const bool more_passes = lo > range_start;
 
-  const long pix_x = (long)tgp.x * SPLAT_TILE_SIZE + (long)lid.x;
-  const long pix_y = tile_y * SPLAT_TILE_SIZE + ((long)tgp.y % groups_per_tile) * SPLAT_GROUP_ROWS + (long)lid.y;
+  const uint2 in_group = raster_pixel_in_group(tid);  // common.h: 8x4 blocks a simdgroup where the tile allows
+  const long pix_x = (long)tgp.x * SPLAT_TILE_SIZE + (long)in_group.x;
+  const long pix_y = tile_y * SPLAT_TILE_SIZE + ((long)tgp.y % groups_per_tile) * SPLAT_GROUP_ROWS + (long)in_group.y;
   const bool inside = pix_x < width && pix_y < height;
   const long pix = (cam * height + pix_y) * width + pix_x;  // meaningful only if inside
   const float px = (float)pix_x + 0.5f;

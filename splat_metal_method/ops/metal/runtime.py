@@ -268,6 +268,12 @@ class _CountingLibrary:
         self._lib, self.runtime = lib, runtime
         self._kernels: dict[str, object] = {}
 
+    @property
+    def compiled(self):
+        """The library this one wraps: its kernels run at once, neither counted nor seen by a launch observer
+        (the step ledger's own launches beside the step's: rasterize_bwd.block_order_groups)."""
+        return self._lib
+
     def limits(self, name: str) -> dict[str, int | None]:
         """pipeline_limits of kernel `name`."""
         return pipeline_limits(getattr(self._lib, name))
