@@ -58,8 +58,9 @@ using namespace metal;
 // is a 16x2 strip of pixels (gsplat's order: warps of 16x16 CUDA blocks). Where the tile width is a multiple of
 // 8 and the group's rows a multiple of 4 (16x16 tiles and their strips of 4 and 8 rows), a simdgroup takes an 8x4
 // block instead (msplat's: it rasterizes in 8x8 threadgroups): a gaussian's footprint meets fewer simdgroups (a
-// fifth fewer on garden), and the backward reduces and issues its atomics once per (gaussian, simdgroup) it meets. What a pixel computes does not depend on the order. SPLAT_PIXEL_ROWS
-// (variants.PIXEL_ORDER = "rows", SPLAT_METAL_PIXEL_ORDER=rows) keeps the row order.
+// fifth fewer on garden), and the backward reduces and issues its atomics once per (gaussian, simdgroup) it
+// meets. What a pixel computes does not depend on the order. SPLAT_PIXEL_ROWS (variants.PIXEL_ORDER = "rows",
+// SPLAT_METAL_PIXEL_ORDER=rows) keeps the row order.
 #if !defined(SPLAT_PIXEL_ROWS) && SPLAT_TILE_SIZE % 8 == 0 && SPLAT_GROUP_ROWS % 4 == 0
 #define SPLAT_PIXEL_BLOCKS 1
 #else
