@@ -98,6 +98,12 @@ def safe_math_declared(device_type: str) -> bool:
 _fitted_groups: dict = {}  # (device type, stage file, kernel, variant) -> the group geometry its pipeline allows
 
 
+def strip_library(device: torch.device, stage_file: str, tile_size: int, extra: tuple, rows: int):
+    """The library of a tile kernel whose groups cover `rows` rows of a tile (SPLAT_GROUP_ROWS where fewer than
+    tile_size), with the variant defines `extra`."""
+    return library(device, stage_file, tile_size, extra + ((("SPLAT_GROUP_ROWS", rows),) if rows != tile_size else ()))
+
+
 def tile_library(device: torch.device, stage_file: str, kernel: str, tile_size: int, extra_for) -> tuple:
     """(library, rows) of a tile kernel (rasterize_fwd / rasterize_bwd: one thread per pixel of a tile), built
     for the group this GPU's pipeline allows, chosen at library build time from the limit it reports: the
@@ -108,8 +114,7 @@ def tile_library(device: torch.device, stage_file: str, kernel: str, tile_size: 
     ThreadgroupLimitError."""
 
     def build(rows):
-        return library(device, stage_file, tile_size,
-                       extra_for(rows) + ((("SPLAT_GROUP_ROWS", rows),) if rows != tile_size else ()))  # fmt: skip
+        return strip_library(device, stage_file, tile_size, extra_for(rows), rows)
 
     key = (torch.device(device).type, stage_file, kernel, tile_size, extra_for(tile_size))
     rows = _fitted_groups.get(key)

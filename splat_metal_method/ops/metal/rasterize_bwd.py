@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from . import runtime, variants
-from .kernels import tile_library
+from .kernels import strip_library, tile_library
 from .rasterize import MAX_CHANNELS, RASTER_CHUNK, PassPlan, band, check_offsets, flat_offsets, plan_passes
 from .variants import bwd_batch, bwd_merge_defines
 
@@ -73,15 +73,12 @@ def block_order_groups(args, launch) -> Optional[int]:
     merge: the groups are the same with it), on copies of the buffers it writes, its reductions counted as
     active_groups counts them. Run before the launch itself (a later pass reads the pixel state the earlier pass
     wrote). The emulator only: it counts reductions."""
-    from .kernels import library
-
     if variants.PIXEL_ORDER == "blocks":
         return None
     tile_size, rows = (int(v) for v in launch["group_size"][:2])
     channels = int(args[_ARG_V_COLORS].shape[-1])
     extra = bwd_defines(tile_size, channels, rows, merge=False, order="blocks")
-    lib = library(args[0].device, "rasterize_bwd.metal", tile_size,
-                  extra + ((("SPLAT_GROUP_ROWS", rows),) if rows != tile_size else ())).compiled  # fmt: skip
+    lib = strip_library(args[0].device, "rasterize_bwd.metal", tile_size, extra, rows).compiled
     copies = [a.clone() if isinstance(a, Tensor) and _ARG_PIX_T <= i <= _ARG_V_ABS else a for i, a in enumerate(args)]
     before = lib.work_counters()
     lib.rasterize_bwd(*copies, **launch)

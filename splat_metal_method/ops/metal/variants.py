@@ -55,10 +55,10 @@ PROJECT_BWD_GROUP = 256
 # Which pixel of its tile each rasterizer thread takes (common.h raster_pixel_in_group): "blocks", a simdgroup an
 # 8x4 block of pixels where the tile allows (the default: a gaussian's footprint meets fewer simdgroups, so the
 # backward reduces and issues fewer atomics), or "rows", a simdgroup 32 consecutive pixels of a row (gsplat's
-# order, and ours before). Both kernels read it at each call, from this attribute; SPLAT_METAL_PIXEL_ORDER=rows sets it for
-# a process (an A/B run on a Mac: splat-metal-bench --vs pixel-order). msplat 1.1.3 rasterizes in 8x8 threadgroups:
-# its simdgroups are 8x4 blocks too, and the model prices a backward's groups by that order's (the step ledger runs a
-# row-order launch once more in it: rasterize_bwd.block_order_groups).
+# order, and ours before). Both kernels read it at each call, from this attribute; SPLAT_METAL_PIXEL_ORDER=rows
+# sets it for a process (an A/B run on a Mac: splat-metal-bench --vs pixel-order). msplat 1.1.3 rasterizes in 8x8
+# threadgroups: its simdgroups are 8x4 blocks too, and the model prices a backward's groups by that order's (the
+# step ledger runs a row-order launch once more in it: rasterize_bwd.block_order_groups).
 PIXEL_ORDERS = ("blocks", "rows")
 PIXEL_ORDER = os.environ.get("SPLAT_METAL_PIXEL_ORDER", "blocks") or "blocks"
 
@@ -139,11 +139,9 @@ def standard_variants() -> dict:
     # the backward's tile merge (rasterize_bwd.py TILE_MERGE, off by default), for the RGB training step
     variants["rasterize_bwd_rgb_merge"] = ("rasterize_bwd.metal", bwd_merge_defines(constants.TILE_SIZE, 3))
     # both kernels in the row order (PIXEL_ORDER = "rows": the A/B run and the step ledger's count of its groups)
-    variants["rasterize_rgb_rows"] = ("rasterize.metal", (("SPLAT_CHANNELS", 3),) + pixel_order_defines("rows"))
-    variants["rasterize_bwd_rgb_rows"] = (
-        "rasterize_bwd.metal",
-        variants["rasterize_bwd_rgb"][1] + pixel_order_defines("rows"),
-    )
+    for name in ("rasterize_rgb", "rasterize_bwd_rgb"):
+        stage_file, defines = variants[name]
+        variants[f"{name}_rows"] = (stage_file, defines + pixel_order_defines("rows"))
     return variants
 
 
