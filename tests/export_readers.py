@@ -6,7 +6,10 @@ the tests read the files the way the viewers do.
   rgba u[24:28] / 255, quaternion (w, x, y, z) = (u[28:32] - 128) / 128.
 - .spz: nianticlabs/spz load-spz.cc (legacy gzip path, versions 1-3): 16-byte header, then
   positions (24-bit fixed point), alphas, colors, scales, rotations, sh; ``unpackGaussians``,
-  ``unpackQuaternionSmallestThree`` (v3) and ``unpackQuaternionFirstThree`` (v2).
+  ``unpackQuaternionSmallestThree`` (v3) and ``unpackQuaternionFirstThree`` (v2). Version 4 (the
+  NGSP container): a plain 32-byte header (numStreams at byte 15, tocByteOffset at 16), extension
+  records up to tocByteOffset, a TOC of (compressed, uncompressed) uint64 pairs, then one ZSTD
+  frame per array in the same order; the arrays are read as in version 3.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Dict
 
 import numpy as np
+import zstandard
 
 SPZ_MAGIC = 0x5053474E
 
@@ -40,15 +44,33 @@ def _sh_dim(degree: int) -> int:
 
 def read_spz(path: Path) -> Dict[str, np.ndarray]:
     """Header fields and decoded values; quats are returned as wxyz (the file stores xyzw)."""
-    raw = gzip.decompress(Path(path).read_bytes())
-    magic, version, n, sh_degree, frac_bits, flags, reserved = struct.unpack_from("<IIIBBBB", raw, 0)
+    data = Path(path).read_bytes()
+    container = {}
+    if data[:2] == b"\x1f\x8b":  # versions 1-3: one gzip stream
+        raw = gzip.decompress(data)
+        magic, version, n, sh_degree, frac_bits, flags, reserved = struct.unpack_from("<IIIBBBB", raw, 0)
+        start = 16
+    else:  # version 4
+        magic, version, n, sh_degree, frac_bits, flags, streams, toc = struct.unpack_from("<IIIBBBBI", data, 0)
+        assert version == 4, f"version {version}"
+        assert data[20:32] == bytes(12), "reserved header bytes are not zero"
+        entries = [struct.unpack_from("<QQ", data, toc + 16 * i) for i in range(streams)]
+        offset = toc + 16 * streams
+        arrays = []
+        for compressed, size in entries:
+            arrays.append(zstandard.ZstdDecompressor().decompress(data[offset : offset + compressed], size))
+            assert len(arrays[-1]) == size, "a stream decompresses to another size than its TOC entry"
+            offset += compressed
+        assert offset == len(data), f"{len(data) - offset} bytes after the last stream"
+        raw, start, reserved = b"".join(arrays), 0, 0
+        container = {"num_streams": streams, "toc_byte_offset": toc, "toc": entries}
     assert magic == SPZ_MAGIC, f"bad magic {magic:#x}"
-    assert version in (2, 3), f"version {version}"
+    assert version in (2, 3, 4), f"version {version}"
     d = _sh_dim(sh_degree)
     rot_bytes = 4 if version >= 3 else 3
     sizes = [n * 9, n, n * 3, n * 3, n * rot_bytes, n * d * 3]
-    assert len(raw) == 16 + sum(sizes), f"payload is {len(raw)} bytes, the header implies {16 + sum(sizes)}"
-    parts, offset = [], 16
+    assert len(raw) == start + sum(sizes), f"payload is {len(raw)} bytes, the header implies {start + sum(sizes)}"
+    parts, offset = [], start
     for size in sizes:
         parts.append(np.frombuffer(raw, dtype=np.uint8, count=size, offset=offset))
         offset += size
@@ -81,6 +103,7 @@ def read_spz(path: Path) -> Dict[str, np.ndarray]:
         a = alpha.astype(np.float32) / 255
         logits = np.log(a / (1 - a))
     return {
+        **container,
         "version": version,
         "num_points": n,
         "sh_degree": sh_degree,

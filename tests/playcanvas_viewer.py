@@ -2,6 +2,9 @@
 
 - ``splat_transform(...)``: PlayCanvas's converter (npm @playcanvas/splat-transform, pinned in
   scripts/setup.sh, installed into .npm-tools), run as its command line.
+- ``niantic_spz(...)``: Niantic's spz library (nianticlabs/spz built to WebAssembly as npm
+  @adobe/spz, the reader and writer splat-transform itself uses for .spz) loading an .spz as its
+  ``loadSpzFromBuffer`` does, and writing the same gaussians back with its ``saveSpzToBuffer``.
 - ``SuperSplatViewer``: SuperSplat's published viewer (npm @playcanvas/supersplat-viewer, its
   standalone page as shipped, the PlayCanvas engine inside: SogBundleParser for .sog, PlyParser
   for .ply and .compressed.ply) in headless Chromium (SwiftShader WebGL 2), opening a file with a
@@ -49,6 +52,38 @@ def splat_transform(*args, timeout: float = 300) -> str:
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
     return proc.stdout
+
+
+_NIANTIC_SPZ_JS = r"""
+import fs from 'fs';
+const [tools, input, output, version] = process.argv.slice(1);
+const spz = await (await import(`${tools}/@adobe/spz/dist/spz.js`)).default();
+const none = spz.CoordinateSystem.UNSPECIFIED;  // the values as stored, no axis flip
+const cloud = spz.loadSpzFromBuffer(new Uint8Array(fs.readFileSync(input)), {to: none});
+const keys = ['positions', 'scales', 'rotations', 'alphas', 'colors', 'sh'];
+const out = {numPoints: cloud.numPoints, shDegree: cloud.shDegree, antialiased: cloud.antialiased};
+for (const k of keys) out[k] = Array.from(cloud[k]);
+if (output) fs.writeFileSync(output, spz.saveSpzToBuffer(cloud, {version: Number(version), from: none,
+                                                                  sh1Bits: 5, shRestBits: 4}));
+process.stdout.write("\nCLOUD " + JSON.stringify(out) + "\n");
+"""
+
+
+def niantic_spz(path: Path, rewrite_to: Path = None, version: int = 4) -> dict:
+    """An .spz as Niantic's library loads it: numPoints, shDegree, antialiased and the float arrays
+    (positions [N*3], scales [N*3] log, rotations [N*4] xyzw, alphas [N] logit, colors [N*3] DC,
+    sh [N*D*3] coefficient-major). ``rewrite_to``: its writer saves the loaded gaussians there as
+    ``version``."""
+    import json
+
+    require_tools()
+    cmd = ["node", "--input-type=module", "-e", _NIANTIC_SPZ_JS, str(NPM_TOOLS), str(path),
+           str(rewrite_to or ""), str(version)]  # fmt: skip
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
+    if proc.returncode != 0:
+        pytest.fail(f"@adobe/spz could not load {path} ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    cloud = next(line[6:] for line in proc.stdout.splitlines() if line.startswith("CLOUD "))  # among its log lines
+    return {k: np.asarray(v, np.float32) if isinstance(v, list) else v for k, v in json.loads(cloud).items()}
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):

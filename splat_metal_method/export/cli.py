@@ -11,7 +11,9 @@ splatfacto-family run (run_config.py; anything else takes nerfstudio's full load
 available, else the best device this machine has). Any splatfacto run works, not only splat-metal.
 
 ``.ply`` is byte for byte what ``ns-export gaussian-splat`` writes (nerfstudio's ``write_ply`` bytes
-over the same columns, written a block at a time: ply_file.py); ``.splat``, ``.spz``, ``.sog`` and ``.compressed.ply`` are described in
+over the same columns, written a block at a time: ply_file.py), plus, for a run trained with
+``rasterize_mode antialiased``, the header line ``comment SplatRenderMode: mip`` that tells a viewer to
+draw it with the mip filter (as every other format but .splat records it: gaussians.py); ``.splat``, ``.spz``, ``.sog`` and ``.compressed.ply`` are described in
 splat_file.py, spz_file.py, sog_file.py and compressed_ply_file.py (the .sog's SH palette is k-means
 on the device the run trains on: playcanvas.py).
 Every requested file is first written to a hidden temporary file in the output folder; only when
@@ -59,12 +61,16 @@ class ExportSplats:
     """Folder for the files; created if missing."""
     format: Tuple[Format, ...] = ("ply", "splat", "spz")
     """One or more of: ply (3DGS .ply, as ns-export gaussian-splat), splat (antimatter15's 32 bytes per
-    gaussian, no view-dependent colour), spz (Niantic's compressed format, version 3, keeps SH), sog
+    gaussian, no view-dependent colour), spz (Niantic's compressed format, keeps SH; --spz-version), sog
     (PlayCanvas/SuperSplat's WebP bundle, SH from a palette), compressed-ply (PlayCanvas's chunked
     .compressed.ply, SH at 8 bits)."""
     output_name: str = "splat"
     """File name without extension: splat.ply (ns-export's name), splat.splat, splat.spz, splat.sog,
     splat.compressed.ply."""
+    spz_version: Literal[3, 4] = 3
+    """Version of the .spz: 3 (gzip; every SPZ reader opens it, Spark included) or 4 (Niantic's
+    current layout, one ZSTD stream per attribute; Niantic's library and splat-transform read it,
+    Spark 2.2 does not)."""
     obb_center: Optional[Tuple[float, float, float]] = None
     """Center of an oriented box to crop to (as ns-export gaussian-splat)."""
     obb_rotation: Optional[Tuple[float, float, float]] = None
@@ -113,7 +119,7 @@ class ExportSplats:
             )
 
         sizes = _write_all(
-            g, formats, targets, device=model.device if "sog" in formats else None
+            g, formats, targets, device=model.device if "sog" in formats else None, spz_version=self.spz_version
         )  # torch for .sog only
 
         say = _Summary()
@@ -247,7 +253,7 @@ def _check_checkpoints(config_path: Path, ckpt_dir: Path) -> None:
         )
 
 
-def _write_all(g, formats: List[str], targets: List[Path], device=None) -> dict:
+def _write_all(g, formats: List[str], targets: List[Path], device=None, spz_version: int = 3) -> dict:
     """Writes every format to a temporary file, then renames them all into place.
     Returns {format: (bytes, note, seconds)}."""
     from ..engine.files import atomic_path
@@ -260,7 +266,7 @@ def _write_all(g, formats: List[str], targets: List[Path], device=None) -> dict:
             for fmt, target in zip(formats, targets):
                 tmp = stack.enter_context(atomic_path(target))
                 started = time.perf_counter()
-                size, note = _write_one(g, fmt, tmp, device, bar(target.name))
+                size, note = _write_one(g, fmt, tmp, device, bar(target.name), spz_version)
                 sizes[fmt] = (size, note, time.perf_counter() - started)
     except KeyboardInterrupt:
         raise ExportError("interrupted; nothing was written (files already there are untouched).") from None
@@ -273,7 +279,7 @@ def _write_all(g, formats: List[str], targets: List[Path], device=None) -> dict:
     return sizes
 
 
-def _write_one(g, fmt: str, path: Path, device=None, report=None) -> Tuple[int, str]:
+def _write_one(g, fmt: str, path: Path, device=None, report=None, spz_version: int = 3) -> Tuple[int, str]:
     if fmt in ("sog", "compressed-ply"):
         from .playcanvas import write_playcanvas
 
@@ -288,7 +294,7 @@ def _write_one(g, fmt: str, path: Path, device=None, report=None) -> Tuple[int, 
             if report is not None:
                 report("rows", rows[0], g.count)
 
-        write_ply(str(path), g.count, g.ply_columns(), block)
+        write_ply(str(path), g.count, g.ply_columns(), block, comments=g.ply_comments())
         return path.stat().st_size, ""
     if fmt == "splat":
         from .splat_file import encode_splat
@@ -297,10 +303,10 @@ def _write_one(g, fmt: str, path: Path, device=None, report=None) -> Tuple[int, 
         return path.stat().st_size, ", no SH bands >= 1" if g.sh_degree > 0 else ""
     from .spz_file import encode_spz
 
-    enc = encode_spz(g)
+    enc = encode_spz(g, spz_version)
     path.write_bytes(enc.data)
     clamped = ", ".join(f"{n:,} {name}" for name, n in enc.clamped.items())
-    return len(enc.data), f", {enc.fractional_bits} fractional bits" + (
+    return len(enc.data), f", version {spz_version}, {enc.fractional_bits} fractional bits" + (
         f"; clamped to the format's range: {clamped}" if clamped else ""
     )
 

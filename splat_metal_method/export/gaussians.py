@@ -13,12 +13,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 LOW_OPACITY_LOGIT = -5.5373  # logit(1/255): ns-export's cut
 SH_C0 = 0.28209479177387814  # Y_0^0: rgb = 0.5 + SH_C0 * dc
+# The render mode of a scene trained with rasterize_mode "antialiased" (the mip filter), as
+# splat-transform and Brush spell it: a .ply / .compressed.ply header comment and SOG's meta.json
+# "model"; a classic scene carries neither (.spz has its own flag: spz_file.FLAG_ANTIALIASED).
+ANTIALIASED_PLY_COMMENT = "SplatRenderMode: mip"
+ANTIALIASED_SOG_MODEL = "antialiased"
 
 
 @dataclass
@@ -32,11 +37,15 @@ class ExportGaussians:
     sh_dc: np.ndarray  # [N, 3] DC SH coefficient per channel
     sh_rest: np.ndarray  # [N, K-1, 3] higher bands, coefficient-major (K = (sh_degree+1)^2)
     sh_degree: int
-    antialiased: bool  # trained with rasterize_mode "antialiased" (spz records it)
+    antialiased: bool  # trained with rasterize_mode "antialiased" (every format but .splat records it)
     n_model: int  # gaussians in the model, before the crop and the cuts
     n_cropped: int  # outside the oriented box
     n_nonfinite: int
     n_low_opacity: int
+
+    def ply_comments(self) -> List[str]:
+        """The header comments a .ply or .compressed.ply adds for the render mode."""
+        return [ANTIALIASED_PLY_COMMENT] if self.antialiased else []
 
     @property
     def count(self) -> int:

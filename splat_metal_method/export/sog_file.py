@@ -45,7 +45,7 @@ from typing import Dict, Optional, Union
 import numpy as np
 
 from .compressed_ply_file import ply_arrays, unit_quats
-from .gaussians import ExportGaussians
+from .gaussians import ANTIALIASED_SOG_MODEL, ExportGaussians
 from .progress import or_none
 from .quantize import codebook_1d, kmeans, morton_order, palette_size
 
@@ -141,6 +141,8 @@ def encode_sog(g: ExportGaussians, device=None, generator: str = "splat-metal", 
         "quats": {"files": ["quats.webp"]},
         "sh0": {"codebook": [float(v) for v in dc_book], "files": ["sh0.webp"]},
     }
+    if g.antialiased:
+        meta["model"] = ANTIALIASED_SOG_MODEL
     palette = 0
     if degree > 0:
         coeffs = (degree + 1) ** 2 - 1

@@ -1,4 +1,5 @@
-""".spz: Niantic's compressed gaussian splat format (github.com/nianticlabs/spz), version 3.
+""".spz: Niantic's compressed gaussian splat format (github.com/nianticlabs/spz), version 3 (default)
+or 4 (``--spz-version 4``).
 
 Written here from the format's README and its reference packer (src/cc/load-spz.cc
 ``packGaussians``/``serializePackedGaussians``, with its float32 arithmetic and rounding); no PyPI
@@ -26,6 +27,16 @@ stream of, little-endian:
 Rounding is half away from zero and every byte is clamped to 0..255, as in the reference packer.
 Coordinates are stored as the run has them, without axis conversion (Niantic's ply_to_spz does the
 same with its default "unspecified" coordinate system).
+
+Version 4 (Niantic's current writer's default; Spark 2.2 and other gzip-only readers cannot open it)
+holds the same six arrays, each its own ZSTD frame, compressed in parallel, after a plain header:
+
+    header (32 bytes)  uint32 magic, uint32 version 4, uint32 numPoints, uint8 shDegree,
+                       uint8 fractionalBits, uint8 flags (0x1: antialiased, 0x2: extension records
+                       follow the header; none are written here), uint8 numStreams (5, 6 with SH),
+                       uint32 tocByteOffset (32: no extension records), 12 bytes 0
+    TOC                numStreams x (uint64 compressed size, uint64 uncompressed size)
+    streams            the ZSTD frames in the arrays' order, back to back
 """
 
 from __future__ import annotations
@@ -42,12 +53,17 @@ import numpy as np
 from .gaussians import ExportGaussians
 
 MAGIC = 0x5053474E
-VERSION = 3
+VERSION = 3  # the default: the version every reader opens
+VERSIONS = (3, 4)
 FLAG_ANTIALIASED = 0x1
+FLAG_EXTENSIONS = 0x2  # version 4: extension records between the header and the TOC
 FRACTIONAL_BITS = 12  # Niantic's packer always uses 12; fewer only when positions need the range
 COLOR_SCALE = 0.15
 SH1_BITS, SH_REST_BITS = 5, 4
 HEADER = struct.Struct("<IIIBBBB")
+HEADER_V4 = struct.Struct("<IIIBBBBI12x")  # ... numStreams, tocByteOffset, reserved
+TOC_ENTRY = struct.Struct("<QQ")
+ZSTD_LEVEL = 12  # Niantic's writer's level (the same frames from the same arrays)
 GZIP_LEVEL = 6  # zlib's default, as the reference packer
 GZIP_BLOCK = 1 << 22  # bytes deflated per task
 BLOCK = 1 << 16  # rows of SH packed at a time
@@ -116,9 +132,9 @@ def _pack_sh(sh_rest: np.ndarray, clamped: Dict[str, int]) -> np.ndarray:  # [N,
 
 @dataclass
 class SpzEncoding:
-    data: bytes  # the .spz file (gzip)
+    data: bytes  # the .spz file
     fractional_bits: int
-    payload_bytes: int  # size before gzip
+    payload_bytes: int  # size before gzip / ZSTD
     clamped: Dict[str, int] = field(default_factory=dict)  # values outside a field's range, per field
 
 
@@ -142,8 +158,24 @@ def gzip_blocks(payload: bytes) -> bytes:
     return header + body + struct.pack("<II", zlib.crc32(payload), len(payload) & 0xFFFFFFFF)
 
 
-def encode_spz(g: ExportGaussians) -> SpzEncoding:
+def zstd_streams(header: bytes, arrays) -> bytes:
+    """Version 4's container: ``header`` (32 bytes), the TOC, then one ZSTD frame per array,
+    compressed on every core (zstandard releases the GIL)."""
+    import zstandard
+
+    def compress(array: bytes) -> bytes:
+        return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(array)
+
+    with ThreadPoolExecutor(max_workers=min(len(arrays), os.cpu_count() or 1)) as pool:
+        frames = list(pool.map(compress, arrays))
+    toc = b"".join(TOC_ENTRY.pack(len(f), len(a)) for f, a in zip(frames, arrays))
+    return b"".join([header, toc, *frames])
+
+
+def encode_spz(g: ExportGaussians, version: int = VERSION) -> SpzEncoding:
     n = g.count
+    if version not in VERSIONS:
+        raise ValueError(f"[spz] version must be one of {', '.join(map(str, VERSIONS))}, got {version}")
     if not 0 <= g.sh_degree <= 4:
         raise ValueError(f"[spz] SH degree must be 0..4, got {g.sh_degree}")
     if g.sh_rest.shape != (n, (g.sh_degree + 1) ** 2 - 1, 3):
@@ -156,10 +188,13 @@ def encode_spz(g: ExportGaussians) -> SpzEncoding:
     colors = _to_u8(g.sh_dc.astype(_F) * _F(COLOR_SCALE * 255) + _F(0.5 * 255), clamped, "color")
     scales = _to_u8((g.log_scales.astype(_F) + _F(10)) * _F(16), clamped, "scale")
     flags = FLAG_ANTIALIASED if g.antialiased else 0
-    payload = b"".join([
-        HEADER.pack(MAGIC, VERSION, n, g.sh_degree, bits, flags, 0),
-        positions.tobytes(), alphas.tobytes(), colors.tobytes(), scales.tobytes(),
-        _pack_quats(g.quats).tobytes(), _pack_sh(g.sh_rest, clamped).tobytes(),
-    ])  # fmt: skip
-    data = gzip_blocks(payload)
-    return SpzEncoding(data, bits, len(payload), {k: v for k, v in clamped.items() if v})
+    arrays = [positions.tobytes(), alphas.tobytes(), colors.tobytes(), scales.tobytes(), _pack_quats(g.quats).tobytes()]
+    if g.sh_degree > 0:
+        arrays.append(_pack_sh(g.sh_rest, clamped).tobytes())
+    payload_bytes = sum(map(len, arrays))
+    if version == 3:
+        data = gzip_blocks(b"".join([HEADER.pack(MAGIC, 3, n, g.sh_degree, bits, flags, 0), *arrays]))
+    else:
+        header = HEADER_V4.pack(MAGIC, 4, n, g.sh_degree, bits, flags, len(arrays), HEADER_V4.size)
+        data = zstd_streams(header, arrays)
+    return SpzEncoding(data, bits, payload_bytes, {k: v for k, v in clamped.items() if v})
