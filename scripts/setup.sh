@@ -32,7 +32,7 @@ fi
 
 if [ "$(uname -s)" = Linux ] && command -v apt-get >/dev/null 2>&1; then
   missing=()
-  wanted=(g++ libusb-1.0-0 chromium chromium-driver ffmpeg tmux)
+  wanted=(g++ libusb-1.0-0 chromium chromium-driver ffmpeg tmux colmap)
   # Node and npm for PlayCanvas's tools below, only when there is no npm (a NodeSource nodejs carries
   # its own npm and conflicts with Debian's npm package).
   command -v npm >/dev/null 2>&1 || wanted+=(nodejs npm)

@@ -64,6 +64,7 @@ RASTERIZED_CAMERA_TYPES = (CameraType.PERSPECTIVE, CameraType.FISHEYE, CameraTyp
 ONE_CHANNEL_MODES = ("1", "L", "P", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")  # PIL modes np.array makes [H, W]
 PLY_TYPE_SIZES = {"char": 1, "uchar": 1, "int8": 1, "uint8": 1, "short": 2, "ushort": 2, "int16": 2, "uint16": 2,
                   "int": 4, "uint": 4, "int32": 4, "uint32": 4, "float": 4, "float32": 4, "double": 8, "float64": 8}  # fmt: skip
+POSE_TOLERANCE = 1e-3  # poses written as float32 by COLMAP/ns-process-data are orthonormal to ~1e-6
 HINT_NO_DATASET = (
     "ns-train splat-metal --data needs a nerfstudio dataset: a folder with transforms.json and the images "
     "it lists. Make one from photos or a video with ns-process-data, or a demo scene with "
@@ -122,6 +123,12 @@ def _read_transforms(data: Path) -> Tuple[Path, Path, dict]:
     else:
         transforms, data_dir = data / "transforms.json", data
         if not transforms.is_file():
+            if (data / "images").is_dir():
+                raise DatasetError(
+                    f"dataset folder {data} has images/ but no transforms.json: ns-process-data stopped before "
+                    "writing it (its output above says why). Rerun it, e.g. `ns-process-data "
+                    f"images --data PHOTOS --output-dir {data} --no-gpu --matching-method exhaustive`."
+                )
             what = "is empty" if not any(data.iterdir()) else "has no transforms.json"
             raise DatasetError(f"dataset folder {data} {what}. {HINT_NO_DATASET}")
     try:
@@ -278,6 +285,9 @@ def check_dataset(
         if key in ("fl_x", "fl_y") and (x is None or x <= 0):
             problems.append(f"{where}focal length {key} = {value!r} in {transforms}; it must be a number > 0")
             return False
+        if key in ("cx", "cy") and (x is None or x <= 0):
+            problems.append(f"{where}principal point {key} = {value!r} in {transforms}; it must be a number > 0")
+            return False
         if key in ("w", "h") and (x is None or x <= 0 or x != int(x)):
             problems.append(f"{where}image size {key} = {value!r} in {transforms}; it must be a whole number > 0")
             return False
@@ -344,6 +354,7 @@ def check_dataset(
                 f"for every frame or for none (remove {key} or add the missing ones)"
             )
 
+    first_use = {}  # image path -> index of the first frame that lists it
     for i, frame in enumerate(frames):
         if not isinstance(frame, dict) or not isinstance(frame.get("file_path"), str):
             problems.append(f'frame {i} in {transforms} has no "file_path"; give every frame its image file')
@@ -364,12 +375,21 @@ def check_dataset(
         check_distortion(frame, f"{label}: ")
         camera = {key: _number(frame.get(key, meta.get(key))) for key in CAMERA_KEYS} if camera_ok else None
         size = (int(camera["w"]), int(camera["h"])) if camera_ok else None
-        if not _is_pose(frame):
-            problems.append(f"{label}: transform_matrix in {transforms} must be a 4x4 matrix of finite numbers")
+        pose = _pose_problem(frame)
+        if pose:
+            problems.append(f"{label}: transform_matrix in {transforms} {pose}")
         if not check_files:
             continue
         image = resolve(frame["file_path"])
-        if not image.is_file():
+        if image in first_use:
+            problems.append(
+                f"{label}: image {image} is also frame {first_use[image]}'s; each image must be listed once "
+                "(remove one of the two frames)"
+            )
+        first_use.setdefault(image, i)
+        if image.is_dir():
+            problems.append(f"{label}: image {image} is a folder, not an image file; give the image's own path")
+        elif not image.is_file():
             problems.append(f"{label}: image {image} does not exist" + (downscale_fix if factor > 1 else ""))
         elif size is not None:
             to_decode.append((image, _downscaled(size, factor) if factor > 1 else size, label))
@@ -427,6 +447,23 @@ def check_dataset(
             raise DatasetError(f"bad dataset {data}: {problems[0]}")
         lines = "\n".join(f"  - {p}" for p in shown) + (f"\n  ... and {more} more" if more else "")
         raise DatasetError(f"bad dataset {data}: {len(problems)} problems:\n{lines}")
+
+
+def _pose_problem(frame: dict) -> Optional[str]:
+    """Why a frame's transform_matrix is not a camera-to-world pose (None if it is): a 4x4 matrix of finite
+    numbers, last row 0 0 0 1, rotation orthonormal with determinant +1 (within float32 tolerance)."""
+    if not _is_pose(frame):
+        return "must be a 4x4 matrix of finite numbers"
+    pose = np.array(frame["transform_matrix"], dtype=float)  # [4, 4]
+    if not np.allclose(pose[3], [0, 0, 0, 1], atol=POSE_TOLERANCE):
+        return f"has last row {pose[3].tolist()}; a camera-to-world transform's last row is 0 0 0 1"
+    rotation = pose[:3, :3]  # [3, 3]
+    if not np.allclose(rotation.T @ rotation, np.eye(3), atol=POSE_TOLERANCE) or np.linalg.det(rotation) < 0:
+        return (
+            f"has a 3x3 part that is not a rotation (R^T R = I and det R = +1 within {POSE_TOLERANCE:g}; det R = "
+            f"{np.linalg.det(rotation):.3g}); give each camera's camera-to-world pose, as ns-process-data writes it"
+        )
+    return None
 
 
 def _is_pose(frame: dict) -> bool:

@@ -154,6 +154,15 @@ class SplatMetalTrainer(Trainer):
             CONSOLE.print("splat-metal: interrupted before training started; no checkpoint was written.")
             raise SystemExit(INTERRUPTED_EXIT_CODE) from None
         self._saved_steps = set()
+        self._held_out = None  # (step, nerfstudio's average metrics over the eval images), for the summary
+        average_metrics = self.pipeline.get_average_eval_image_metrics
+
+        def remember_held_out(step=None, **kwargs):
+            metrics = average_metrics(step=step, **kwargs)
+            self._held_out = (step, metrics)
+            return metrics
+
+        self.pipeline.get_average_eval_image_metrics = remember_held_out
         self._last_done_step = self._start_step - 1 if self._start_step > 0 else None
         self._load_resume_state()
         if self.sharded is not None:
@@ -426,11 +435,25 @@ class SplatMetalTrainer(Trainer):
         steps = self.config.max_num_iterations
         command = resume_command(sys.argv, self.checkpoint_dir, steps,
                                  self.sharded.resume_prefix() if self.sharded is not None else "")  # fmt: skip
+        config = self.base_dir / "config.yml"
+        export = f"splat-metal-export --load-config {config} --output-dir {self.base_dir / 'exports'} --format ply"
         CONSOLE.print(
-            f"splat-metal: training finished; checkpoint: {last}\nTo train {steps:,} steps more:\n  {command}",
+            f"splat-metal: training finished; checkpoint: {last}{self._held_out_line()}\n"
+            f"To export the splat:\n  {export}\nTo train {steps:,} steps more:\n  {command}",
             highlight=False,
             soft_wrap=True,
         )
+
+    def _held_out_line(self) -> str:
+        """The held-out images' average PSNR/SSIM/LPIPS of the run's last all-images eval ('' if none ran)."""
+        if self._held_out is None:
+            return ""
+        step, metrics = self._held_out
+        shown = [f"PSNR {metrics['psnr']:.2f} dB" if "psnr" in metrics else None,
+                 f"SSIM {metrics['ssim']:.3f}" if "ssim" in metrics else None,
+                 f"LPIPS {metrics['lpips']:.3f}" if "lpips" in metrics else None]  # fmt: skip
+        images = len(self.pipeline.datamanager.eval_dataset)
+        return f"\nheld-out images ({images}, step {step}): " + ", ".join(x for x in shown if x)
 
     def _after_train(self) -> None:
         if self._stop_signal is None:

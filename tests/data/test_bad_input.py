@@ -55,7 +55,56 @@ def _empty_folder(scene_copy, tmp):
 def _no_transforms(scene_copy, tmp):
     scene = scene_copy()
     (scene / "transforms.json").unlink()
-    return scene, scene, ["has no transforms.json", "ns-process-data"]
+    return scene, scene, ["images/ but no transforms.json", "ns-process-data images", "--no-gpu"]
+
+
+def _zero_pose(scene_copy, tmp):
+    scene = scene_copy()
+    path = _edit_transforms(scene, lambda m: m["frames"][1].update(transform_matrix=[[0.0] * 4] * 4))
+    return scene, path, ["frame 1", "transform_matrix", "last row", "0 0 0 1"]
+
+
+def _scaled_rotation(scene_copy, tmp):
+    scene = scene_copy()
+
+    def scale(meta):
+        pose = meta["frames"][2]["transform_matrix"]  # [4, 4]
+        for r in range(3):
+            pose[r][:3] = [2.0 * x for x in pose[r][:3]]
+
+    path = _edit_transforms(scene, scale)
+    return scene, path, ["frame 2", "not a rotation", "det R = 8"]
+
+
+def _mirrored_rotation(scene_copy, tmp):
+    scene = scene_copy()
+
+    def mirror(meta):
+        pose = meta["frames"][2]["transform_matrix"]  # [4, 4]
+        for r in range(3):
+            pose[r][0] = -pose[r][0]
+
+    path = _edit_transforms(scene, mirror)
+    return scene, path, ["frame 2", "not a rotation", "det R = -1"]
+
+
+def _duplicate_image(scene_copy, tmp):
+    scene = scene_copy()
+    _edit_transforms(scene, lambda m: m["frames"][3].update(file_path=m["frames"][1]["file_path"]))
+    return scene, scene / demo_scene.frame_name(1), ["frame 3", "also frame 1's", "listed once"]
+
+
+def _folder_as_image(scene_copy, tmp):
+    scene = scene_copy()
+    (scene / "images" / "sub").mkdir()
+    _edit_transforms(scene, lambda m: m["frames"][2].update(file_path="images/sub"))
+    return scene, scene / "images" / "sub", ["frame 2", "is a folder, not an image file"]
+
+
+def _negative_principal_point(scene_copy, tmp):
+    scene = scene_copy()
+    path = _edit_transforms(scene, lambda m: m["frames"][4].update(cx=-3.0))
+    return scene, path, ["frame 4", "cx", "-3.0", "> 0"]
 
 
 def _missing_image(scene_copy, tmp):
@@ -103,12 +152,27 @@ CLI_CASES = {
     "truncated-image": _truncated_image,
     "zero-focal": _zero_focal,
     "mixed-image-sizes": _mixed_image_sizes,
+    "zero-pose": _zero_pose,
+    "scaled-rotation": _scaled_rotation,
+    "duplicate-image": _duplicate_image,
+    "folder-as-image": _folder_as_image,
 }
-PARSER_CASES = {**CLI_CASES, "negative-focal-in-a-frame": _negative_focal_in_a_frame}
+PARSER_CASES = {
+    **CLI_CASES,
+    "negative-focal-in-a-frame": _negative_focal_in_a_frame,
+    "mirrored-rotation": _mirrored_rotation,
+    "negative-principal-point": _negative_principal_point,
+}
 WHAT = {  # the table's description of each case (docs/reliability.md)
     "missing-folder": "`ns-train splat-metal --data` a folder that does not exist",
     "empty-folder": "`--data` an empty folder",
-    "no-transforms-json": "`--data` a folder without transforms.json",
+    "no-transforms-json": "`--data` a folder ns-process-data left half-written (images/, no transforms.json)",
+    "zero-pose": "a frame's `transform_matrix` is all zeros",
+    "scaled-rotation": "a frame's rotation is scaled by 2 (not orthonormal)",
+    "mirrored-rotation": "a frame's rotation is mirrored (determinant -1)",
+    "duplicate-image": "two frames list the same image",
+    "folder-as-image": "a frame's `file_path` is a folder",
+    "negative-principal-point": "one frame's `cx` is negative",
     "missing-image": "an image transforms.json names is missing",
     "truncated-image": "an image is truncated (its header still reads)",
     "zero-focal": "`fl_x` is 0",
