@@ -30,7 +30,7 @@ def garden():
     """The garden points and 3 real cameras (648x420) as numpy arrays; skips when the file is absent."""
     data = load_garden()
     if data is None:
-        pytest.skip(f"garden data not found at {GARDEN_PATH} (it lives outside the repo, see DESIGN.md §5)")
+        pytest.skip(f"garden data not found at {GARDEN_PATH} (it lives outside the repo, see docs/design.md section 5)")
     return data
 
 
