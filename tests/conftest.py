@@ -35,12 +35,16 @@ def garden():
 
 
 def pytest_configure(config):
-    """One random grid seed for the whole run (tests/ops/test_backend_grid.py puts it in its test ids):
+    """One grid seed for the whole run (tests/ops/test_backend_grid.py puts it in its test ids): 0 unless
+    SPLAT_METAL_GRID_SEED asks for one, a number to replay a run or "random" to draw a new sample.
     pytest-xdist's workers inherit it from the controller and so collect the same tests."""
     import os
     import random
 
-    os.environ.setdefault("SPLAT_METAL_GRID_SEED", str(random.SystemRandom().randrange(10**6)))
+    seed = os.environ.get("SPLAT_METAL_GRID_SEED") or "0"
+    if seed == "random":
+        seed = str(random.SystemRandom().randrange(10**6))
+    os.environ["SPLAT_METAL_GRID_SEED"] = seed
 
 
 # The fast tier (`bash scripts/test.sh -m "not slow"`) leaves these out: each took over 5 s in a full run
