@@ -4,7 +4,7 @@ per step, and each rank's CPU time per step.
     python benchmarks/bench_distributed_ops.py                     # garden, 20k gaussians, worlds 1 2 3 4
     python benchmarks/bench_distributed_ops.py --n 100000 --worlds 1 2 --scale 0.5
 
-The garden points (../shared/data, DESIGN.md section 5; a random scene when absent) are split into equal
+The garden points (../shared/data, docs/design.md section 5; a random scene when absent) are split into equal
 contiguous shards; rank r renders garden camera r mod 3 (so the batch grows with the world, as in
 distributed training: one camera per rank per step), SH degree 3, absgrad on (splatfacto's defaults),
 cpu backend, one thread per process. Per world size it prints the gaussian parameter bytes per rank,

@@ -40,7 +40,7 @@ MACOS = (13, 14)  # oldest supported first; later macOS releases take macOS 14's
 DARWIN = {13: 22, 14: 23}  # the Darwin kernel major version each macOS reports as platform_release
 SELF = "splat-metal-method"
 # Where Linux's torch has no wheels (macOS 13: torch >= 2.12 needs macOS 14): torch.mps.compile_shader
-# is public from 2.7, and 2.9-2.11 always compile MSL 3.1, which macOS 13 lacks (DESIGN.md section 3).
+# is public from 2.7, and 2.9-2.11 always compile MSL 3.1, which macOS 13 lacks (docs/design.md section 3.1).
 TORCH_FALLBACK = "torch>=2.7,<2.9"
 TORCH_FALLBACK_WHY = "compile_shader is public from 2.7; 2.9-2.11 compile MSL 3.1, which macOS 13 lacks"
 SHOWN = ("torch", "torchvision", "numpy", "av", "fpsample", "rawpy", "open3d")

@@ -50,7 +50,7 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 
-# torch builds known to work with nerfstudio 1.1.5 and torchvision on each platform (DESIGN.md).
+# torch builds known to work with nerfstudio 1.1.5 and torchvision on each platform (docs/design.md section 3.3).
 pinfile=constraints.txt
 case "$(uname -s)-$(uname -m)" in
   Linux-x86_64) torch_pkgs="torch==2.14.1 torchvision==0.29.1"; pins="-c constraints.txt" ;;

@@ -30,14 +30,123 @@ def garden():
     """The garden points and 3 real cameras (648x420) as numpy arrays; skips when the file is absent."""
     data = load_garden()
     if data is None:
-        pytest.skip(f"garden data not found at {GARDEN_PATH} (it lives outside the repo, see DESIGN.md §5)")
+        pytest.skip(f"garden data not found at {GARDEN_PATH} (it lives outside the repo, see docs/design.md section 5)")
     return data
 
 
 def pytest_configure(config):
-    """One random grid seed for the whole run (tests/ops/test_backend_grid.py puts it in its test ids):
+    """One grid seed for the whole run (tests/ops/test_backend_grid.py puts it in its test ids): 0 unless
+    SPLAT_METAL_GRID_SEED asks for one, a number to replay a run or "random" to draw a new sample.
     pytest-xdist's workers inherit it from the controller and so collect the same tests."""
     import os
     import random
 
-    os.environ.setdefault("SPLAT_METAL_GRID_SEED", str(random.SystemRandom().randrange(10**6)))
+    seed = os.environ.get("SPLAT_METAL_GRID_SEED") or "0"
+    if seed == "random":
+        seed = str(random.SystemRandom().randrange(10**6))
+    os.environ["SPLAT_METAL_GRID_SEED"] = seed
+
+
+# The fast tier (`bash scripts/test.sh -m "not slow"`) leaves these out: each took over 5 s in a full run
+# (`pytest --durations=0`). Every test file keeps at least one test, so every kernel is still checked
+# against the reference and every command (ns-train, ns-export, ns-eval, ns-render, ns-viewer,
+# splat-metal-export, doctor, bench) still runs once. A parametrized test is listed by its full id.
+SLOW_TESTS = {
+    "tests/bench/test_bench_cli.py::test_vs_ab_trains_both_and_counts_fewer_atomics_with_the_other[pixel-order-rows-blocks]",
+    "tests/bench/test_bench_cli.py::test_vs_ab_trains_both_and_counts_fewer_atomics_with_the_other[tile-merge-direct-tile merge]",
+    "tests/bench/test_mps_audit.py::test_audited_path_covers_the_training_step",
+    "tests/bench/test_mps_audit.py::test_steady_step_host_reads_within_budget",
+    "tests/bench/test_step_ledger.py::test_counts_within_budgets",
+    "tests/data/test_bad_input.py::test_ns_train_rejects_bad_data_cleanly[empty-folder]",
+    "tests/data/test_bad_input.py::test_ns_train_rejects_bad_data_cleanly[missing-folder]",
+    "tests/data/test_bad_input.py::test_ns_train_rejects_bad_data_cleanly[missing-image]",
+    "tests/data/test_bad_input.py::test_ns_train_rejects_bad_data_cleanly[mixed-image-sizes]",
+    "tests/data/test_bad_input.py::test_ns_train_rejects_bad_data_cleanly[no-transforms-json]",
+    "tests/data/test_bad_input.py::test_ns_train_rejects_bad_data_cleanly[truncated-image]",
+    "tests/data/test_bad_input.py::test_ns_train_rejects_bad_data_cleanly[zero-focal]",
+    "tests/data/test_capture_checks.py::test_ns_train_stops_before_the_run_folder[downscale-folder-missing]",
+    "tests/data/test_capture_checks.py::test_ns_train_stops_before_the_run_folder[one-frame]",
+    "tests/data/test_capture_checks.py::test_ns_train_stops_before_the_run_folder[seed-points-nan]",
+    "tests/data/test_demo_scene.py::test_generation_is_deterministic",
+    "tests/data/test_demo_scene.py::test_nerfstudio_dataparser_loads_scene",
+    "tests/data/test_distorted_scene.py::test_undistorting_a_lens_image_gives_back_the_pinhole_view[OPENCV]",
+    "tests/data/test_image_stream.py::test_streamed_training_is_the_cached_training",
+    "tests/data/test_images.py::test_datamanager_caches_16_bit_images_scaled[rgb]",
+    "tests/data/test_images.py::test_training_on_a_16_bit_capture_matches_8_bit",
+    "tests/engine/test_bad_options.py::test_ns_train_prints_the_line_and_writes_nothing",
+    "tests/engine/test_distributed_cli.py::test_a_hung_rank_is_a_timeout_not_a_hang",
+    "tests/engine/test_distributed_cli.py::test_a_killed_rank_stops_the_others_with_a_message_naming_it",
+    "tests/engine/test_distributed_cli.py::test_export_of_a_distributed_run_is_the_gathered_model",
+    "tests/engine/test_distributed_cli.py::test_mcmc_on_two_processes_keeps_cap_max_resumes_bit_identical_and_exports",
+    "tests/engine/test_distributed_cli.py::test_ranks_started_with_other_options_are_refused_before_anything_is_written",
+    "tests/engine/test_distributed_cli.py::test_two_processes_past_refine_stop_end_with_the_bits_of_a_run_computing_the_statistics",
+    "tests/engine/test_distributed_cli.py::test_two_processes_train_one_scene_and_rank_0_writes_it",
+    "tests/engine/test_distributed_shards.py::test_a_pause_longer_than_the_collective_timeout_is_waited_out_together",
+    "tests/engine/test_distributed_shards.py::test_rows_parameters_moments_and_statistics_keep_their_global_order[3]",
+    "tests/engine/test_memory.py::test_chunked_equals_unchunked_reference_forward_and_backward[7-metal]",
+    "tests/engine/test_memory.py::test_max_gaussians_cap_holds_in_ns_train",
+    "tests/engine/test_reliability_cli.py::test_browser_sessions_do_not_disturb_training",
+    "tests/engine/test_reliability_cli.py::test_nan_recover_drops_the_gaussians_and_finishes",
+    "tests/engine/test_reliability_cli.py::test_resume_after_ctrl_c_continues_the_step_count",
+    "tests/engine/test_resume_cli.py::test_resumed_run_is_bit_identical_to_the_uninterrupted_one[ctrl_c]",
+    "tests/export/test_export_formats.py::test_sh0_run_exports_rgb_as_dc",
+    "tests/export/test_export_playcanvas.py::test_decoded_files_render_close_to_the_model",
+    "tests/export/test_export_playcanvas.py::test_supersplat_viewer_renders_both_close_to_the_model",
+    "tests/export/test_export_roundtrip.py::test_sh0_round_trip_reproduces_render",
+    "tests/export/test_export_roundtrip.py::test_sh3_ply_layout_plyfile_and_open3d",
+    "tests/export/test_palette.py::test_bounded_kmeans_no_worse_than_exact[34000-32768-None]",
+    "tests/export/test_startup.py::test_quick_formats_import_nothing_heavy",
+    "tests/method/test_cli_e2e.py::test_heldout_psnr_beats_baselines",
+    "tests/method/test_cli_e2e.py::test_resume_continues_step_count",
+    "tests/method/test_distorted_capture.py::test_nerfstudio_undistorts_to_smaller_sizes",
+    "tests/method/test_distorted_capture.py::test_ns_eval_scores_undistorted_views_at_their_sizes",
+    "tests/method/test_distorted_capture.py::test_ns_render_dataset",
+    "tests/method/test_distorted_capture.py::test_resume_with_load_dir",
+    "tests/method/test_distorted_capture.py::test_training_steps_render_the_undistorted_sizes[OPENCV_FISHEYE-False-cpu-True]",
+    "tests/method/test_mcmc.py::test_trains_on_every_backend_relocating_and_growing_within_the_cap[metal]",
+    "tests/method/test_mcmc_cli.py::test_continued_and_ctrl_c_resumed_runs_are_bit_identical_to_the_uninterrupted_one",
+    "tests/method/test_mcmc_cli.py::test_export_gaussian_splat",
+    "tests/method/test_mcmc_cli.py::test_short_run_scales_the_schedule_and_says_so",
+    "tests/method/test_nerfstudio_tools.py::test_ns_render_interpolate_video",
+    "tests/method/test_post_refine_stats.py::test_parameters_are_the_same_bits_and_statistics_stop_at_refine_stop[metal]",
+    "tests/method/test_sh_degree_4.py::test_exports_keep_band_4_where_the_format_can",
+    "tests/method/test_sh_degree_4.py::test_ns_train_trains_band_4_past_step_4_intervals",
+    "tests/method/test_visible_adam_quality.py::test_visible_adam_within_half_a_db_of_the_default_on_a_real_capture",
+    "tests/ops/metal/test_adam.py::test_fused_adam_matches_torch_adam_through_densification",
+    "tests/ops/metal/test_backward_kernels.py::test_garden_cameras_gradients[cpu]",
+    "tests/ops/metal/test_backward_kernels.py::test_standard_variants_include_the_backward_libraries",
+    "tests/ops/metal/test_bins.py::test_a_tile_of_ten_thousand_is_sorted_exactly[52-90-16-(2, 3)]",
+    "tests/ops/metal/test_emulator_asan.py::test_kernel_suite_passes_under_asan",
+    "tests/ops/metal/test_emulator_ubsan.py::test_nonfinite_inputs_run_clean_under_ubsan",
+    "tests/ops/metal/test_fused_adam.py::test_the_fused_step_equals_its_unfused_twins_through_densification[0]",
+    "tests/ops/metal/test_fused_adam.py::test_the_fused_step_equals_its_unfused_twins_through_densification[1]",
+    "tests/ops/metal/test_fused_adam.py::test_the_fused_step_equals_its_unfused_twins_through_densification[2]",
+    "tests/ops/metal/test_fused_adam.py::test_the_fused_step_equals_its_unfused_twins_through_densification[3]",
+    "tests/ops/metal/test_fused_adam.py::test_the_fused_step_matches_torch_adam",
+    "tests/ops/metal/test_metal_training.py::test_fused_sh_step_training_run_matches_its_twin",
+    "tests/ops/metal/test_metal_training.py::test_thirty_training_steps_metal_vs_reference",
+    "tests/ops/metal/test_pipeline_limits.py::test_rasterizer_runs_in_tile_strips_where_the_pipeline_allows_fewer_threads[128-8]",
+    "tests/ops/metal/test_sh_adam.py::test_the_fused_sh_step_matches_torch_adam",
+    "tests/ops/metal/test_visible_adam.py::test_a_planted_bug_in_adam_steps_mask_fails_the_torch_comparison",
+    "tests/ops/metal/test_visible_adam.py::test_a_planted_bug_in_the_kernels_skip_fails_the_twin_comparison",
+    "tests/ops/metal/test_visible_adam.py::test_the_fused_step_equals_the_twin_through_densification[3]",
+    "tests/ops/metal/test_visible_adam.py::test_the_metal_steps_match_torch_adam_with_the_culled_rows_kept",
+    "tests/ops/test_cpu_backend.py::test_gcc_and_clang_builds_agree",
+    "tests/ops/test_distributed.py::test_two_ranks_match_one_process",
+    "tests/ops/test_nonfinite.py::test_nonfinite_input_has_one_meaning[means-nan-metal]",
+    "tests/ops/test_reference.py::test_garden_images_are_sane",
+    "tests/test_previous_layout.py::test_ns_eval_reads_an_old_run",
+    "tests/test_previous_layout.py::test_ns_export_and_splat_metal_export_read_an_old_run",
+    "tests/test_previous_layout.py::test_ns_train_resumes_an_old_run_with_load_dir",
+    "tests/verify/test_self_check.py::test_ns_train_checks_metal_kernels_first_and_falls_back_on_a_wrong_one",
+    "tests/viewer/test_real_capture.py::test_viewer_first_frame_in_chromium",
+    "tests/viewer/test_viewer.py::test_browser_ns_viewer_on_a_finished_run_forced_metal",
+    "tests/viewer/test_viewer.py::test_browser_shows_training_in_the_viewer",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests of SLOW_TESTS `slow` (one list here, so that test files need no marker edits)."""
+    for item in items:
+        if item.nodeid in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)

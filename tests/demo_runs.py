@@ -6,7 +6,7 @@ test_nerfstudio_tools.py.
 Under pytest-xdist (scripts/test.sh) the workers share them: they live in the base temp dir all
 workers have in common, and a file lock makes one worker build each while the others wait.
 
-Sizes are chosen for CPU speed: 64x48 images (non-square, DESIGN.md), 20 views (nerfstudio's split
+Sizes are chosen for CPU speed: 64x48 images (non-square, docs/design.md section 3.2), 20 views (nerfstudio's split
 holds out 2), 10-12 training steps. Tests check rendering and tooling, not quality.
 """
 

@@ -1,4 +1,4 @@
-"""A cut of the real phone capture (../shared/data/snowmiku, outside the repository: DESIGN.md §5) in
+"""A cut of the real phone capture (../shared/data/snowmiku, outside the repository: docs/design.md section 5) in
 nerfstudio's own data format, so that ``ns-train splat-metal --data <cut>`` reads it as it reads a
 user's ``ns-process-data`` output. Used by tests/viewer/test_real_capture.py (a dozen small photos) and
 benchmarks/bench_real_capture.py (all photos, possibly downscaled).

@@ -153,7 +153,7 @@ def knn_scales(points: np.ndarray, k: int = 3, min_scale: float = 1e-3, max_scal
 
 
 def load_garden(path: Optional[Path] = None) -> Optional[Dict]:
-    """The real garden points and cameras (see DESIGN.md §5), or None when the file is absent."""
+    """The real garden points and cameras (see docs/design.md section 5), or None when the file is absent."""
     path = Path(path) if path is not None else GARDEN_PATH
     if not path.exists():
         return None

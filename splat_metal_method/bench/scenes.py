@@ -1,7 +1,7 @@
 """The standard scenes the step ledger and `splat-metal-bench` train on, as nerfstudio datasets.
 
 - ``demo``: the bundled synthetic demo scene (demo_scene.py) at a given size.
-- ``garden_points``: the real Mip-NeRF 360 garden points and cameras of garden_points.npz (DESIGN.md
+- ``garden_points``: the real Mip-NeRF 360 garden points and cameras of garden_points.npz (docs/design.md
   section 5; 138,766 points, 3 cameras of 648x420), subsampled to ``n_points`` and made a dataset:
   gaussians with kNN scales and fixed opacity at the points, rendered by the reference backend from
   the 3 real cameras and 7 jittered copies of them (nerfstudio's split needs 10 views to hold one

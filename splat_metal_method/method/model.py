@@ -285,7 +285,7 @@ class SplatMetalModel(SplatfactoModel):
         cameras = getattr(getattr(getattr(pipeline, "datamanager", None), "train_dataset", None), "cameras", None)
         if cameras is not None and len(cameras.shape) == 1 and cameras.width.device.type == "cpu":
             # Kept, not read: the datamanager undistorts (and crops) the images and rewrites these cameras'
-            # sizes only when it first hands out a batch (DESIGN.md §3); _train_camera_size reads them then.
+            # sizes only when it first hands out a batch (docs/design.md section 3.3); _train_camera_size reads them then.
             self.__dict__["_host_train_cameras"] = cameras
         check_bilateral_grid(self.config, self.device)
         self_check.ensure_verified(self, self.device, self.config.backend)  # before the first step

@@ -4,7 +4,7 @@ quaternions of zero norm. Each must give well-defined output (the background whe
 drawn) and finite gradients for every input, including means2d's grad and absgrad (what
 DefaultStrategy reads), in RGB+ED mode (depth divides by alpha). "metal" on CPU tensors runs the
 Metal kernels under the MSL emulator; "gsplat" needs CUDA and is skipped without it. Images are
-non-square and span several tiles (DESIGN.md)."""
+non-square and span several tiles (docs/design.md section 3.2)."""
 
 from __future__ import annotations
 

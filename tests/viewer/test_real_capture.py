@@ -8,7 +8,7 @@ Checks: held-out PSNR clearly above the untrained seed points' (the same pipelin
 above a constant colour's (the mean colour of the training photos); the viewer's first frame in
 headless Chromium is the model's render (tests/viewer/test_viewer.py's browser helpers).
 
-Skips when the capture is not on disk (it lives outside the repository, DESIGN.md §5), except under
+Skips when the capture is not on disk (it lives outside the repository, docs/design.md section 5), except under
 CI (CI=true), where a missing capture is a failure.
 """
 

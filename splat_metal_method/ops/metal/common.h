@@ -7,7 +7,7 @@
 // therefore defined once, in Python, and the checks below fail loudly if a source was assembled
 // without them.
 //
-// Conventions for every kernel (see DESIGN.md section 3):
+// Conventions for every kernel (see docs/design.md section 3.2):
 //   * [N,3] tensors are read through `const device float*` with 3*i indexing, never float3* (16 bytes).
 //   * Python ints arrive as `constant long&`, Python floats as `constant float&`.
 //   * Tensors are contiguous; a kernel never sees strides.

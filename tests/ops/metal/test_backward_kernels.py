@@ -44,8 +44,6 @@ RTOL = 1e-3
 CASES = [(1, 16, 16, 0), (2, 16, 16, 1), (1, 37, 23, 1000), (2, 37, 23, 1000), (2, 648, 420, 150)]
 CASE_IDS = [f"C{c}-{w}x{h}-N{n}" for c, w, h, n in CASES]
 
-MAX_ERRORS: dict = {}  # name -> (worst rel, worst max-abs / max|ref|), printed with -s for reports
-
 
 def check_grad(name, actual, expected, rtol=RTOL, atol=1e-6):
     """rel = ||a - b|| / max(||b||, 1e-12) <= rtol and max|a - b| <= rtol * max|b| + atol."""
@@ -60,8 +58,6 @@ def check_grad(name, actual, expected, rtol=RTOL, atol=1e-6):
     rel = (diff.norm() / expected.norm().clamp(min=1e-12)).item()
     scale = expected.abs().max().item()
     max_abs = diff.abs().max().item()
-    old = MAX_ERRORS.get(name, (0.0, 0.0))
-    MAX_ERRORS[name] = (max(old[0], rel), max(old[1], max_abs / max(scale, 1e-12)))
     print(f"{name}: rel {rel:.2e}, max|err| {max_abs:.2e} (max|ref| {scale:.2e})")
     assert rel <= rtol, f"{name}: relative error {rel:.3g} > {rtol} (max|err| {max_abs:.3g}, max|ref| {scale:.3g})"
     worst = diff.abs().argmax()
@@ -555,7 +551,6 @@ def test_finite_differences_of_the_metal_forward(device):
             fd = (loss(**{k: x + h * d}) - loss(**{k: x - h * d})).item() / (2 * h)
         an = (leaves[k].grad.double() * d).sum().item()
         err = abs(fd - an) / max(abs(an), 1e-2 * leaves[k].grad.norm().item(), 1e-9)
-        MAX_ERRORS[f"fd.{k}"] = (err, 0.0)
         print(f"fd.{k}: analytic {an:.6g}, finite difference {fd:.6g}, rel {err:.2e}")
         assert err <= 1e-2, f"{k}: analytic {an} vs finite difference {fd}"
 
@@ -572,9 +567,3 @@ def test_standard_variants_include_the_backward_libraries():
     for mode in ("RGB", "RGB+ED", "D"):
         public_grads("metal", "cpu", scene.kwargs(render_mode=mode, rasterize_mode="antialiased"))
     assert set(runtime._libraries) == before, "a training step compiled a library compile_all does not know"
-
-
-def test_print_max_errors():
-    """Last in the file: prints the worst errors seen (pytest -s) for the issue report."""
-    for name, (rel, mx) in sorted(MAX_ERRORS.items()):
-        print(f"{name:70s} rel {rel:.2e}  max|err|/max|ref| {mx:.2e}")
