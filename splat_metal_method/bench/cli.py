@@ -7,7 +7,7 @@ into an issue.
     splat-metal-bench --vs msplat [--data my_scene]  # side by side with msplat where it is installed
                                                      # (msplat_bench.py: matched settings, one line)
     splat-metal-bench --vs tile-merge  # the metal backend with the backward's tile merge off, then on
-                                       # (SPLAT_METAL_BWD_TILE_MERGE): backward ms and atomics of each, one line
+                                       # (bwd_tile_merge): backward ms and atomics of each, one line
     splat-metal-bench --vs pixel-order # the same with the rasterizers' pixels in rows, then in 8x4 blocks a
                                        # simdgroup (the default; SPLAT_METAL_PIXEL_ORDER)
 
@@ -85,10 +85,11 @@ def memory_sample(device: str) -> Dict[str, float]:
 
 
 # --vs A/B runs: option -> ((variant name, {(module under ops/metal, attribute): value}), ...), baseline first;
-# each attribute is read at each call by the kernels' dispatch code, set for one run and restored after it
+# each attribute is read at each call by the kernels' dispatch code, set for one run and restored after it;
+# ("config", field): a field of the run's model config instead
 AB_RUNS = {
-    "tile-merge": (("direct", {("rasterize_bwd", "TILE_MERGE"): False}),
-                   ("tile merge", {("rasterize_bwd", "TILE_MERGE"): True})),
+    "tile-merge": (("direct", {("config", "bwd_tile_merge"): False}),
+                   ("tile merge", {("config", "bwd_tile_merge"): True})),
     "pixel-order": (("rows", {("variants", "PIXEL_ORDER"): "rows"}),
                     ("blocks", {("variants", "PIXEL_ORDER"): "blocks"})),
 }  # fmt: skip
@@ -101,12 +102,15 @@ def run_scene(data: Path, scene: str, backend: str, device: str, steps: int, hoo
     import importlib
 
     name, settings = variant or ("", {})
+    fields = {a: v for (m, a), v in settings.items() if m == "config"}
+    settings = {k: v for k, v in settings.items() if k[0] != "config"}
     modules = {m: importlib.import_module(f"splat_metal_method.ops.metal.{m}") for m, _ in settings}
     before = {(m, a): getattr(modules[m], a) for m, a in settings}
     for (m, a), v in settings.items():
         setattr(modules[m], a, v)
     try:
-        run = _run_scene(data, scene, backend, device, steps, hooks, mem_every, refine_every, work, count_syncs)
+        run = _run_scene(data, scene, backend, device, steps, hooks, mem_every, refine_every, work, count_syncs,
+                         fields)  # fmt: skip
     finally:
         for (m, a), v in before.items():
             setattr(modules[m], a, v)
@@ -115,7 +119,7 @@ def run_scene(data: Path, scene: str, backend: str, device: str, steps: int, hoo
 
 
 def _run_scene(data: Path, scene: str, backend: str, device: str, steps: int, hooks: bool, mem_every: int,
-               refine_every: int, work: Path, count_syncs: bool) -> Run:  # fmt: skip
+               refine_every: int, work: Path, count_syncs: bool, fields: Optional[dict] = None) -> Run:  # fmt: skip
     from nerfstudio.engine.callbacks import TrainingCallbackLocation  # noqa: F401 (before writer: import order)
     from nerfstudio.utils import writer
 
@@ -129,6 +133,8 @@ def _run_scene(data: Path, scene: str, backend: str, device: str, steps: int, ho
         m.sh_degree_interval = max(steps // 4, 1)
         m.empty_cache_after_refine = m.empty_cache_after_eval = hooks
         m.memory_log_every = 0
+        for name, value in (fields or {}).items():  # an A/B run's config fields (AB_RUNS)
+            setattr(m, name, value)
 
     writers = list(writer.EVENT_WRITERS)
     trainer = step_ledger.build_trainer(data, "splat-metal", backend, work / "outputs", device, configure)

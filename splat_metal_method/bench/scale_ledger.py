@@ -181,18 +181,18 @@ def render_step(scene: Scene, width: int, height: int, capacities, gt: torch.Ten
     """One steady training render as the model runs it (its camera already on the device, `cam`):
     rasterization with the composite fused in, fused loss, backward (with ``sh_opts``, sh_optimizers(scene),
     the SH coefficients' Adam step in it, armed as GaussianOptimizers arms it)."""
-    from ..ops import rasterization
     from ..ops.loss import l1_ssim_loss
     from ..ops.metal import adam
+    from ..ops.metal.fused import rasterization_metal
 
     for p in scene.params():
         p.grad = None
     adam.arm_sh_step(adam.ShStep(tuple(sh_opts[:2]), sh_opts[2]) if sh_opts is not None else None)
     viewmats, Ks = cam
-    _, _, meta = rasterization(
+    _, _, meta = rasterization_metal(
         means=scene.means, quats=scene.quats, scales=scene.log_scales, opacities=scene.opacity_logits,
         colors=scene.features_dc, colors_rest=scene.features_rest, viewmats=viewmats, Ks=Ks, width=width,
-        height=height, sh_degree=SH_DEGREE, absgrad=True, backend="metal", scales_are_log=True,
+        height=height, sh_degree=SH_DEGREE, absgrad=True, scales_are_log=True,
         opacities_are_logits=True, isect_capacity=capacities, composite_background=background, composite_squeeze=True,
     )  # fmt: skip
     rgb = meta["rgb"]  # [H, W, 3]: the metal rasterizer composites

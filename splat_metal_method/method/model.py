@@ -29,10 +29,11 @@ from nerfstudio.utils.rich_utils import CONSOLE
 
 from ..engine import distributed, memory, reliability
 from ..export.ply_file import write_ply
-from ..ops import IntersectionCapacities, rasterization
+from ..ops import IntersectionCapacities, rasterization, resolve_backend
 from ..ops.composite import composite_background
 from ..ops.constants import SH_MAX_DEGREE
 from ..ops.loss import l1_ssim_loss
+from ..ops.metal.fused import rasterization_metal
 from ..ops.ssim import FusedSSIM
 from ..verify import self_check
 from ..viewer import render_device
@@ -177,6 +178,9 @@ class SplatMetalModelConfig(SplatfactoModelConfig):
     DefaultStrategy reads them only while step < refine_stop_iter (--pipeline.model.stop-split-at), so from that
     step on a training step computes neither (2 of the rasterizer backward's 11 atomics per gaussian and
     simdgroup, its [C, N, 2] buffer); the parameters are the same bits either way (docs/step-model.md)."""
+    bwd_tile_merge: bool = False
+    """Metal backend: the rasterizer's backward sums a gaussian's gradients over its tile before its device atomics
+    (fewer atomics, smaller batches); off until a Mac measures it (splat-metal-bench --vs tile-merge)."""
     min_train_size: int = 128
     """Training never renders an image smaller than this many pixels on its longer side: splatfacto's
     resolution schedule (num_downscales) is clamped for small images (said once at start); 0: no
@@ -383,8 +387,7 @@ class SplatMetalModel(SplatfactoModel):
                     int(camera.width.item()), int(camera.height.item()), self.background_color
                 )
             params = {k: v[crop_ids] for k, v in params.items()}
-        # Parameters as stored: rasterization applies exp, sigmoid and the SH bands' concatenation (inside the
-        # metal backend's kernels, about 15 aten ops a step fewer; before the stages on the others).
+        # Parameters as stored: activated below (inside the metal backend's kernels, about 15 aten ops a step fewer).
         colors, colors_rest = params["features_dc"], params["features_rest"]  # [N, 3], [N, K-1, 3]
 
         if self.training:
@@ -414,21 +417,29 @@ class SplatMetalModel(SplatfactoModel):
             colors, sh_degree, raw["colors_rest"] = torch.sigmoid(colors).squeeze(1), None, None  # [N, 3]
 
         # clamp(color + (1 - alpha) * background, 0, 1), splatfacto's composite: inside the rasterizer's kernels
-        # on the metal backend (rasterization's composite_background), ops/composite.py's op otherwise.
+        # on the metal backend (rasterization_metal's composite_background), ops/composite.py's op otherwise.
         background = self._get_background_color().to(device)
         bilateral = self.config.use_bilateral_grid and self.training  # it takes rgb [1, H, W, 3]
-        # A distributed training step renders this rank's camera from every rank's shard (ops/distributed.py).
-        rasterize, padded = rasterization, {"composite_background": background, "composite_squeeze": not bilateral}
+        # The metal backend takes the parameters as stored (exp, sigmoid and the SH bands' concatenation in its
+        # kernels), its padded intersection lists (no host read) and the composite (ops/metal/fused.py); the others
+        # (and a distributed training step, which renders this rank's camera from every rank's shard:
+        # ops/distributed.py) take them activated, as splatfacto passes them to gsplat.
+        rasterize, options = rasterization, {"packed": False, "backend": backend}
         if self.training and distributed.active():
             from ..ops.distributed import distributed_rasterization as rasterize
 
+            # gsplat's distributed path (CUDA) refuses absgrad: a run that reads it until refine stop stays on ours
+            options["absgrad_in_run"] = self.strategy.absgrad
+        elif resolve_backend(backend, device) == "metal":
+            rasterize = rasterization_metal
+            options = {**raw, "composite_background": background, "composite_squeeze": not bilateral,
+                       "tile_merge": self.config.bwd_tile_merge}  # fmt: skip
+            if self.training:
+                options["isect_capacity"] = self.isect_capacities
+        if rasterize is not rasterization_metal:
             if raw["colors_rest"] is not None:
                 colors = torch.cat((colors[:, None, :], colors_rest), dim=1)  # [N, K, 3]
             scales, opacities = torch.exp(scales), torch.sigmoid(opacities).squeeze(-1)
-            # gsplat's distributed path (CUDA) refuses absgrad: a run that reads it until refine stop stays on ours
-            raw, padded = {}, {"absgrad_in_run": self.strategy.absgrad}
-        elif self.training:  # Metal: intersection lists padded to this model's capacities, no host read
-            padded["isect_capacity"] = self.isect_capacities
         # absgrad only where a backward follows and the strategy reads it (not from refine_stop_iter on)
         stats = self.training and self.strategy_reads_stats(self.step)
         render, alpha, self.info = rasterize(
@@ -441,17 +452,14 @@ class SplatMetalModel(SplatfactoModel):
             Ks=K,
             width=W,
             height=H,
-            packed=False,
             near_plane=0.01,
             far_plane=1e10,
             render_mode=render_mode,
             sh_degree=sh_degree,
             absgrad=self.strategy.absgrad and stats,
             rasterize_mode=self.config.rasterize_mode,
-            backend=backend,
             max_intersections=self.memory.render_budget(self.training),
-            **raw,
-            **padded,
+            **options,
         )
         self.memory.note_render(self.training, self.info)
         if stats:  # DefaultStrategy's retains means2d's gradient for its statistics (without absgrad)
@@ -460,7 +468,7 @@ class SplatMetalModel(SplatfactoModel):
             )
 
         rgb = self.info.pop("rgb", None)  # [H, W, 3] unless bilateral
-        if rgb is None:  # a render whose rasterizer did not composite (rasterization's composite_background)
+        if rgb is None:  # a render whose rasterizer did not composite (rasterization_metal's composite_background)
             rgb = composite_background(render, alpha, background, backend, squeeze=not bilateral)
         if bilateral:
             if camera.metadata is not None and "cam_idx" in camera.metadata:

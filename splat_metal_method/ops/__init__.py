@@ -2,6 +2,7 @@
 
 from .distributed import distributed_rasterization
 from .mcmc import compute_relocation, quat_scale_to_covar_preci
+from .metal.fused import rasterization_metal
 from .metal.isect import IntersectionCapacities
 from .rasterization import BACKENDS, BackendUnavailable, backend_module, best_device, rasterization, resolve_backend
 
@@ -15,5 +16,6 @@ __all__ = [
     "distributed_rasterization",
     "quat_scale_to_covar_preci",
     "rasterization",
+    "rasterization_metal",
     "resolve_backend",
 ]

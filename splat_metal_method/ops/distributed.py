@@ -41,15 +41,16 @@ from torch import Tensor
 from .constants import EPS2D, TILE_SIZE
 from .rasterization import (
     BACKENDS,
+    RASTERIZE_MODES,
     RENDER_MODES,
     BackendUnavailable,
-    _check_inputs,
     backend_module,
+    check_inputs,
     rasterization,
+    rasterize_projected,
     resolve_backend,
 )
 
-RASTERIZE_MODES = ("classic", "antialiased")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -221,12 +222,8 @@ def distributed_rasterization(
     # 1. Local checks, then one gather of every rank's sizes and options: errors are raised on every rank.
     error, name = None, "reference"
     try:
-        _check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds,
-                      tile_size)  # fmt: skip
-        if rasterize_mode not in RASTERIZE_MODES:
-            raise ValueError(
-                f"[distributed_rasterization] rasterize_mode must be one of {RASTERIZE_MODES}, got {rasterize_mode!r}"
-            )
+        check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds,
+                     tile_size, rasterize_mode)  # fmt: skip
         if viewmats.shape[0] < 1:
             raise ValueError("[distributed_rasterization] every rank must render at least one camera, got C=0")
         if means.dtype not in _DTYPES:
@@ -396,43 +393,15 @@ def _rasterize_received(ops, dense, width, height, tile_size, backgrounds, rende
     """The rasterization half of ops.rasterization on received pairs ``dense`` [C, M, F] (means2d 2, conics 3,
     colours D or none, opacity, depth, radius; padding rows have radius 0). Returns render_colors,
     render_alphas, the means2d tensor rasterized (its .absgrad is the absgrad buffer) and the chunk count."""
-    from . import chunked
-
-    C, M, _ = dense.shape
     means2d, conics = dense[..., 0:2].contiguous(), dense[..., 2:5].contiguous()  # [C, M, 2], [C, M, 3]
     colors = dense[..., 5:-3]  # [C, M, D]
     opacities, depths = dense[..., -3].contiguous(), dense[..., -2].contiguous()  # [C, M]
     radii = dense[..., -1].detach().round().int()  # [C, M]
-    if render_mode in ("RGB+D", "RGB+ED"):
-        colors = torch.cat([colors, depths[..., None]], dim=-1)
-        if backgrounds is not None:
-            backgrounds = torch.cat([backgrounds, backgrounds.new_zeros(C, 1)], dim=-1)
-    elif render_mode in ("D", "ED"):
-        colors = depths[..., None]
-        if backgrounds is not None:
-            backgrounds = backgrounds.new_zeros(C, 1)
-    colors = colors.contiguous()
-    tile_width, tile_height = math.ceil(width / tile_size), math.ceil(height / tile_size)
-    chunks = None
-    if max_intersections:
-        chunks = chunked.plan(means2d, radii, depths, tile_size, tile_width, tile_height, int(max_intersections))
-    if chunks is None:
-        _, isect_ids, flatten_ids = ops.isect_tiles(means2d, radii, depths, tile_size, tile_width, tile_height)
-        isect_offsets = ops.isect_offset_encode(isect_ids, C, tile_width, tile_height)
-        render_colors, render_alphas = ops.rasterize_to_pixels(
-            means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, backgrounds,
-            absgrad,
-        )  # fmt: skip
-    else:
-        render_colors, render_alphas = chunked.rasterize_in_depth_chunks(
-            ops, chunks, means2d, conics, colors, opacities, radii, depths, width, height, tile_size, tile_width,
-            tile_height, backgrounds, absgrad,
-        )  # fmt: skip
-    if render_mode in ("ED", "RGB+ED"):
-        render_colors = torch.cat(
-            [render_colors[..., :-1], render_colors[..., -1:] / render_alphas.clamp(min=1e-10)], dim=-1
-        )
-    return render_colors, render_alphas, means2d, 1 if chunks is None else chunks.n_chunks
+    projected = (radii, means2d, depths, conics, opacities, colors)
+    render_colors, render_alphas, meta = rasterize_projected(
+        ops, "received", projected, width, height, tile_size, backgrounds, render_mode, absgrad, max_intersections
+    )
+    return render_colors, render_alphas, means2d, meta["depth_chunks"]
 
 
 def _gsplat_distributed(means, quats, scales, opacities, colors, viewmats, Ks, width, height, n_per_rank,
@@ -440,11 +409,7 @@ def _gsplat_distributed(means, quats, scales, opacities, colors, viewmats, Ks, w
     """gsplat 1.4's own distributed mode (CUDA, NCCL), with meta completed to this module's contract."""
     from gsplat.rendering import rasterization as gsplat_rasterization
 
-    # As ops.rasterization: gsplat turns a zero quaternion into NaN; the other backends give it the identity.
-    zero_quat = (quats.detach() * quats.detach()).sum(dim=-1, keepdim=True) == 0  # [N, 1]
-    identity = torch.zeros_like(quats[:1])  # [1, 4]
-    identity[:, 0] = 1.0
-    quats = torch.where(zero_quat, identity, quats)
+    # As ops.rasterization: the call as given (gsplat's semantics, a zero quaternion included).
     render_colors, render_alphas, meta = gsplat_rasterization(
         means, quats, scales, opacities, colors, viewmats, Ks, width, height, distributed=True, **kwargs
     )

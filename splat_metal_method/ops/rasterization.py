@@ -1,8 +1,10 @@
 """The one public op: ``rasterization``, with gsplat 1.4.0's semantics for what splatfacto passes.
 
-Backends:
-  - "gsplat":    gsplat's CUDA kernels (the whole call is passed through unchanged).
-  - "metal":     our Metal kernels (MPS tensors; CPU tensors run them under the MSL emulator).
+Backends (chosen once, at the top of ``rasterization``):
+  - "gsplat":    gsplat's CUDA kernels (the whole call is passed through unchanged: no device work here,
+                 tests/ops/test_gsplat_passthrough.py counts it).
+  - "metal":     our Metal kernels (MPS tensors; CPU tensors run them under the MSL emulator):
+                 ops/metal/fused.py's ``rasterization_metal``, with its fused pieces.
   - "cpu":       native multi-threaded rasterization on CPU tensors (ops/cpu; needs a C++ compiler,
                  built on first use and cached), the reference's PyTorch for the other stages.
   - "reference": pure PyTorch on any device; the oracle for the others.
@@ -23,7 +25,8 @@ the alpha test) and, for what projection cannot see, here:
     >= 0 and alpha >= ALPHA_MIN, identically in forward and backward;
   * backgrounds are composited as given (non-finite ones give non-finite pixels and gradients);
   * finite values render as the math says (1e30 opacity is alpha 0.999; zero scales are the eps2d blur).
-gsplat 1.4's CUDA kernels (backend "gsplat", passed through unchanged) have no such checks: its
+gsplat 1.4's CUDA kernels (backend "gsplat", passed through unchanged) have no such checks (nor do they
+turn a zero quaternion into the identity rotation, as the other backends do: rsqrt(0) makes it NaN): its
 projection culls by `z < near`, `det <= 0`, `radius <= clip` comparisons, which NaN passes, so NaN
 reaches `(int32_t)radius`, which CUDA converts to 0 (culled by accident, also in backward); an
 overflowing quaternion normalises (rsqrt) to the identity rotation; its rasterizer's
@@ -162,10 +165,19 @@ def backend_module(name: str) -> ModuleType:
 MAX_TILE_SIZE = 32  # one thread per pixel of a tile: at most 1024 per threadgroup/block (Metal, gsplat)
 
 
-def _check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds,
-                  tile_size):  # fmt: skip
+RASTERIZE_MODES = ("classic", "antialiased")
+
+
+def check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds,
+                 tile_size, rasterize_mode="classic"):  # fmt: skip
+    """The op's one argument check (every backend, distributed_rasterization too): shapes, devices and
+    options, read on the host only (no tensor op: the gsplat passthrough costs no device work)."""
+
     def fail(msg):
         raise ValueError(f"[rasterization] {msg}")
+
+    if rasterize_mode not in RASTERIZE_MODES:
+        fail(f"rasterize_mode must be one of {RASTERIZE_MODES}, got {rasterize_mode!r}")
 
     if isinstance(tile_size, bool) or not isinstance(tile_size, int) or not 1 <= tile_size <= MAX_TILE_SIZE:
         fail(f"tile_size must be an int in 1..{MAX_TILE_SIZE} (one thread per pixel of a tile), got {tile_size!r}")
@@ -196,16 +208,6 @@ def _check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degr
         fail("all inputs must be on the same device: " + ", ".join(str(t.device) for t in tensors))
     if backgrounds is not None and tuple(backgrounds.shape) != (C, colors.shape[-1]):
         fail(f"backgrounds must be [C,D] with C={C}, D={colors.shape[-1]} like colors, got {list(backgrounds.shape)}")
-
-
-class _Shaped:
-    """What _check_inputs reads of a tensor (shape, dim(), device), for a tensor not materialised."""
-
-    def __init__(self, shape, device):
-        self.shape, self.device = torch.Size(shape), device
-
-    def dim(self) -> int:
-        return len(self.shape)
 
 
 def _project_and_cull(ops, means, quats, scales, opacities, colors, viewmats, Ks, width, height, eps2d, near_plane,
@@ -300,83 +302,25 @@ def rasterization(
     rasterize_mode: str = "classic",
     backend: str = "auto",
     max_intersections: Optional[int] = None,
-    isect_capacity=None,
-    scales_are_log: bool = False,
-    opacities_are_logits: bool = False,
-    colors_rest: Optional[Tensor] = None,  # [N, K-1, 3]
-    composite_background: Optional[Tensor] = None,  # [3]
-    composite_squeeze: bool = False,
 ) -> Tuple[Tensor, Tensor, Dict]:
-    """Renders C cameras. Returns render_colors [C,H,W,D'], render_alphas [C,H,W,1] and the meta
-    dict gsplat 1.4's DefaultStrategy reads (means2d with grad and, if asked, absgrad; radii [C,N];
-    width; height; n_cameras; ...).
+    """gsplat 1.4's ``rasterization`` (its arguments up to ``rasterize_mode``; ``packed`` defaults to False,
+    the dense meta DefaultStrategy reads). Renders C cameras: render_colors [C,H,W,D'], render_alphas
+    [C,H,W,1] and the meta dict gsplat 1.4's DefaultStrategy reads (means2d with grad and, if asked, absgrad;
+    radii [C,N]; width; height; n_cameras; ...).
+
+    ``backend`` (module docstring) is chosen once, here: "gsplat" hands gsplat the call as given (no work of
+    this layer on the device), "metal" is ops/metal/fused.py's ``rasterization_metal`` (which also takes the
+    model's parameters as stored and splatfacto's composite), the others run the five stages below.
 
     ``max_intersections`` (not a gsplat argument): when the render's tile intersections exceed it,
     it is rasterized in depth chunks with the same result (ops/chunked.py); meta then has
-    ``depth_chunks`` > 1 and no isect_ids/flatten_ids/isect_offsets. Ignored by backend "gsplat".
-
-    ``isect_capacity`` (not a gsplat argument; an ``ops.IntersectionCapacities`` the caller keeps, e.g. a
-    model for its training steps): on the Metal backend the intersection lists are padded to capacities
-    kept there, so the render reads nothing on the host (ops/metal/isect.py, "Padded lists"); meta then
-    has ``n_intersections`` (the real count, on the device) and ``isect_ids`` None (the padded lists are
-    built without them: the rasterizer reads flatten_ids and the offsets, nothing in a step reads the ids;
-    ``ops.isect_tiles_padded(..., with_isect_ids=True)`` gives them). Other backends ignore it.
-
-    Parameters as splatfacto stores them (not gsplat arguments): ``scales_are_log`` (scales are
-    log-scales: exp is applied), ``opacities_are_logits`` (opacities [N] or [N, 1] are logits: sigmoid),
-    ``colors_rest`` (with sh_degree: colors is the SH band 0 [N, 3] and colors_rest the others
-    [N, K-1, 3]). The metal backend applies them inside its kernels (ops/metal/prepare.py); the others
-    apply them first, as splatfacto does, with the same result.
-
-    ``composite_background`` (not a gsplat argument; [3], no gradient): where the backend's rasterizer
-    composites (metal: its kernels, forward and backward, no composite launches), meta["rgb"] is splatfacto's
-    composite of the render over it, ``clamp(render_colors[..., :3] + (1 - render_alphas) * background, 0, 1)``
-    ([C,H,W,3], or [H,W,3] with ``composite_squeeze`` and one camera), differentiable in the render. Where it
-    does not (other backends; backgrounds given, depth chunks), meta has no "rgb": the caller composites
-    (ops/composite.py's composite_background, the unfused twin)."""
-    if rasterize_mode not in ("classic", "antialiased"):
-        raise ValueError(f"[rasterization] rasterize_mode must be 'classic' or 'antialiased', got {rasterize_mode!r}")
-    if composite_background is not None and render_mode not in ("RGB", "RGB+D", "RGB+ED"):
-        raise ValueError(
-            f"[rasterization] composite_background composites colours: render_mode {render_mode!r} has none"
-        )
+    ``depth_chunks`` > 1 and no isect_ids/flatten_ids/isect_offsets. Ignored by backend "gsplat"."""
     name = resolve_backend(backend, means.device)
-    ops = backend_module(name) if name != "gsplat" else None
-    fused = (
-        getattr(ops, "project_and_shade", None) is not None and sh_degree is not None and not packed
-        and not (torch.is_grad_enabled() and viewmats.requires_grad)
-        and all(t.dtype == torch.float32 and t.is_contiguous() for t in (means, quats, scales, opacities, colors))
-        and (colors_rest is None or (colors_rest.dtype == torch.float32 and colors_rest.is_contiguous()))
-    )  # fmt: skip
-    raw = (scales_are_log, opacities_are_logits, colors_rest is not None)
-    if fused:  # the same checks, of the activated shapes (no view op: each is an encode on MPS)
-        N = means.shape[0] if means.dim() == 2 else -1
-        if opacities_are_logits and tuple(opacities.shape) in ((N,), (N, 1)):
-            opacities_as = _Shaped((N,), opacities.device)
-        else:
-            opacities_as = opacities
-        colors_as = colors
-        if colors_rest is not None:
-            if tuple(colors.shape) not in ((N, 3), (N, 1, 3)) or colors_rest.dim() != 3 or colors_rest.shape[0] != N:
-                raise ValueError(f"[rasterization] with colors_rest, colors must be [N,3] or [N,1,3] and colors_rest "
-                                 f"[N,K-1,3], got {list(colors.shape)} and {list(colors_rest.shape)} (N={N})")  # fmt: skip
-            colors_as = _Shaped((N, 1 + colors_rest.shape[1], colors_rest.shape[2]), colors.device)
-        _check_inputs(means, quats, scales, opacities_as, colors_as, viewmats, Ks, sh_degree, render_mode, backgrounds,
-                      tile_size)  # fmt: skip
-    if not fused and any(raw):  # as splatfacto's get_outputs, before calling gsplat
-        if colors_rest is not None:
-            if sh_degree is None:
-                raise ValueError("[rasterization] colors_rest needs sh_degree (SH coefficients)")
-            colors = torch.cat((colors.reshape(colors.shape[0], 1, 3), colors_rest), dim=1)
-        scales = torch.exp(scales) if scales_are_log else scales
-        opacities = torch.sigmoid(opacities).reshape(-1) if opacities_are_logits else opacities
-    if not fused:
-        _check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds,
-                      tile_size)  # fmt: skip
+    check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds,
+                 tile_size, rasterize_mode)  # fmt: skip
     if name == "gsplat":
         from gsplat.rendering import rasterization as gsplat_rasterization
 
-        quats = zero_quats_to_identity(quats)
         return gsplat_rasterization(
             means, quats, scales, opacities, colors, viewmats, Ks, width, height,
             near_plane=near_plane, far_plane=far_plane, radius_clip=radius_clip, eps2d=eps2d,
@@ -385,19 +329,26 @@ def rasterization(
         )  # fmt: skip
     if packed or sparse_grad:
         raise ValueError(f"[rasterization] packed/sparse_grad are only supported by backend 'gsplat' (using {name!r})")
-    C, N = viewmats.shape[0], means.shape[0]
-    if fused:  # the metal backend: projection, the culling below and SH colours in its kernels (prepare.py)
-        radii, means2d, depths, conics, opacities, colors = ops.project_and_shade(
-            means, quats, scales, opacities, colors, colors_rest, viewmats, Ks, width, height, eps2d,
-            near_plane, far_plane, radius_clip, rasterize_mode == "antialiased", sh_degree, scales_are_log,
-            opacities_are_logits,
-        )  # fmt: skip
-    else:
-        radii, means2d, depths, conics, opacities, colors = _project_and_cull(
-            ops, means, quats, scales, opacities, colors, viewmats, Ks, width, height, eps2d, near_plane, far_plane,
-            radius_clip, rasterize_mode, sh_degree,
-        )  # fmt: skip
+    if name == "metal":
+        from .metal.fused import rasterization_metal
 
+        return rasterization_metal(
+            means, quats, scales, opacities, colors, viewmats, Ks, width, height, near_plane=near_plane,
+            far_plane=far_plane, radius_clip=radius_clip, eps2d=eps2d, sh_degree=sh_degree, tile_size=tile_size,
+            backgrounds=backgrounds, render_mode=render_mode, absgrad=absgrad, rasterize_mode=rasterize_mode,
+            max_intersections=max_intersections,
+        )  # fmt: skip
+    ops = backend_module(name)
+    projected = _project_and_cull(ops, means, quats, scales, opacities, colors, viewmats, Ks, width, height, eps2d,
+                                  near_plane, far_plane, radius_clip, rasterize_mode, sh_degree)  # fmt: skip
+    return rasterize_projected(ops, name, projected, width, height, tile_size, backgrounds, render_mode, absgrad,
+                               max_intersections)  # fmt: skip
+
+
+def with_depth_channel(colors: Tensor, depths: Tensor, backgrounds: Optional[Tensor], render_mode: str):
+    """The colours [C, N, D'] and backgrounds [C, D'] the rasterizer composites for ``render_mode``: depth
+    appended ("RGB+D", "RGB+ED") or alone ("D", "ED"), with a zero background for it."""
+    C = colors.shape[0]
     if render_mode in ("RGB+D", "RGB+ED"):
         colors = torch.cat([colors, depths[..., None]], dim=-1)
         if backgrounds is not None:
@@ -406,61 +357,69 @@ def rasterization(
         colors = depths[..., None]
         if backgrounds is not None:
             backgrounds = backgrounds.new_zeros(C, 1)
+    return colors, backgrounds
 
+
+def expected_depth(render_colors: Tensor, render_alphas: Tensor, render_mode: str) -> Tensor:
+    """Depth modes "ED" / "RGB+ED": the depth channel (last) divided by the alpha, as gsplat 1.4."""
+    if render_mode not in ("ED", "RGB+ED"):
+        return render_colors
+    return torch.cat([render_colors[..., :-1], render_colors[..., -1:] / render_alphas.clamp(min=1e-10)], dim=-1)
+
+
+def plan_depth_chunks(means2d, radii, depths, tile_size, width, height, max_intersections):
+    """(tile_width, tile_height, the render's depth chunks or None: ops/chunked.py)."""
     tile_width, tile_height = math.ceil(width / tile_size), math.ceil(height / tile_size)
-    chunks = None
-    if max_intersections:  # bounded intersections: depth chunks when over budget (ops/chunked.py)
+    if not max_intersections:
+        return tile_width, tile_height, None
+    from . import chunked
+
+    plan = chunked.plan(means2d, radii, depths, tile_size, tile_width, tile_height, int(max_intersections))
+    return tile_width, tile_height, plan
+
+
+def rasterize_projected(ops, name, projected, width, height, tile_size, backgrounds, render_mode, absgrad,
+                        max_intersections, planned=None):  # fmt: skip
+    """The rasterization half of the op from the projected gaussians (radii, means2d, depths, conics,
+    opacities [C, N], colours [C, N, D]): the backend's isect_tiles, isect_offset_encode and
+    rasterize_to_pixels, or the depth chunks (``planned``: plan_depth_chunks's result, if the caller has
+    it). Returns render_colors, render_alphas, meta."""
+    radii, means2d, depths, conics, opacities, colors = projected
+    C = means2d.shape[0]
+    colors, backgrounds = with_depth_channel(colors, depths, backgrounds, render_mode)
+    if planned is None:
+        planned = plan_depth_chunks(means2d, radii, depths, tile_size, width, height, max_intersections)
+    tile_width, tile_height, chunks = planned
+    if chunks is None:
+        tiles_per_gauss, isect_ids, flatten_ids = ops.isect_tiles(
+            means2d, radii, depths, tile_size, tile_width, tile_height
+        )
+        isect_offsets = ops.isect_offset_encode(isect_ids, C, tile_width, tile_height)
+        render_colors, render_alphas = ops.rasterize_to_pixels(
+            means2d, conics, colors.contiguous(), opacities.contiguous(), width, height, tile_size,
+            isect_offsets, flatten_ids, backgrounds, absgrad,
+        )  # fmt: skip
+        lists = (tiles_per_gauss, isect_ids, flatten_ids, isect_offsets)
+    else:
         from . import chunked
 
-        chunks = chunked.plan(means2d, radii, depths, tile_size, tile_width, tile_height, int(max_intersections))
-    n_intersections, rgb = None, None
-    if chunks is None:
-        # With the caller's capacities, on Metal: padded lists, no host read of the intersection count.
-        padded = getattr(ops, "isect_tiles_padded", None) if isect_capacity is not None else None
-        # no isect_ids (with_isect_ids=False): no [capacity] int64 buffer written in every training step
-        padded = (
-            padded(means2d, radii, depths, tile_size, tile_width, tile_height, isect_capacity, with_isect_ids=False)
-            if padded
-            else None
-        )
-        if padded is not None:
-            tiles_per_gauss, isect_ids, flatten_ids, isect_offsets = padded  # offsets: [C*th*tw + 1]
-        else:
-            tiles_per_gauss, isect_ids, flatten_ids = ops.isect_tiles(
-                means2d, radii, depths, tile_size, tile_width, tile_height
-            )
-            isect_offsets = ops.isect_offset_encode(isect_ids, C, tile_width, tile_height)
-        fused_composite = getattr(ops, "rasterize_to_pixels_composite", None)
-        if (
-            composite_background is not None
-            and fused_composite is not None
-            and _fuses_composite(composite_background, backgrounds, colors)
-        ):  # the metal backend: splatfacto's composite inside the rasterizer's kernels
-            render_colors, render_alphas, rgb = fused_composite(
-                means2d, conics, colors.contiguous(), opacities.contiguous(), width, height, tile_size,
-                isect_offsets, flatten_ids, composite_background, absgrad, composite_squeeze,
-            )  # fmt: skip
-        else:
-            render_colors, render_alphas = ops.rasterize_to_pixels(
-                means2d, conics, colors.contiguous(), opacities.contiguous(), width, height, tile_size,
-                isect_offsets, flatten_ids, backgrounds, absgrad,
-            )  # fmt: skip
-        if padded is not None:  # meta: the [C, th, tw] offsets; the count stays on the device
-            n_intersections = isect_offsets[-1:]
-            # one view, not a slice and a view (one aten dispatch each on MPS)
-            th, tw = int(tile_height), int(tile_width)
-            isect_offsets = isect_offsets.as_strided((C, th, tw), (th * tw, tw, 1))
-    else:
-        tiles_per_gauss, isect_ids, flatten_ids, isect_offsets = chunks.tiles_per_gauss, None, None, None
         render_colors, render_alphas = chunked.rasterize_in_depth_chunks(
             ops, chunks, means2d, conics, colors.contiguous(), opacities.contiguous(), radii, depths,
             width, height, tile_size, tile_width, tile_height, backgrounds, absgrad,
         )  # fmt: skip
-    if render_mode in ("ED", "RGB+ED"):
-        render_colors = torch.cat(
-            [render_colors[..., :-1], render_colors[..., -1:] / render_alphas.clamp(min=1e-10)], dim=-1
-        )
-    meta = {
+        lists = (chunks.tiles_per_gauss, None, None, None)
+    meta = render_meta(name, projected, lists, width, height, tile_size, tile_width, tile_height,
+                       1 if chunks is None else chunks.n_chunks)  # fmt: skip
+    return expected_depth(render_colors, render_alphas, render_mode), render_alphas, meta
+
+
+def render_meta(name, projected, lists, width, height, tile_size, tile_width, tile_height, depth_chunks,
+                n_intersections=None, n_intersections_seen=None) -> Dict:  # fmt: skip
+    """The meta dict of gsplat 1.4's dense mode, and this layer's entries (backend, depth_chunks, the padded
+    lists' counts)."""
+    radii, means2d, depths, conics, opacities, _ = projected
+    tiles_per_gauss, isect_ids, flatten_ids, isect_offsets = lists
+    return {
         "camera_ids": None,
         "gaussian_ids": None,
         "radii": radii,
@@ -479,22 +438,11 @@ def rasterization(
         # chunked path has None there too); None where the lists are exact (their length).
         "n_intersections": n_intersections,
         # the latest count the host has heard of (a step or two old), for logs that must not read the device
-        "n_intersections_seen": isect_capacity.last_count if n_intersections is not None else None,
+        "n_intersections_seen": n_intersections_seen,
         "width": width,
         "height": height,
         "tile_size": tile_size,
-        "n_cameras": C,
+        "n_cameras": means2d.shape[0],
         "backend": name,
-        "depth_chunks": 1 if chunks is None else chunks.n_chunks,
+        "depth_chunks": depth_chunks,
     }
-    if rgb is not None:
-        meta["rgb"] = rgb  # splatfacto's composite (composite_background)
-    return render_colors, render_alphas, meta
-
-
-def _fuses_composite(background: Tensor, backgrounds: Optional[Tensor], colors: Tensor) -> bool:
-    """Whether the metal backend's rasterizer composites over ``background`` itself: a [3] float32 tensor
-    without gradient on the render's device, no gsplat backgrounds, at least 3 channels."""
-    return (backgrounds is None and colors.shape[-1] >= 3 and tuple(background.shape) == (3,)
-            and background.dtype == torch.float32 and background.device == colors.device
-            and not background.requires_grad and background.is_contiguous())  # fmt: skip

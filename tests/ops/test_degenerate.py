@@ -8,7 +8,6 @@ non-square and span several tiles (docs/design.md section 3.2)."""
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import replace
 
 import pytest
@@ -143,10 +142,11 @@ def test_degenerate_scene_matches_reference(backend, device, case):
         torch.testing.assert_close(inputs[name].grad.cpu(), ref_inputs[name].grad, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("backend,device", BACKENDS[:2])
 def test_zero_norm_quat_renders_as_identity_rotation(backend, device):
-    """A zero quaternion is the identity rotation (q / max(|q|, 1e-12) as F.normalize) on every
-    backend, with a zero gradient (no direction to move in), not NaN."""
+    """A zero quaternion is the identity rotation (q / max(|q|, 1e-12) as F.normalize) on our backends,
+    with a zero gradient (no direction to move in), not NaN. Backend "gsplat" hands gsplat the call as given
+    (tests/ops/test_gsplat_passthrough.py): there it is gsplat's (rsqrt of 0)."""
     scene = _base()
     zero = _zero_quats(scene)
     identity = replace(scene, quats=torch.where(zero.quats.norm(dim=-1, keepdim=True) == 0,
@@ -156,29 +156,3 @@ def test_zero_norm_quat_renders_as_identity_rotation(backend, device):
     torch.testing.assert_close(colors_zero, colors_id, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(alphas_zero, alphas_id, atol=1e-5, rtol=1e-5)
     assert not inputs["quats"].grad[:6].any()
-
-
-def test_gsplat_adapter_gives_zero_quats_the_identity_rotation(monkeypatch):
-    """Runs without CUDA: gsplat's kernels are replaced by the reference backend behind gsplat's own
-    quaternion normalisation (q * rsqrt(|q|^2), NaN for q = 0). What reaches gsplat must have no zero
-    quaternion, and the result must match the reference's treatment of zero quaternions."""
-    import gsplat.rendering
-
-    module = importlib.import_module("splat_metal_method.ops.rasterization")  # the module, not the function
-
-    seen = {}
-
-    def fake_gsplat(means, quats, *args, **kwargs):
-        seen["quats"] = quats.detach().clone()
-        normalised = quats * torch.rsqrt((quats * quats).sum(dim=-1, keepdim=True))
-        return rasterization(means, normalised, *args, **kwargs, backend="reference")
-
-    monkeypatch.setattr(gsplat.rendering, "rasterization", fake_gsplat)
-    monkeypatch.setattr(module, "resolve_backend", lambda backend, device: "gsplat" if backend == "gsplat" else backend)
-    scene = _zero_quats(_base())
-    colors, alphas, inputs, _ = _render(scene, "gsplat", "cpu")
-    ref_colors, ref_alphas, _, _ = _render(scene, "reference", "cpu")
-    assert (seen["quats"].norm(dim=-1) > 0).all()
-    torch.testing.assert_close(colors, ref_colors, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(alphas, ref_alphas)
-    assert torch.isfinite(inputs["quats"].grad).all() and not inputs["quats"].grad[:6].any()

@@ -61,7 +61,7 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, means2d, conics, colors, opacities, backgrounds, width, height, tile_size,
-                isect_offsets, flatten_ids, absgrad_buf, composite_bg=None, squeeze=False):  # fmt: skip
+                isect_offsets, flatten_ids, absgrad_buf, composite_bg=None, squeeze=False, tile_merge=False):  # fmt: skip
         # One pass plan for forward and backward: at most one host sync (rasterize.plan_passes).
         C = colors.shape[0]
         grid = (C, -(-height // tile_size), -(-width // tile_size))  # (C, tile_height, tile_width)
@@ -80,7 +80,7 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
         render_saved = render_colors.detach() if rgb is not None else None
         ctx.save_for_backward(means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids,
                               transmittance, last_ids, composite_bg, render_saved)  # fmt: skip
-        ctx.args = (width, height, tile_size, plan)
+        ctx.args = (width, height, tile_size, plan, tile_merge)
         ctx.absgrad_buf = absgrad_buf
         ctx.set_materialize_grads(False)
         return (render_colors, render_alphas) if rgb is None else (render_colors, render_alphas, rgb)
@@ -89,15 +89,15 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
     def backward(ctx, v_render_colors, v_render_alphas, v_rgb=None):
         (means2d, conics, colors, opacities, backgrounds, isect_offsets, flatten_ids, transmittance,
          last_ids, composite_bg, render_colors) = ctx.saved_tensors  # fmt: skip
-        width, height, tile_size, plan = ctx.args
+        width, height, tile_size, plan, tile_merge = ctx.args
         need = ctx.needs_input_grad
         if not (any(need[:5]) or ctx.absgrad_buf is not None):
-            return (None,) * 13
+            return (None,) * 14
         v_means2d, v_conics, v_colors, v_opacities, v_backgrounds = rasterize_to_pixels_bwd(
             means2d, conics, colors, opacities, backgrounds, width, height, tile_size, isect_offsets,
             flatten_ids, transmittance, last_ids, v_render_colors, v_render_alphas,
             absgrad_out=ctx.absgrad_buf, chunk=_rasterize.RASTER_CHUNK, plan=plan,
-            composite=(composite_bg, render_colors, v_rgb) if composite_bg is not None else None,
+            composite=(composite_bg, render_colors, v_rgb) if composite_bg is not None else None, tile_merge=tile_merge,
         )  # fmt: skip
         return (
             v_means2d if need[0] else None,
@@ -113,6 +113,7 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
             None,  # width, height, tile_size, offsets, flatten_ids, absgrad buffer
             None,
             None,  # composite_bg (no gradient: rasterize_to_pixels_composite's condition), squeeze
+            None,  # tile_merge
         )
 
 
@@ -256,13 +257,15 @@ def rasterize_to_pixels(
     flatten_ids: Tensor,  # [M] int32
     backgrounds: Optional[Tensor] = None,  # [C, D]
     absgrad: bool = False,
+    tile_merge: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """render_colors [C,H,W,D], render_alphas [C,H,W,1]. With absgrad, sets means2d.absgrad [C,N,2]
-    (zeros now, filled by the backward pass), as the reference does."""
+    (zeros now, filled by the backward pass), as the reference does. ``tile_merge`` (Metal only): the
+    backward's tile merge (rasterize_bwd.py)."""
     absgrad_buf = _absgrad_buffer(means2d, absgrad)
     return _RasterizeToPixelsFn.apply(
         means2d, conics, colors, opacities, backgrounds, int(width), int(height), int(tile_size),
-        isect_offsets, flatten_ids, absgrad_buf,
+        isect_offsets, flatten_ids, absgrad_buf, None, False, bool(tile_merge),
     )  # fmt: skip
 
 
@@ -287,6 +290,7 @@ def rasterize_to_pixels_composite(
     composite_bg: Tensor,  # [3] float32, no gradient
     absgrad: bool = False,
     squeeze: bool = False,
+    tile_merge: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Not a contract stage (rasterization.py's fused composite, Metal only): rasterize_to_pixels without
     backgrounds, plus splatfacto's background composite rgb = clamp(render_colors[..., :3] + (1 - render_alphas)
@@ -296,7 +300,7 @@ def rasterize_to_pixels_composite(
     absgrad_buf = _absgrad_buffer(means2d, absgrad)
     return _RasterizeToPixelsFn.apply(
         means2d, conics, colors, opacities, None, int(width), int(height), int(tile_size),
-        isect_offsets, flatten_ids, absgrad_buf, composite_bg, bool(squeeze),
+        isect_offsets, flatten_ids, absgrad_buf, composite_bg, bool(squeeze), bool(tile_merge),
     )  # fmt: skip
 
 

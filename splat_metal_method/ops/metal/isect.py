@@ -211,7 +211,7 @@ def _round_up(n: int) -> int:
 
 class IntersectionCapacities:
     """The capacities of one renderer's padded lists (one per tile grid), owned by its caller: a model
-    passes its own to ``rasterization(..., isect_capacity=...)`` in training steps, so that what one
+    passes its own to ``rasterization_metal(..., isect_capacity=...)`` in training steps, so that what one
     scene needs never sizes another's lists.
 
     ``overflows`` counts the steps found to have overflowed (a step late), ``last_count`` is the latest

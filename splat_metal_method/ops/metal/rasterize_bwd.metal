@@ -32,7 +32,7 @@
 //   q = 0,1,2: conic; 3: opacity; 4,5: means2d; 6,7: |means2d| (absgrad); 8 + k: colour channel k.
 #define SPLAT_BWD_QUANTITIES (8 + SPLAT_CHANNELS)
 
-// Tile merge (SPLAT_BWD_MERGE = 1, rasterize_bwd.py TILE_MERGE; off by default until a Mac measures it):
+// Tile merge (SPLAT_BWD_MERGE = 1, rasterize_to_pixels_bwd tile_merge, the model config bwd_tile_merge; off by default until a Mac measures it):
 // instead of one device atomic per quantity and simdgroup, each simdgroup stores its reduced quantities of
 // a batch's gaussians in threadgroup memory (s_part[simdgroup][slot][q], zeroed per batch), and after the
 // batch one thread per (slot, q) sums the simdgroups' values in simdgroup order and issues ONE device atomic

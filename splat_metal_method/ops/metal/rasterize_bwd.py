@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -21,9 +20,8 @@ BWD_BACKGROUND, BWD_ABSGRAD, BWD_COMPOSITE, BWD_V_COLORS, BWD_V_ALPHAS = 1, 2, 4
 # the simdgroups of its tile in threadgroup memory, then one device atomic per quantity and tile instead of one
 # per simdgroup (up to 8x fewer atomics at 16x16 tiles; the step ledger counts them), at the price of smaller
 # batches and a barrier more per batch. Off by default until a Mac measures it (a prototype in a msplat fork
-# regressed at small tiles); SPLAT_METAL_BWD_TILE_MERGE=1 turns it on for a process, and this flag, read at
-# each call, for a test or a benchmark.
-TILE_MERGE = os.environ.get("SPLAT_METAL_BWD_TILE_MERGE", "") not in ("", "0")
+# regressed at small tiles): rasterize_to_pixels_bwd's ``tile_merge``, chosen per call (the model config's
+# bwd_tile_merge; splat-metal-bench --vs tile-merge runs both).
 
 # Positions of v_colors and flags in lib.rasterize_bwd's arguments (the launch in rasterize_to_pixels_bwd)
 _ARG_V_COLORS, _ARG_FLAGS = 15, 24
@@ -106,6 +104,7 @@ def rasterize_to_pixels_bwd(
     chunk: Optional[int] = None,
     plan: Optional[PassPlan] = None,
     composite: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None,  # (composite_bg [3], render_colors, v_rgb)
+    tile_merge: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Runs rasterize_bwd. Returns v_means2d [C,N,2], v_conics [C,N,3], v_colors [C,N,D],
     v_opacities [C,N] and v_backgrounds [C,D] (None without backgrounds). With ``absgrad_out``,
@@ -113,6 +112,8 @@ def rasterize_to_pixels_bwd(
     A gradient given as None is zero: nothing is allocated for it. ``composite``: the forward's fused
     composite (rasterize_to_pixels_fwd's composite_bg), its background, the forward's render_colors and
     the gradient v_rgb of its rgb ([C, H, W, 3] or [H, W, 3]; None: zero); not with backgrounds.
+    ``tile_merge``: a gaussian's gradients summed over its tile's simdgroups before the device atomics
+    (SPLAT_BWD_MERGE, above); the same gradients up to float32 summation order.
 
     Host sync: none when the caller passes ``plan`` (the autograd Function passes the forward's
     rasterize.plan_passes) or when plan_passes needs none; otherwise one. Each pass reserves its work
@@ -182,7 +183,7 @@ def rasterize_to_pixels_bwd(
         else (placeholder,) * 3  # fmt: skip
 
     lib, rows = tile_library(device, "rasterize_bwd.metal", "rasterize_bwd", tile_size,
-                             lambda rows: bwd_defines(tile_size, D, rows, TILE_MERGE))  # fmt: skip
+                             lambda rows: bwd_defines(tile_size, D, rows, tile_merge))  # fmt: skip
     inputs = (means2d.contiguous(), conics.contiguous(), colors.contiguous(), opacities.contiguous(), bg)
     offsets, flatten_ids = flat_offsets(isect_offsets), flatten_ids.contiguous()
     per_pixel = (transmittance.contiguous(), last_ids.contiguous(),

@@ -136,7 +136,7 @@ def standard_variants() -> dict:
             "rasterize_bwd.metal",
             (("SPLAT_CHANNELS", channels), ("SPLAT_BWD_BATCH", batch)),
         )
-    # the backward's tile merge (rasterize_bwd.py TILE_MERGE, off by default), for the RGB training step
+    # the backward's tile merge (rasterization_metal tile_merge, off by default), for the RGB training step
     variants["rasterize_bwd_rgb_merge"] = ("rasterize_bwd.metal", bwd_merge_defines(constants.TILE_SIZE, 3))
     # both kernels in the row order (PIXEL_ORDER = "rows": the A/B run and the step ledger's count of its groups)
     for name in ("rasterize_rgb", "rasterize_bwd_rgb"):

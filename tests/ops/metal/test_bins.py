@@ -29,6 +29,7 @@ from planted import planted_library
 
 from splat_metal_method.ops import IntersectionCapacities, rasterization
 from splat_metal_method.ops.metal import isect, runtime
+from splat_metal_method.ops.metal.fused import rasterization_metal
 from splat_metal_method.ops.metal.kernels import BIN_CAPACITY
 
 
@@ -59,8 +60,12 @@ def render(params, viewmats, width, height, tile_size, caps=None, backend="metal
     leaves = [p.clone().requires_grad_(True) for p in params]
     f = 0.9 * width
     Ks = torch.tensor([[f, 0, width / 2], [0, f, height / 2], [0, 0, 1]]).repeat(viewmats.shape[0], 1, 1)
-    colors, alphas, meta = rasterization(*leaves, viewmats, Ks, width, height, tile_size=tile_size, backend=backend,
-                                         absgrad=True, isect_capacity=caps)  # fmt: skip
+    if backend == "metal":
+        colors, alphas, meta = rasterization_metal(*leaves, viewmats, Ks, width, height, tile_size=tile_size,
+                                                   absgrad=True, isect_capacity=caps)  # fmt: skip
+    else:
+        colors, alphas, meta = rasterization(*leaves, viewmats, Ks, width, height, tile_size=tile_size,
+                                             backend=backend, absgrad=True)  # fmt: skip
     weights = torch.linspace(0.5, 1.5, colors.numel()).view(colors.shape)
     ((colors * weights).sum() + alphas.sum()).backward()
     return colors.detach(), alphas.detach(), meta, [p.grad for p in leaves] + [meta["means2d"].absgrad]

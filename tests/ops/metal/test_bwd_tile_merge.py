@@ -1,4 +1,4 @@
-"""rasterize_bwd.metal's tile merge (rasterize_bwd.py TILE_MERGE, off by default): a gaussian's gradients summed
+"""rasterize_bwd.metal's tile merge (rasterization_metal's tile_merge, the model's bwd_tile_merge; off by default): a gaussian's gradients summed
 over the simdgroups of its tile before one device atomic per quantity, against the direct path (an atomic per
 simdgroup, its twin) and the reference, under the emulator: non-square images, tile sizes whose groups hold
 1, 2, 4.5 and 8 simdgroups, 3 and 4 channels, absgrad, two cameras, kernel passes, the fused composite. The
@@ -16,6 +16,7 @@ from splat_metal_method.ops import rasterization
 from splat_metal_method.ops.metal import kernels
 from splat_metal_method.ops.metal import rasterize as metal_rasterize
 from splat_metal_method.ops.metal import rasterize_bwd as metal_rasterize_bwd
+from splat_metal_method.ops.metal.fused import rasterization_metal
 
 CASES = [  # (tile size, channels, cameras, kernel passes)
     (16, 3, 1, False),
@@ -26,7 +27,6 @@ CASES = [  # (tile size, channels, cameras, kernel passes)
 
 
 def _render(ts, D, C, merge, monkeypatch, absgrad=True):
-    monkeypatch.setattr(metal_rasterize_bwd, "TILE_MERGE", merge)
     W, H = 4 * ts + 3, 2 * ts + 5  # non-square, partial tiles
     scene = random_scene(n=80, C=C, width=W, height=H, seed=ts * 10 + D, scale_range=(0.05, 0.3))
     g = torch.Generator().manual_seed(ts)
@@ -34,9 +34,9 @@ def _render(ts, D, C, merge, monkeypatch, absgrad=True):
               "colors": torch.rand(scene.N, D, generator=g)}  # fmt: skip
     leaves = {k: t.detach().clone().requires_grad_(True) for k, t in leaves.items()}
     with step_ledger.count("bwd") as led:
-        render, alpha, meta = rasterization(
+        render, alpha, meta = rasterization_metal(
             leaves["means"], leaves["quats"], leaves["scales"], leaves["opacities"], leaves["colors"],
-            scene.viewmats, scene.Ks, W, H, tile_size=ts, absgrad=absgrad, backend="metal",
+            scene.viewmats, scene.Ks, W, H, tile_size=ts, absgrad=absgrad, tile_merge=merge,
             **({"composite_background": torch.tensor([0.2, 0.4, 0.9])} if D == 3 else {}),
         )  # fmt: skip
         out = meta["rgb"] if D == 3 else render
@@ -96,7 +96,6 @@ def test_each_active_group_reduces_and_issues_only_its_quantities(ts, D, C, pass
 
 def test_tile_merge_matches_the_reference(monkeypatch):
     merged, _ = _render(16, 4, 2, True, monkeypatch)
-    monkeypatch.setattr(metal_rasterize_bwd, "TILE_MERGE", False)
     W, H = 67, 37
     scene = random_scene(n=80, C=2, width=W, height=H, seed=164, scale_range=(0.05, 0.3))
     g = torch.Generator().manual_seed(16)

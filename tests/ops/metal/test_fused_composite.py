@@ -18,8 +18,10 @@ import splat_metal_method.ops.metal as metal_ops
 from splat_metal_method.bench import step_ledger
 from splat_metal_method.ops import rasterization
 from splat_metal_method.ops.composite import composite_background, composite_background_reference
+from splat_metal_method.ops.metal import fused as fused_module
 from splat_metal_method.ops.metal import rasterize as metal_rasterize
 from splat_metal_method.ops.metal import rasterize_bwd as metal_rasterize_bwd
+from splat_metal_method.ops.metal.fused import rasterization_metal
 
 
 @dataclass(frozen=True)
@@ -72,10 +74,10 @@ def _step(kind: str, case: Case, scene, colors, background, v):
     leaves = {k: t.detach().clone().requires_grad_(True) for k, t in leaves.items()}
     backend = "reference" if kind == "reference" else "metal"
     fused = {"composite_background": background, "composite_squeeze": case.squeeze} if kind == "fused" else {}
-    render, alpha, meta = rasterization(
+    render, alpha, meta = (rasterization_metal if kind == "fused" else rasterization)(
         leaves["means"], leaves["quats"], leaves["scales"], leaves["opacities"], leaves["colors"], scene.viewmats,
         scene.Ks, scene.width, scene.height, tile_size=case.tile_size, render_mode=case.mode, absgrad=True,
-        backend=backend, **fused,
+        **({} if kind == "fused" else {"backend": backend}), **fused,
     )  # fmt: skip
     meta["means2d"].retain_grad()
     if kind == "fused":
@@ -189,22 +191,20 @@ def test_planted_errors_fail_the_comparison(monkeypatch):
 
 
 def test_composite_is_left_to_the_caller_where_the_rasterizer_does_not_fuse():
-    """gsplat backgrounds given with composite_background, the reference backend, depth chunks: meta has no
-    "rgb" (the caller composites, as the model does: the unfused twin); a render without colours has
-    nothing to composite."""
+    """gsplat backgrounds given with composite_background, depth chunks: meta has no "rgb" (the caller
+    composites, as the model does: the unfused twin); a render without colours has nothing to composite."""
     scene, colors, g = _scene(Case())
     bg3 = torch.tensor([0.25, 0.5, 1.0])
-    for kwargs in ({"backgrounds": torch.rand(1, 3, generator=g)}, {"backend": "reference"}, {"max_intersections": 5}):
-        kwargs = {"backend": "metal", **kwargs}
-        _, _, meta = rasterization(
+    for kwargs in ({"backgrounds": torch.rand(1, 3, generator=g)}, {"max_intersections": 5}):
+        _, _, meta = rasterization_metal(
             scene.means, scene.quats, scene.scales, scene.opacities, colors, scene.viewmats, scene.Ks, scene.width,
             scene.height, composite_background=bg3, **kwargs,
         )  # fmt: skip
         assert "rgb" not in meta, kwargs
         assert "max_intersections" not in kwargs or meta["depth_chunks"] > 1
     with pytest.raises(ValueError, match="composite_background"):
-        rasterization(scene.means, scene.quats, scene.scales, scene.opacities, colors, scene.viewmats, scene.Ks,
-                      scene.width, scene.height, render_mode="D", composite_background=bg3, backend="metal")  # fmt: skip
+        rasterization_metal(scene.means, scene.quats, scene.scales, scene.opacities, colors, scene.viewmats,
+                            scene.Ks, scene.width, scene.height, render_mode="D", composite_background=bg3)  # fmt: skip
 
 
 def test_the_self_check_covers_the_fused_composite(monkeypatch):
@@ -231,8 +231,8 @@ def test_the_self_check_covers_the_fused_composite(monkeypatch):
 
 def test_the_model_renders_the_same_rgb_and_gradients_with_the_composite_fused(monkeypatch):
     """SplatMetalModel.get_outputs (training, random background, SH colours): its rgb from the rasterizer's fused
-    composite and the gradients of a loss on it equal those of the unfused twin (the metal backend without
-    rasterize_to_pixels_composite: the model composites with ops/composite.py)."""
+    composite and the gradients of a loss on it equal those of the unfused twin (the metal backend not fusing
+    the composite: the model composites with ops/composite.py)."""
     from nerfstudio.cameras.cameras import Cameras
     from nerfstudio.data.scene_box import SceneBox
 
@@ -268,7 +268,7 @@ def test_the_model_renders_the_same_rgb_and_gradients_with_the_composite_fused(m
     fused = run()
     runtime_counts["fused"] = runtime.launch_counts()
     assert int(model.info["n_intersections"]) > 100  # the camera sees the gaussians
-    monkeypatch.delattr(metal_ops, "rasterize_to_pixels_composite")
+    monkeypatch.setattr(fused_module, "_fuses_composite", lambda *args: False)
     runtime.reset_launch_counts()
     twin = run()
     runtime_counts["twin"] = runtime.launch_counts()

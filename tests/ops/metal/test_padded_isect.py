@@ -21,6 +21,7 @@ import torch
 
 from splat_metal_method.ops import IntersectionCapacities, rasterization
 from splat_metal_method.ops.metal import isect, runtime
+from splat_metal_method.ops.metal.fused import rasterization_metal
 
 SIZES = [(64, 48), (48, 64), (70, 45), (33, 17), (96, 96)]
 
@@ -54,8 +55,8 @@ def render(params, viewmats, width, height, caps=None, tile_size=16):
     the capacities `caps`, exact lists without."""
     leaves = [p.clone().requires_grad_(True) for p in params]
     Ks = intrinsics(viewmats.shape[0], width, height)
-    colors, alphas, meta = rasterization(*leaves, viewmats, Ks, width, height, tile_size=tile_size, backend="metal",
-                                         absgrad=True, isect_capacity=caps)  # fmt: skip
+    colors, alphas, meta = rasterization_metal(*leaves, viewmats, Ks, width, height, tile_size=tile_size,
+                                               absgrad=True, isect_capacity=caps)  # fmt: skip
     weights = torch.linspace(0.5, 1.5, colors.numel()).view(colors.shape)
     ((colors * weights).sum() + alphas.sum()).backward()
     return colors.detach(), alphas.detach(), meta, [p.grad for p in leaves], meta["means2d"].absgrad

@@ -17,6 +17,8 @@ from scenes import random_scene
 
 from splat_metal_method.bench import step_ledger
 from splat_metal_method.ops import metal, rasterization
+from splat_metal_method.ops.metal import fused as fused_module
+from splat_metal_method.ops.metal.fused import rasterization_metal
 
 W, H = 40, 24  # non-square
 K = 25  # SH coefficients stored (degree 4), fewer in use below degree 4
@@ -59,11 +61,11 @@ def _render(params, viewmats, Ks, degree, raw, antialiased, fused, monkeypatch):
         kwargs = dict(scales=torch.exp(leaves["log_scales"]), opacities=torch.sigmoid(leaves["logit_opacities"])[:, 0],
                       colors=torch.cat((leaves["features_dc"][:, None], leaves["features_rest"]), dim=1))  # fmt: skip
     with monkeypatch.context() as m:
-        if not fused:
-            m.delattr(metal, "project_and_shade")
-        colors, alphas, meta = rasterization(
+        if not fused:  # the unfused stages, the oracle of the fused preparation
+            m.setattr(fused_module, "_fuses_preparation", lambda *args: False)
+        colors, alphas, meta = rasterization_metal(
             leaves["means"], leaves["quats"], viewmats=viewmats, Ks=Ks, width=W, height=H, sh_degree=degree,
-            backend="metal", absgrad=True, rasterize_mode="antialiased" if antialiased else "classic",
+            absgrad=True, rasterize_mode="antialiased" if antialiased else "classic",
             render_mode="RGB+ED", **kwargs,
         )  # fmt: skip
         g = torch.Generator().manual_seed(11)
@@ -154,9 +156,9 @@ def test_a_viewmat_gradient_keeps_the_unfused_path():
     """A camera pose with a gradient (splatfacto's camera optimizer) flows through inv(viewmat): unfused."""
     params, viewmats, Ks = _params(1, seed=2, poison="none")
     viewmats = viewmats.clone().requires_grad_()
-    colors, _, _ = rasterization(
+    colors, _, _ = rasterization_metal(
         params["means"], params["quats"], params["log_scales"], params["logit_opacities"], params["features_dc"],
-        viewmats, Ks, W, H, sh_degree=3, backend="metal", scales_are_log=True, opacities_are_logits=True,
+        viewmats, Ks, W, H, sh_degree=3, scales_are_log=True, opacities_are_logits=True,
         colors_rest=params["features_rest"],
     )  # fmt: skip
     colors.sum().backward()

@@ -25,8 +25,8 @@ from nerfstudio.engine.optimizers import Optimizers
 from test_adam import LRS, SCALER, TOL, config, densify, gaussians, resumed
 
 from splat_metal_method.engine.optimizers import GaussianOptimizers
-from splat_metal_method.ops import rasterization
 from splat_metal_method.ops.metal import kernels, prepare, runtime
+from splat_metal_method.ops.metal.fused import rasterization_metal
 
 W, H = 40, 26  # non-square, partial tiles
 STEPS = 24  # test_adam's DENSIFY_AT 12, RESET_AT 20 fall inside
@@ -56,9 +56,9 @@ def train_step(params, opts, at: int, degree: int, cameras: int = 1) -> None:
     viewmats = torch.eye(4)[None].repeat(cameras, 1, 1)  # [C, 4, 4]
     viewmats[1:, 0, 3] = 0.1
     Ks = torch.tensor([[[30.0, 0.0, W / 2], [0.0, 30.0, H / 2], [0.0, 0.0, 1.0]]]).repeat(cameras, 1, 1)  # [C, 3, 3]
-    render, _, _ = rasterization(
+    render, _, _ = rasterization_metal(
         params["means"], params["quats"], params["scales"], params["opacities"], params["features_dc"], viewmats,
-        Ks, W, H, sh_degree=degree, backend="metal", scales_are_log=True, opacities_are_logits=True,
+        Ks, W, H, sh_degree=degree, scales_are_log=True, opacities_are_logits=True,
         colors_rest=params["features_rest"],
     )  # fmt: skip
     target = torch.linspace(0, 1, H * W * 3).view(1, H, W, 3)

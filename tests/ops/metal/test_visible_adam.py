@@ -22,8 +22,8 @@ from test_adam import LRS, SCALER, config, densify, gaussians
 from test_sh_adam import STEPS, H, W, assert_same, plant_in_project_bwd
 
 from splat_metal_method.engine.optimizers import GaussianOptimizers
-from splat_metal_method.ops import rasterization
 from splat_metal_method.ops.metal import adam, kernels, runtime
+from splat_metal_method.ops.metal.fused import rasterization_metal
 
 ALL = tuple(LRS)
 
@@ -52,9 +52,9 @@ def render_and_backward(params, opts, degree: int, cameras: int = 1) -> None:
     viewmats = torch.eye(4)[None].repeat(cameras, 1, 1)  # [C, 4, 4]
     viewmats[1:, 0, 3] = 0.1
     Ks = torch.tensor([[[30.0, 0.0, W / 2], [0.0, 30.0, H / 2], [0.0, 0.0, 1.0]]]).repeat(cameras, 1, 1)
-    render, _, info = rasterization(
+    render, _, info = rasterization_metal(
         params["means"], params["quats"], params["scales"], params["opacities"], params["features_dc"], viewmats,
-        Ks, W, H, sh_degree=degree, backend="metal", scales_are_log=True, opacities_are_logits=True,
+        Ks, W, H, sh_degree=degree, scales_are_log=True, opacities_are_logits=True,
         colors_rest=params["features_rest"],
     )  # fmt: skip
     opts.model.info = info
