@@ -339,7 +339,7 @@ OURS_ATOMICS_PER_GROUP = 11  # rasterize_bwd.metal: 8 + D quantities (conic 3, o
 # The number of the backward's active (gaussian, simdgroup) groups in a ledger: counted (step_ledger.ACTIVE_GROUPS:
 # its reductions less 3 a simdgroup, over the components a group reduces, 11 with absgrad and 9 without since
 # rasterize_bwd reduces only what it issues); in ledgers from before that count, its reductions / 12 (three float4s
-# a group then). Never from the atomics, which the tile merge (SPLAT_METAL_BWD_TILE_MERGE) and a step without
+# a group then). Never from the atomics, which the tile merge (config field bwd_tile_merge) and a step without
 # absgrad issue fewer of per group: counted from the atomics, such a step had fewer groups, and its reductions and
 # atomics were scaled up by as much as they had gone down.
 OURS_SUMS_PER_GROUP = 12

@@ -63,7 +63,9 @@ def garden_points(out: Path, n_points: int = 20_000, downscale: int = 4, path: O
         return out
     path = path or garden_points_path()
     if path is None or not Path(path).is_file():
-        raise FileNotFoundError(f"garden_points.npz not found; set ${GARDEN_ENV} to its path (DESIGN.md section 5)")
+        raise FileNotFoundError(
+            f"garden_points.npz not found; set ${GARDEN_ENV} to its path (docs/design.md section 5)"
+        )
     rng = np.random.default_rng(seed)
     with np.load(path) as d:
         means, colors = d["means3d"].astype(np.float32), d["colors"]  # [P, 3], [P, 3] uint8

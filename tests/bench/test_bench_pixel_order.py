@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_strips_meet_a_fifth_more_groups_than_blocks_on_garden():
     if not GARDEN_PATH.is_file():
-        pytest.skip(f"{GARDEN_PATH} not present (it lives outside the repo, DESIGN.md section 5)")
+        pytest.skip(f"{GARDEN_PATH} not present (it lives outside the repo, docs/design.md section 5)")
     from cli_helpers import cli_env
 
     env = {**cli_env(), "SPLAT_METAL_GARDEN_POINTS": str(GARDEN_PATH)}

@@ -41,7 +41,7 @@ def test_visible_adam_within_half_a_db_of_the_default_on_the_demo_scene(tmp_path
 
 def test_visible_adam_within_half_a_db_of_the_default_on_a_real_capture(tmp_path):
     if not (real_capture.CAPTURE / "transforms.json").is_file():
-        pytest.skip(f"the real capture is not at {real_capture.CAPTURE} (DESIGN.md section 5)")
+        pytest.skip(f"the real capture is not at {real_capture.CAPTURE} (docs/design.md section 5)")
     data = real_capture.make_cut(tmp_path / "snowmiku", width=196, points=5000)
     off, on = _both(data, CAPTURE_STEPS, seeds=(0, 1), interval=True)
     assert on >= off - TOLERANCE_DB, (on, off)
