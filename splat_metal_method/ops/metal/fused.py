@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import stage_fallback
 from ..constants import EPS2D, TILE_SIZE
-from ..rasterization import (
+from ..stages import (
     _project_and_cull,
     check_inputs,
     expected_depth,

@@ -241,13 +241,13 @@ def test_sh_degree_4_trains_past_step_4_intervals(demo_dir, monkeypatch, tmp_pat
     monkeypatch.setattr(self_check, "_verified", set())
     stage_fallback.reset()
     degrees = []
-    render = model_module.rasterization
+    render = model_module.rasterization_metal  # the op the model calls on the metal backend
 
     def recording(*args, **kwargs):  # the real op; only the degree each step renders with is noted
         degrees.append(kwargs["sh_degree"])
         return render(*args, **kwargs)
 
-    monkeypatch.setattr(model_module, "rasterization", recording)
+    monkeypatch.setattr(model_module, "rasterization_metal", recording)
     pipeline, optimizers, callbacks = pipelines.make_pipeline(
         demo_dir, warmup=WARMUP, refine_every=REFINE_EVERY, sh_degree_interval=interval, sh_degree=4
     )
