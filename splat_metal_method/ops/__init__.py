@@ -1,4 +1,4 @@
-"""Device-aware op layer: one public API, backends behind it with identical stage signatures."""
+"""Device-aware op layer: one public API, backends behind it keeping one contract (ops/contract.py)."""
 
 from .distributed import distributed_rasterization
 from .mcmc import compute_relocation, quat_scale_to_covar_preci

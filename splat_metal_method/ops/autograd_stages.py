@@ -32,6 +32,16 @@ def camera_grads(
     return v_viewmats, v_Ks
 
 
+def project_with(kernels, means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane, radius_clip,
+                 calc_compensations):  # fmt: skip
+    """The contract's project (ops/contract.py) run by ``kernels`` through ProjectFn."""
+    radii, means2d, depths, conics, comp = ProjectFn.apply(
+        kernels, means, quats, scales, viewmats, Ks, int(width), int(height), float(eps2d), float(near_plane),
+        float(far_plane), float(radius_clip), bool(calc_compensations),
+    )  # fmt: skip
+    return radii, means2d, depths, conics, (comp if calc_compensations else None)
+
+
 class ProjectFn(torch.autograd.Function):
     """project: ``kernels.project_fwd`` forward, ``kernels.project_bwd`` backward."""
 

@@ -16,8 +16,7 @@ each chunk is recomputed in backward (torch.utils.checkpoint), so only one chunk
 lists exist at any time.
 
 Backend-agnostic: intersections come from the backend's own ``isect_tiles`` /
-``isect_offset_encode``; compositing uses the backend's ``rasterize_depth_chunk`` when it has one,
-else the reference's (pure PyTorch, runs on any device). gsplat's fused CUDA path has no
+``isect_offset_encode``, compositing from its ``rasterize_depth_chunk`` (the contract's stages, ops/contract.py). gsplat's fused CUDA path has no
 transmittance input, so the "gsplat" backend is not chunked.
 """
 
@@ -26,13 +25,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from . import reference
+from .contract import absgrad_buffer, with_background
 
 
 @dataclass
@@ -54,16 +54,9 @@ def count_intersections(means2d: Tensor, radii: Tensor, tile_size: int, tile_wid
 
 
 @torch.no_grad()
-def plan(
-    means2d: Tensor,  # [C, N, 2]
-    radii: Tensor,  # [C, N] int32
-    depths: Tensor,  # [C, N]
-    tile_size: int,
-    tile_width: int,
-    tile_height: int,
-    budget: int,
-) -> Optional[DepthChunks]:
-    """None when the render fits ``budget`` intersections; else its depth chunks. One host sync.
+def plan(means2d, radii, depths, tile_size, tile_width, tile_height, budget: int) -> Optional[DepthChunks]:
+    """None when the render fits ``budget`` intersections; else its depth chunks (the lists of the contract's
+    ``isect_tiles`` of the same arguments, cut). One host sync.
 
     A chunk holds at most ``budget`` + (largest tile count of one gaussian) - 1 intersections:
     a gaussian is never split, it goes to the chunk where its last intersection falls."""
@@ -84,20 +77,11 @@ def plan(
     return DepthChunks(tiles_per_gauss, chunk_ids, n_chunks, total, int(budget))
 
 
-def _chunk(
-    ops: ModuleType,
-    composite,
-    chunk_radii: Tensor,  # [C, N] int32: radii, zero outside this chunk
-    means2d: Tensor,
-    conics: Tensor,
-    colors: Tensor,
-    opacities: Tensor,
-    depths: Tensor,
-    transmittance: Tensor,  # [C, H, W]
-    stopped: Tensor,  # [C, H, W] bool
-    geometry: Tuple[int, int, int, int, int],  # width, height, tile_size, tile_width, tile_height
-    absgrad_out: Optional[Tensor] = None,  # bound by partial: backward writes it, checkpoint must not save it
-):
+def _chunk(ops: ModuleType, composite, chunk_radii, means2d, conics, colors, opacities, depths, transmittance, stopped,
+           geometry, absgrad_out=None):  # fmt: skip
+    """One chunk's lists and composite: chunk_radii [C, N] int32 (radii, zero outside this chunk), the running
+    transmittance [C, H, W] and stopped [C, H, W], geometry (width, height, tile_size, tile_width, tile_height);
+    absgrad_out is bound by partial (backward writes it, checkpoint must not save it)."""
     width, height, tile_size, tile_width, tile_height = geometry
     C = means2d.shape[0]
     _, isect_ids, flatten_ids = ops.isect_tiles(means2d, chunk_radii, depths, tile_size, tile_width, tile_height)
@@ -109,31 +93,14 @@ def _chunk(
     )  # fmt: skip
 
 
-def rasterize_in_depth_chunks(
-    ops: ModuleType,  # backend stage module
-    chunks: DepthChunks,
-    means2d: Tensor,  # [C, N, 2]
-    conics: Tensor,  # [C, N, 3]
-    colors: Tensor,  # [C, N, D]
-    opacities: Tensor,  # [C, N]
-    radii: Tensor,  # [C, N] int32
-    depths: Tensor,  # [C, N]
-    width: int,
-    height: int,
-    tile_size: int,
-    tile_width: int,
-    tile_height: int,
-    backgrounds: Optional[Tensor] = None,  # [C, D]
-    absgrad: bool = False,
-) -> Tuple[Tensor, Tensor]:
-    """render_colors [C,H,W,D], render_alphas [C,H,W,1], as ``ops.rasterize_to_pixels`` would return
-    for the whole list. With absgrad, sets ``means2d.absgrad`` [C,N,2] (filled by backward)."""
-    C, N, _ = colors.shape
-    composite = getattr(ops, "rasterize_depth_chunk", None) or reference.rasterize_depth_chunk
-    absgrad_out = None
-    if absgrad:
-        absgrad_out = torch.zeros(C, N, 2, device=means2d.device, dtype=means2d.dtype)
-        means2d.absgrad = absgrad_out
+def rasterize_in_depth_chunks(ops: ModuleType, chunks: DepthChunks, means2d, conics, colors, opacities, radii, depths,
+                              width, height, tile_size, tile_width, tile_height, backgrounds, absgrad):  # fmt: skip
+    """``ops.rasterize_to_pixels`` of the whole list (the contract's arguments, with the projected radii [C,N]
+    and depths [C,N] and the tile grid), in the depth chunks ``chunks``: render_colors [C,H,W,D], render_alphas
+    [C,H,W,1]. With absgrad, sets ``means2d.absgrad`` [C,N,2] (filled by backward)."""
+    C = colors.shape[0]
+    composite = ops.rasterize_depth_chunk  # the contract's: every backend has one
+    absgrad_out = absgrad_buffer(means2d, absgrad)
     transmittance = torch.ones(C, height, width, device=means2d.device, dtype=colors.dtype)
     stopped = torch.zeros(C, height, width, device=means2d.device, dtype=torch.bool)
     render_colors = None
@@ -152,6 +119,4 @@ def rasterize_in_depth_chunks(
         if k + 1 < chunks.n_chunks and bool(stopped.all()):
             break  # every pixel has stopped: the remaining chunks cannot contribute
     render_alphas = 1.0 - transmittance[..., None]
-    if backgrounds is not None:
-        render_colors = render_colors + backgrounds[:, None, None, :] * (1.0 - render_alphas)
-    return render_colors, render_alphas
+    return with_background(render_colors, render_alphas, backgrounds), render_alphas

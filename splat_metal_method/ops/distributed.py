@@ -28,6 +28,7 @@ loss that depends on its renders (``loss.backward()``, as with DDP).
 
 from __future__ import annotations
 
+import inspect
 import math
 import struct
 import warnings
@@ -38,18 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .constants import EPS2D, TILE_SIZE
-from .rasterization import (
-    BACKENDS,
-    RASTERIZE_MODES,
-    RENDER_MODES,
-    BackendUnavailable,
-    backend_module,
-    check_inputs,
-    rasterization,
-    rasterize_projected,
-    resolve_backend,
-)
+from .contract import RASTERIZE_MODES, RENDER_MODES, RasterizeCall, call_signature, check_inputs
+from .rasterization import BACKENDS, BackendUnavailable, backend_module, rasterization, resolve_backend
+from .stages import rasterize_projected, render_meta
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -147,35 +139,13 @@ def gsplat_distributed_misfit(cameras: List[int], sizes: List[Tuple[int, int]], 
 
 
 def distributed_rasterization(
-    means: Tensor,  # [N_r, 3] this rank's shard
-    quats: Tensor,  # [N_r, 4]
-    scales: Tensor,  # [N_r, 3]
-    opacities: Tensor,  # [N_r]
-    colors: Tensor,  # [N_r, D] or [N_r, K, 3] SH coefficients with sh_degree
-    viewmats: Tensor,  # [C_r, 4, 4] this rank's cameras
-    Ks: Tensor,  # [C_r, 3, 3]
-    width: int,  # this rank's image size
-    height: int,
-    *,
-    group: Optional[dist.ProcessGroup] = None,
-    near_plane: float = 0.01,
-    far_plane: float = 1e10,
-    radius_clip: float = 0.0,
-    eps2d: float = EPS2D,
-    sh_degree: Optional[int] = None,
-    packed: bool = False,
-    tile_size: int = TILE_SIZE,
-    backgrounds: Optional[Tensor] = None,  # [C_r, D]
-    render_mode: str = "RGB",
-    sparse_grad: bool = False,
-    absgrad: bool = False,
-    rasterize_mode: str = "classic",
-    backend: str = "auto",
-    max_intersections: Optional[int] = None,
-    absgrad_in_run: Optional[bool] = None,
+    *args, group: Optional[dist.ProcessGroup] = None, absgrad_in_run: Optional[bool] = None, **kwargs
 ) -> Tuple[Tensor, Tensor, Dict]:
     """Renders this rank's C_r cameras from the gaussians of every rank of ``group`` (default: the default
     process group; a process without an initialised process group is a world of one). Called collectively.
+    The arguments are ``ops.rasterization``'s (``contract.RasterizeCall``): this rank's shard (means [N_r, 3],
+    ...), its cameras (viewmats [C_r, 4, 4], Ks [C_r, 3, 3], backgrounds [C_r, D]) and image size; ``group``
+    and ``absgrad_in_run`` are keyword-only.
 
     Same semantics as one process calling ``ops.rasterization`` on the concatenation of every rank's
     gaussians (rank order) and cameras, with the loss the sum of every rank's loss: renders are its
@@ -204,54 +174,86 @@ def distributed_rasterization(
     asks for absgrad at any step: that choice of path follows it, so a run whose strategy reads absgrad until
     its refine stop and computes none after it (model.py strategy_reads_stats) keeps one path, and the same
     numbers, throughout."""
+    call = RasterizeCall(*args, **kwargs)
     initialised = dist.is_available() and dist.is_initialized()
     if not initialised and group is not None:
         raise RuntimeError("[distributed_rasterization] a group was given but torch.distributed is not initialised")
     world = dist.get_world_size(group) if initialised else 1
     if world == 1:
-        render_colors, render_alphas, meta = rasterization(
-            means, quats, scales, opacities, colors, viewmats, Ks, width, height, near_plane=near_plane,
-            far_plane=far_plane, radius_clip=radius_clip, eps2d=eps2d, sh_degree=sh_degree, packed=packed,
-            tile_size=tile_size, backgrounds=backgrounds, render_mode=render_mode, sparse_grad=sparse_grad,
-            absgrad=absgrad, rasterize_mode=rasterize_mode, backend=backend, max_intersections=max_intersections,
-        )  # fmt: skip
+        render_colors, render_alphas, meta = rasterization(**call.arguments())
         meta.update(camera_offset=0, all_to_all_bytes=0, world_size=1)
         return render_colors, render_alphas, meta
     rank = dist.get_rank(group)
+    name, table = _agree(call, group, world)  # 1.
+    n_per_rank, cams_per_rank, sizes = [t[1] for t in table], [t[2] for t in table], [(t[3], t[4]) for t in table]
+    offsets = [sum(cams_per_rank[:r]) for r in range(world)]
+    if name == "gsplat":
+        path_absgrad = call.absgrad if absgrad_in_run is None else bool(absgrad_in_run) or call.absgrad
+        misfit = gsplat_distributed_misfit(cams_per_rank, sizes, path_absgrad, group in (None, dist.group.WORLD),
+                                           call.packed)  # fmt: skip
+        if misfit is None:
+            return _gsplat_distributed(call, n_per_rank, cams_per_rank, rank)
+        global _warned_gsplat_fallback
+        if not _warned_gsplat_fallback:
+            _warned_gsplat_fallback = True
+            warnings.warn(f"splat-metal: gsplat's distributed mode cannot render this call ({misfit}); using "
+                          "splat-metal's distributed rasterization with the reference stages on CUDA (slower)",
+                          RuntimeWarning, stacklevel=2)  # fmt: skip
+        name = "reference"
+    ops = backend_module(name)
+    viewmats_all, Ks_all = _gather_cameras(call, cams_per_rank, rank, group)  # 2.
+    projected, send, visible, n_grad = _project_shard(ops, call, viewmats_all, Ks_all, offsets, cams_per_rank, sizes)
+    plan, recv, moved = _exchange(call, send, visible, n_grad, projected[1], offsets, cams_per_rank, rank, group)
 
-    # 1. Local checks, then one gather of every rank's sizes and options: errors are raised on every rank.
+    # 5. Rasterize this rank's cameras from the received pairs, laid out [C_r, M, F] in concatenation order.
+    C, M = cams_per_rank[rank], plan.M
+    dense = recv.new_zeros(C * M, recv.shape[1]).index_copy(0, plan.recv_index, recv).view(C, M, recv.shape[1])
+    render_colors, render_alphas, recv_means2d, chunks = _rasterize_received(ops, dense, call)
+    if call.absgrad:
+        plan.recv_absgrad = recv_means2d.absgrad  # [C_r, M, 2]
+    tile_width, tile_height = math.ceil(call.width / call.tile_size), math.ceil(call.height / call.tile_size)
+    meta = render_meta(name, projected, (None,) * 4, call.width, call.height, call.tile_size, tile_width,
+                       tile_height, chunks)  # fmt: skip
+    meta.update(n_cameras=C, n_cameras_total=sum(cams_per_rank), camera_offset=offsets[rank], all_to_all_bytes=moved,
+                world_size=world)  # n_cameras: this rank's C_r, not C_total (the docstring)  # fmt: skip
+    return render_colors, render_alphas, meta
+
+
+def _agree(call: RasterizeCall, group, world: int) -> Tuple[str, List[List[int]]]:
+    """1. Local checks, then one gather of every rank's sizes and options: errors are raised on every rank.
+    Returns the backend and, per rank, [ok, N_r, C_r, width, height, options...]."""
+    c = call
     error, name = None, "reference"
     try:
-        check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds,
-                     tile_size, rasterize_mode)  # fmt: skip
-        if viewmats.shape[0] < 1:
+        check_inputs(call)
+        if c.viewmats.shape[0] < 1:
             raise ValueError("[distributed_rasterization] every rank must render at least one camera, got C=0")
-        if means.dtype not in _DTYPES:
-            raise ValueError(f"[distributed_rasterization] means must be floating point, got {means.dtype}")
-        name = resolve_backend(backend, means.device)
+        if c.means.dtype not in _DTYPES:
+            raise ValueError(f"[distributed_rasterization] means must be floating point, got {c.means.dtype}")
+        name = resolve_backend(c.backend, c.means.device)
     except (ValueError, BackendUnavailable) as e:
         error = e
     options = {  # must be alike on every rank (max_intersections need not: it only bounds this rank's render)
         "backend": BACKENDS.index(name),
-        "render_mode": RENDER_MODES.index(render_mode) if render_mode in RENDER_MODES else -1,
-        "sh_degree": -1 if sh_degree is None else int(sh_degree),
-        "colors.shape[1]": colors.shape[1] if colors.dim() > 1 else -1,
-        "colors.shape[2]": colors.shape[2] if colors.dim() > 2 else -1,
-        "rasterize_mode": RASTERIZE_MODES.index(rasterize_mode) if rasterize_mode in RASTERIZE_MODES else -1,
-        "absgrad": bool(absgrad),
-        "tile_size": int(tile_size) if isinstance(tile_size, int) else -1,
-        "backgrounds (given or None)": backgrounds is not None,
+        "render_mode": RENDER_MODES.index(c.render_mode) if c.render_mode in RENDER_MODES else -1,
+        "sh_degree": -1 if c.sh_degree is None else int(c.sh_degree),
+        "colors.shape[1]": c.colors.shape[1] if c.colors.dim() > 1 else -1,
+        "colors.shape[2]": c.colors.shape[2] if c.colors.dim() > 2 else -1,
+        "rasterize_mode": RASTERIZE_MODES.index(c.rasterize_mode) if c.rasterize_mode in RASTERIZE_MODES else -1,
+        "absgrad": bool(c.absgrad),
+        "tile_size": int(c.tile_size) if isinstance(c.tile_size, int) else -1,
+        "backgrounds (given or None)": c.backgrounds is not None,
         "grad mode (torch.is_grad_enabled())": torch.is_grad_enabled(),
-        "dtype": _DTYPES.index(means.dtype) if means.dtype in _DTYPES else -1,
-        "near_plane": _float_bits(near_plane),
-        "far_plane": _float_bits(far_plane),
-        "radius_clip": _float_bits(radius_clip),
-        "eps2d": _float_bits(eps2d),
-        "packed": bool(packed),
-        "sparse_grad": bool(sparse_grad),
+        "dtype": _DTYPES.index(c.means.dtype) if c.means.dtype in _DTYPES else -1,
+        "near_plane": _float_bits(c.near_plane),
+        "far_plane": _float_bits(c.far_plane),
+        "radius_clip": _float_bits(c.radius_clip),
+        "eps2d": _float_bits(c.eps2d),
+        "packed": bool(c.packed),
+        "sparse_grad": bool(c.sparse_grad),
     }
-    local = [error is None, means.shape[0], viewmats.shape[0], int(width), int(height)]
-    table = _gather_ints(local + [int(v) for v in options.values()], group, means.device)  # [world][5 + options]
+    local = [error is None, c.means.shape[0], c.viewmats.shape[0], int(c.width), int(c.height)]
+    table = _gather_ints(local + [int(v) for v in options.values()], group, c.means.device)  # [world][5 + options]
     bad = [r for r in range(world) if not table[r][0]]
     if error is not None:
         raise error
@@ -262,117 +264,74 @@ def distributed_rasterization(
         if len(set(values)) > 1:
             shown = [_decode(label, v) for v in values]
             raise ValueError(f"[distributed_rasterization] every rank must pass the same {label}; per rank: {shown}")
-    if packed or sparse_grad:
+    if c.packed or c.sparse_grad:
         raise ValueError("[distributed_rasterization] packed/sparse_grad are not supported with more than one rank")
-    n_per_rank = [t[1] for t in table]
-    cams_per_rank = [t[2] for t in table]
-    sizes = [(t[3], t[4]) for t in table]
-    offsets = [sum(cams_per_rank[:r]) for r in range(world)]
-    C_total = sum(cams_per_rank)
+    return name, table
 
-    if name == "gsplat":
-        path_absgrad = absgrad if absgrad_in_run is None else bool(absgrad_in_run) or absgrad
-        misfit = gsplat_distributed_misfit(
-            cams_per_rank, sizes, path_absgrad, group in (None, dist.group.WORLD), packed
-        )
-        if misfit is None:
-            return _gsplat_distributed(
-                means, quats, scales, opacities, colors, viewmats, Ks, width, height, n_per_rank, cams_per_rank, rank,
-                near_plane=near_plane, far_plane=far_plane, radius_clip=radius_clip, eps2d=eps2d, sh_degree=sh_degree,
-                tile_size=tile_size, backgrounds=backgrounds, render_mode=render_mode, rasterize_mode=rasterize_mode,
-            )  # fmt: skip
-        global _warned_gsplat_fallback
-        if not _warned_gsplat_fallback:
-            _warned_gsplat_fallback = True
-            warnings.warn(f"splat-metal: gsplat's distributed mode cannot render this call ({misfit}); using "
-                          "splat-metal's distributed rasterization with the reference stages on CUDA (slower)",
-                          RuntimeWarning, stacklevel=2)  # fmt: skip
-        name = "reference"
-    ops = backend_module(name)
-    N = means.shape[0]
 
-    # 2. Every rank's cameras, differentiable. With gradients on, the gather is always part of the graph
-    # (a local stand-in if this rank's cameras need no gradient), so every rank runs its backward all_reduce.
+def _gather_cameras(call: RasterizeCall, cams_per_rank: List[int], rank: int, group) -> Tuple[Tensor, Tensor]:
+    """2. Every rank's cameras, differentiable: viewmats [C_total, 4, 4], Ks [C_total, 3, 3]. With gradients on,
+    the gather is always part of the graph (a local stand-in if this rank's cameras need no gradient), so every
+    rank runs its backward all_reduce."""
+    viewmats, Ks, C_total = call.viewmats, call.Ks, sum(cams_per_rank)
     cams = torch.cat([viewmats.reshape(-1, 16), Ks.reshape(-1, 9).to(viewmats.dtype)], dim=1)  # [C_r, 25]
     if torch.is_grad_enabled() and not cams.requires_grad:
         cams = cams.detach().requires_grad_(True)
     cams_all = _GatherCameras.apply(cams, cams_per_rank, rank, group)  # [C_total, 25]
-    viewmats_all = cams_all[:, :16].reshape(C_total, 4, 4)
-    Ks_all = cams_all[:, 16:].reshape(C_total, 3, 3).to(Ks.dtype)
+    return cams_all[:, :16].reshape(C_total, 4, 4), cams_all[:, 16:].reshape(C_total, 3, 3).to(Ks.dtype)
 
-    # 3. Project the local shard for every camera, at its owner's image size; opacities and colours.
+
+def _project_shard(ops, call: RasterizeCall, viewmats_all, Ks_all, offsets, cams_per_rank, sizes):
+    """3. The local shard projected for every camera, at its owner's image size; opacities and colours. Returns
+    (radii, means2d, depths, conics, opacities, None) [C_total, N_r, ...], the rows to send [S, F] (the visible
+    pairs by camera, so by destination, then gaussian), visible [C_total, N_r] and the differentiable columns."""
+    c, C_total = call, sum(cams_per_rank)
+    N = c.means.shape[0]
     projected = [
-        ops.project(means, quats, scales, viewmats_all[o : o + c], Ks_all[o : o + c], w, h, eps2d, near_plane,
-                    far_plane, radius_clip, rasterize_mode == "antialiased")
-        for o, c, (w, h) in zip(offsets, cams_per_rank, sizes)
+        ops.project(c.means, c.quats, c.scales, viewmats_all[o : o + n], Ks_all[o : o + n], w, h, c.eps2d,
+                    c.near_plane, c.far_plane, c.radius_clip, c.rasterize_mode == "antialiased")
+        for o, n, (w, h) in zip(offsets, cams_per_rank, sizes)
     ]  # fmt: skip
     radii, means2d, depths, conics = (torch.cat([p[i] for p in projected]) for i in range(4))  # [C_total, N, ...]
-    opacities_all = opacities.expand(C_total, N)  # [C_total, N]
+    opacities_all = c.opacities.expand(C_total, N)  # [C_total, N]
     if projected[0][4] is not None:
         opacities_all = opacities_all * torch.cat([p[4] for p in projected])
     visible = radii > 0  # [C_total, N]
     columns = [means2d, conics]
-    if render_mode in ("RGB", "RGB+D", "RGB+ED"):
-        if sh_degree is None:
-            columns.append(colors.expand(C_total, -1, -1))  # [C_total, N, D]
+    if c.render_mode in ("RGB", "RGB+D", "RGB+ED"):
+        if c.sh_degree is None:
+            columns.append(c.colors.expand(C_total, -1, -1))  # [C_total, N, D]
         else:
             campos = torch.linalg.inv(viewmats_all)[:, :3, 3]  # [C_total, 3]
-            dirs = means[None, :, :] - campos[:, None, :]  # [C_total, N, 3]
-            sh = ops.spherical_harmonics(sh_degree, dirs, colors.expand(C_total, -1, -1, -1), visible)
+            dirs = c.means[None, :, :] - campos[:, None, :]  # [C_total, N, 3]
+            sh = ops.spherical_harmonics(c.sh_degree, dirs, c.colors.expand(C_total, -1, -1, -1), visible)
             columns.append(torch.clamp_min(sh + 0.5, 0.0))  # [C_total, N, 3]
     columns += [opacities_all[..., None], depths[..., None]]
-    n_grad = sum(c.shape[-1] for c in columns)  # the differentiable columns; the radius follows
-    columns.append(radii.detach().to(means.dtype)[..., None])  # an integer, exact in float below 2^24
-    send = torch.cat(columns, dim=-1)[visible]  # [S, F] by camera (so by destination), then gaussian
+    n_grad = sum(col.shape[-1] for col in columns)  # the differentiable columns; the radius follows
+    columns.append(radii.detach().to(c.means.dtype)[..., None])  # an integer, exact in float below 2^24
+    send = torch.cat(columns, dim=-1)[visible]  # [S, F]
+    return (radii, means2d, depths, conics, opacities_all, None), send, visible, n_grad
 
-    # 4. Visible pairs per (rank, camera), then the all-to-all.
-    counts = _gather_ints(visible.sum(dim=1).tolist(), group, means.device)  # [world][C_total]
+
+def _exchange(call: RasterizeCall, send, visible, n_grad, means2d, offsets, cams_per_rank, rank, group):
+    """4. Visible pairs per (rank, camera), then the all-to-all. Returns the plan (its M: the pairs of this rank's
+    busiest camera), the received rows [R, F] and the bytes moved to and from other ranks."""
+    world, device = len(cams_per_rank), call.means.device
+    counts = _gather_ints(visible.sum(dim=1).tolist(), group, device)  # [world][C_total]
     mine = slice(offsets[rank], offsets[rank] + cams_per_rank[rank])
     send_splits = [sum(counts[rank][o : o + c]) for o, c in zip(offsets, cams_per_rank)]
     recv_splits = [sum(counts[s][mine]) for s in range(world)]
-    per_camera = torch.tensor([counts[s][mine] for s in range(world)], device=means.device)  # [world, C_r]
+    per_camera = torch.tensor([counts[s][mine] for s in range(world)], device=device)  # [world, C_r]
     M = int(per_camera.sum(dim=0).max())  # pairs of this rank's busiest camera
-    plan = SimpleNamespace(group=group, send_splits=send_splits, recv_splits=recv_splits, n_grad=n_grad,
+    plan = SimpleNamespace(group=group, send_splits=send_splits, recv_splits=recv_splits, n_grad=n_grad, M=M,
                            recv_index=_receive_index(per_camera, M), recv_absgrad=None, send_absgrad=None,
                            send_visible=visible)  # fmt: skip
-    if absgrad:
+    if call.absgrad:
         means2d.absgrad = plan.send_absgrad = torch.zeros_like(means2d)  # [C_total, N, 2], filled in backward
     recv = _ExchangeProjected.apply(send, plan)  # [R, F]
     row_bytes = send.shape[1] * send.element_size()
-    others = [r for r in range(world) if r != rank]
-    moved = sum(send_splits[r] + recv_splits[r] for r in others) * row_bytes
-
-    # 5. Rasterize this rank's cameras from the received pairs, laid out [C_r, M, F] in concatenation order.
-    C = cams_per_rank[rank]
-    dense = recv.new_zeros(C * M, recv.shape[1]).index_copy(0, plan.recv_index, recv).view(C, M, recv.shape[1])
-    render_colors, render_alphas, recv_means2d, chunks = _rasterize_received(
-        ops, dense, width, height, tile_size, backgrounds, render_mode, absgrad, max_intersections
-    )
-    if absgrad:
-        plan.recv_absgrad = recv_means2d.absgrad  # [C_r, M, 2]
-    tile_width, tile_height = math.ceil(width / tile_size), math.ceil(height / tile_size)
-    meta = {
-        "camera_ids": None,
-        "gaussian_ids": None,
-        "radii": radii,
-        "means2d": means2d,
-        "depths": depths,
-        "conics": conics,
-        "opacities": opacities_all,
-        "tile_width": tile_width,
-        "tile_height": tile_height,
-        "width": width,
-        "height": height,
-        "tile_size": tile_size,
-        "n_cameras": cams_per_rank[rank],  # not C_total: see the docstring
-        "n_cameras_total": C_total,
-        "camera_offset": offsets[rank],
-        "all_to_all_bytes": moved,
-        "backend": name,
-        "world_size": world,
-        "depth_chunks": chunks,
-    }
-    return render_colors, render_alphas, meta
+    moved = sum(send_splits[r] + recv_splits[r] for r in range(world) if r != rank) * row_bytes
+    return plan, recv, moved
 
 
 def _receive_index(per_camera: Tensor, M: int) -> Tensor:
@@ -389,7 +348,7 @@ def _receive_index(per_camera: Tensor, M: int) -> Tensor:
     return (block_of_row % C) * M + slot
 
 
-def _rasterize_received(ops, dense, width, height, tile_size, backgrounds, render_mode, absgrad, max_intersections):
+def _rasterize_received(ops, dense, call: RasterizeCall):
     """The rasterization half of ops.rasterization on received pairs ``dense`` [C, M, F] (means2d 2, conics 3,
     colours D or none, opacity, depth, radius; padding rows have radius 0). Returns render_colors,
     render_alphas, the means2d tensor rasterized (its .absgrad is the absgrad buffer) and the chunk count."""
@@ -398,23 +357,24 @@ def _rasterize_received(ops, dense, width, height, tile_size, backgrounds, rende
     opacities, depths = dense[..., -3].contiguous(), dense[..., -2].contiguous()  # [C, M]
     radii = dense[..., -1].detach().round().int()  # [C, M]
     projected = (radii, means2d, depths, conics, opacities, colors)
-    render_colors, render_alphas, meta = rasterize_projected(
-        ops, "received", projected, width, height, tile_size, backgrounds, render_mode, absgrad, max_intersections
-    )
+    c = call
+    render_colors, render_alphas, meta = rasterize_projected(ops, "received", projected, c.width, c.height,
+                                                             c.tile_size, c.backgrounds, c.render_mode, c.absgrad,
+                                                             c.max_intersections)  # fmt: skip
     return render_colors, render_alphas, means2d, meta["depth_chunks"]
 
 
-def _gsplat_distributed(means, quats, scales, opacities, colors, viewmats, Ks, width, height, n_per_rank,
-                        cams_per_rank, rank, **kwargs):  # fmt: skip
+def _gsplat_distributed(call: RasterizeCall, n_per_rank, cams_per_rank, rank):
     """gsplat 1.4's own distributed mode (CUDA, NCCL), with meta completed to this module's contract."""
     from gsplat.rendering import rasterization as gsplat_rasterization
 
     # As ops.rasterization: the call as given (gsplat's semantics, a zero quaternion included).
-    render_colors, render_alphas, meta = gsplat_rasterization(
-        means, quats, scales, opacities, colors, viewmats, Ks, width, height, distributed=True, **kwargs
-    )
+    args, kwargs = call.gsplat_arguments()
+    del kwargs["packed"], kwargs["sparse_grad"], kwargs["absgrad"]  # gsplat's defaults (the misfit test)
+    render_colors, render_alphas, meta = gsplat_rasterization(*args, distributed=True, **kwargs)
     # gsplat sends every (camera, gaussian) pair: means2d 2, depth 1, conics 3, opacity 1, colours D, radius.
-    D = 3 if kwargs["sh_degree"] is not None else colors.shape[-1]
+    means = call.means
+    D = 3 if call.sh_degree is not None else call.colors.shape[-1]
     row_bytes = (7 + D) * means.element_size() + 4
     others = [r for r in range(len(n_per_rank)) if r != rank]
     moved = sum(cams_per_rank[r] * means.shape[0] + cams_per_rank[rank] * n_per_rank[r] for r in others) * row_bytes
@@ -422,3 +382,8 @@ def _gsplat_distributed(means, quats, scales, opacities, colors, viewmats, Ks, w
                 camera_offset=sum(cams_per_rank[:rank]), all_to_all_bytes=moved,
                 backend="gsplat", world_size=len(n_per_rank), depth_chunks=1)  # fmt: skip
     return render_colors, render_alphas, meta
+
+
+distributed_rasterization.__signature__ = call_signature(
+    tuple(inspect.signature(distributed_rasterization).parameters.values())[1:-1]  # group, absgrad_in_run
+)

@@ -39,24 +39,13 @@ from __future__ import annotations
 import os
 import warnings
 from types import ModuleType
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 from torch import Tensor
 
-from .constants import EPS2D, TILE_SIZE
-from .stages import (  # noqa: F401 (the shared stages, re-exported where callers found them)
-    MAX_TILE_SIZE,
-    RASTERIZE_MODES,
-    RENDER_MODES,
-    _project_and_cull,
-    check_inputs,
-    expected_depth,
-    plan_depth_chunks,
-    rasterize_projected,
-    render_meta,
-    with_depth_channel,
-)
+from .contract import RasterizeCall, call_signature, check_dense, check_inputs
+from .stages import _project_and_cull, rasterize_projected
 
 BACKENDS = ("auto", "reference", "gsplat", "metal", "cpu")
 
@@ -171,68 +160,39 @@ def backend_module(name: str) -> ModuleType:
     raise BackendUnavailable(f"no stage module for backend {name!r}")
 
 
-def rasterization(
-    means: Tensor,  # [N, 3]
-    quats: Tensor,  # [N, 4] wxyz (normalised internally)
-    scales: Tensor,  # [N, 3]
-    opacities: Tensor,  # [N]
-    colors: Tensor,  # [N, D] post-activation, or [N, K, 3] SH coefficients with sh_degree
-    viewmats: Tensor,  # [C, 4, 4] world -> camera
-    Ks: Tensor,  # [C, 3, 3]
-    width: int,
-    height: int,
-    near_plane: float = 0.01,
-    far_plane: float = 1e10,
-    radius_clip: float = 0.0,
-    eps2d: float = EPS2D,
-    sh_degree: Optional[int] = None,
-    packed: bool = False,
-    tile_size: int = TILE_SIZE,
-    backgrounds: Optional[Tensor] = None,  # [C, D]
-    render_mode: str = "RGB",
-    sparse_grad: bool = False,
-    absgrad: bool = False,
-    rasterize_mode: str = "classic",
-    backend: str = "auto",
-    max_intersections: Optional[int] = None,
-) -> Tuple[Tensor, Tensor, Dict]:
-    """gsplat 1.4's ``rasterization`` (its arguments up to ``rasterize_mode``; ``packed`` defaults to False,
-    the dense meta DefaultStrategy reads). Renders C cameras: render_colors [C,H,W,D'], render_alphas
-    [C,H,W,1] and the meta dict gsplat 1.4's DefaultStrategy reads (means2d with grad and, if asked, absgrad;
-    radii [C,N]; width; height; n_cameras; ...).
+def rasterization(*args, **kwargs) -> Tuple[Tensor, Tensor, Dict]:
+    """gsplat 1.4's ``rasterization``: its arguments (``contract.RasterizeCall``, this function's signature) up to
+    ``rasterize_mode``, then ``backend`` and ``max_intersections``. Renders C cameras: render_colors [C,H,W,D'],
+    render_alphas [C,H,W,1] and the meta dict gsplat 1.4's DefaultStrategy reads (means2d with grad and, if asked,
+    absgrad; radii [C,N]; width; height; n_cameras; ...).
 
     ``backend`` (module docstring) is chosen once, here: "gsplat" hands gsplat the call as given (no work of
     this layer on the device), "metal" is ops/metal/fused.py's ``rasterization_metal`` (which also takes the
-    model's parameters as stored and splatfacto's composite), the others run the five stages below.
+    model's parameters as stored and splatfacto's composite), the others run the backend's stages
+    (ops/contract.py) through ops/stages.py.
 
     ``max_intersections`` (not a gsplat argument): when the render's tile intersections exceed it,
     it is rasterized in depth chunks with the same result (ops/chunked.py); meta then has
     ``depth_chunks`` > 1 and no isect_ids/flatten_ids/isect_offsets. Ignored by backend "gsplat"."""
-    name = resolve_backend(backend, means.device)
-    check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds,
-                 tile_size, rasterize_mode)  # fmt: skip
+    call = RasterizeCall(*args, **kwargs)
+    name = resolve_backend(call.backend, call.means.device)
+    check_inputs(call)
     if name == "gsplat":
         from gsplat.rendering import rasterization as gsplat_rasterization
 
-        return gsplat_rasterization(
-            means, quats, scales, opacities, colors, viewmats, Ks, width, height,
-            near_plane=near_plane, far_plane=far_plane, radius_clip=radius_clip, eps2d=eps2d,
-            sh_degree=sh_degree, packed=packed, tile_size=tile_size, backgrounds=backgrounds,
-            render_mode=render_mode, sparse_grad=sparse_grad, absgrad=absgrad, rasterize_mode=rasterize_mode,
-        )  # fmt: skip
-    if packed or sparse_grad:
-        raise ValueError(f"[rasterization] packed/sparse_grad are only supported by backend 'gsplat' (using {name!r})")
+        args, kwargs = call.gsplat_arguments()
+        return gsplat_rasterization(*args, **kwargs)
+    check_dense(call, name)
     if name == "metal":
         from .metal.fused import rasterization_metal
 
-        return rasterization_metal(
-            means, quats, scales, opacities, colors, viewmats, Ks, width, height, near_plane=near_plane,
-            far_plane=far_plane, radius_clip=radius_clip, eps2d=eps2d, sh_degree=sh_degree, tile_size=tile_size,
-            backgrounds=backgrounds, render_mode=render_mode, absgrad=absgrad, rasterize_mode=rasterize_mode,
-            max_intersections=max_intersections,
-        )  # fmt: skip
-    ops = backend_module(name)
-    projected = _project_and_cull(ops, means, quats, scales, opacities, colors, viewmats, Ks, width, height, eps2d,
-                                  near_plane, far_plane, radius_clip, rasterize_mode, sh_degree)  # fmt: skip
-    return rasterize_projected(ops, name, projected, width, height, tile_size, backgrounds, render_mode, absgrad,
-                               max_intersections)  # fmt: skip
+        return rasterization_metal(**call.arguments())
+    c, ops = call, backend_module(name)
+    projected = _project_and_cull(ops, c.means, c.quats, c.scales, c.opacities, c.colors, c.viewmats, c.Ks, c.width,
+                                  c.height, c.eps2d, c.near_plane, c.far_plane, c.radius_clip, c.rasterize_mode,
+                                  c.sh_degree)  # fmt: skip
+    return rasterize_projected(ops, name, projected, c.width, c.height, c.tile_size, c.backgrounds, c.render_mode,
+                               c.absgrad, c.max_intersections)  # fmt: skip
+
+
+rasterization.__signature__ = call_signature()

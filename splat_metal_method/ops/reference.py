@@ -5,9 +5,8 @@ over speed. Semantics follow gsplat 1.4 (non-packed, pinhole). Cost grows with t
 intersections (each tile composites only the gaussians listed for it), and memory stays bounded
 by compositing tiles in chunks (recomputed in backward when the work is large).
 
-Every backend module exposes the same five stages with the same signatures:
-``project``, ``spherical_harmonics``, ``isect_tiles``, ``isect_offset_encode``,
-``rasterize_to_pixels``. At the end: the two ops of gsplat's MCMC strategy (``compute_relocation``,
+It implements every stage of the backend contract (ops/contract.py: ``project``, ``spherical_harmonics``,
+``isect_tiles``, ``isect_offset_encode``, ``rasterize_to_pixels``, ``rasterize_depth_chunk``). At the end: the two ops of gsplat's MCMC strategy (``compute_relocation``,
 ``quat_scale_to_covar_preci``), which every non-CUDA device runs from here (ops/mcmc.py).
 """
 
@@ -21,6 +20,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from .constants import ALPHA_MAX, ALPHA_MIN, SH_MAX_DEGREE, TRANSMITTANCE_MIN
+from .contract import absgrad_buffer, stage, with_background
 
 # Elements of one [tiles, gaussians, pixels] block composited at once. Bounds peak memory.
 CHUNK_ELEMENTS = 1 << 22
@@ -45,24 +45,10 @@ def _rows_finite(x: Tensor, dims: int = 1) -> Tensor:  # [..., *row] -> [...] bo
     return torch.isfinite(x).flatten(-dims).all(dim=-1)
 
 
-def project(
-    means: Tensor,  # [N, 3]
-    quats: Tensor,  # [N, 4] wxyz, normalised here
-    scales: Tensor,  # [N, 3]
-    viewmats: Tensor,  # [C, 4, 4] world -> camera
-    Ks: Tensor,  # [C, 3, 3]
-    width: int,
-    height: int,
-    eps2d: float = 0.3,
-    near_plane: float = 0.01,
-    far_plane: float = 1e10,
-    radius_clip: float = 0.0,
-    calc_compensations: bool = False,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """EWA projection. Returns radii [C,N] int32, means2d [C,N,2], depths [C,N], conics [C,N,3],
-    compensations [C,N] (or None). Culled entries have radius 0 and zero outputs.
-
-    Non-finite inputs (README "Known limits"), by explicit checks as in covar.h: a gaussian whose
+@stage
+def project(means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane, radius_clip,
+            calc_compensations):  # fmt: skip
+    """Non-finite inputs (README "Known limits"), by explicit checks as in covar.h: a gaussian whose
     mean, quaternion, scale or quaternion squared norm is not finite, or a camera whose view matrix
     is not, is culled; so is a pair whose projected values (means2d, conic, radius, depth, and the
     compensation ratio when asked) are not finite or whose radius does not fit int32. Culled pairs get
@@ -205,13 +191,8 @@ def sh_bases(degree: int, dirs: Tensor) -> Tensor:  # dirs [..., 3] unit -> [...
     return torch.stack(out, dim=-1)
 
 
-def spherical_harmonics(
-    degree: int,
-    dirs: Tensor,  # [C, N, 3] unnormalised view directions (mean - camera centre)
-    coeffs: Tensor,  # [C, N, K, 3], K >= (degree+1)^2
-    masks: Optional[Tensor] = None,  # [C, N] bool; False -> output 0
-    activate: bool = False,
-) -> Tensor:  # [C, N, 3]; with ``activate`` the public API's colour: activate_sh_colors(...)
+@stage
+def spherical_harmonics(degree, dirs, coeffs, masks, activate):
     n_bases = (degree + 1) ** 2
     coeffs = coeffs[..., :n_bases, :]
     if masks is not None:  # masked entries compute with zeros, so their gradients are exactly 0 (no 0 * NaN)
@@ -251,16 +232,8 @@ def tile_bounds(
 
 
 @torch.no_grad()
-def isect_tiles(
-    means2d: Tensor,  # [C, N, 2]
-    radii: Tensor,  # [C, N] int32
-    depths: Tensor,  # [C, N]
-    tile_size: int,
-    tile_width: int,
-    tile_height: int,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """Lists every (gaussian, tile) overlap, sorted by camera, tile, then depth (stable, so ties
-    keep emission order). Returns tiles_per_gauss [C,N] int32, isect_ids [M] int64, flatten_ids [M] int32."""
+@stage
+def isect_tiles(means2d, radii, depths, tile_size, tile_width, tile_height):
     C, N = radii.shape
     device = means2d.device
     lo, span = tile_bounds(means2d, radii, tile_size, tile_width, tile_height)
@@ -285,8 +258,8 @@ def isect_tiles(
 
 
 @torch.no_grad()
-def isect_offset_encode(isect_ids: Tensor, C: int, tile_width: int, tile_height: int) -> Tensor:
-    """Start of each tile's range in the sorted intersection list: [C, tile_height, tile_width] int32."""
+@stage
+def isect_offset_encode(isect_ids, C, tile_width, tile_height):
     tile_bits = (tile_width * tile_height).bit_length()
     n_tiles = tile_width * tile_height
     key = isect_ids >> 32
@@ -358,55 +331,18 @@ def _composite_tiles(
     return torch.einsum("tlp,tld->tpd", weights, colors), trans[:, -1], stopped
 
 
-def rasterize_to_pixels(
-    means2d: Tensor,  # [C, N, 2]
-    conics: Tensor,  # [C, N, 3]
-    colors: Tensor,  # [C, N, D]
-    opacities: Tensor,  # [C, N]
-    width: int,
-    height: int,
-    tile_size: int,
-    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32
-    flatten_ids: Tensor,  # [M] int32
-    backgrounds: Optional[Tensor] = None,  # [C, D]
-    absgrad: bool = False,
-) -> Tuple[Tensor, Tensor]:
-    """Alpha-composites each tile's depth-sorted gaussians. Returns render_colors [C,H,W,D] and
-    render_alphas [C,H,W,1]. With absgrad, sets ``means2d.absgrad`` [C,N,2] (filled by backward)."""
-    C, N, _ = colors.shape
-    absgrad_out = None
-    if absgrad:
-        absgrad_out = torch.zeros(C, N, 2, device=means2d.device, dtype=means2d.dtype)
-        means2d.absgrad = absgrad_out
-    render_colors, trans, _ = _rasterize(
-        means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, absgrad_out
-    )
+@stage
+def rasterize_to_pixels(means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids,
+                        backgrounds, absgrad):  # fmt: skip
+    render_colors, trans, _ = _rasterize(means2d, conics, colors, opacities, width, height, tile_size, isect_offsets,
+                                         flatten_ids, absgrad_buffer(means2d, absgrad))  # fmt: skip
     render_alphas = 1.0 - trans[..., None]
-    if backgrounds is not None:
-        render_colors = render_colors + backgrounds[:, None, None, :] * (1.0 - render_alphas)
-    return render_colors, render_alphas
+    return with_background(render_colors, render_alphas, backgrounds), render_alphas
 
 
-def rasterize_depth_chunk(
-    means2d: Tensor,  # [C, N, 2]
-    conics: Tensor,  # [C, N, 3]
-    colors: Tensor,  # [C, N, D]
-    opacities: Tensor,  # [C, N]
-    width: int,
-    height: int,
-    tile_size: int,
-    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32, of this chunk's intersections
-    flatten_ids: Tensor,  # [M_k] int32, this chunk's intersections
-    transmittance: Tensor,  # [C, H, W] running transmittance before this chunk
-    stopped: Tensor,  # [C, H, W] bool: the pixel has already hit the transmittance floor
-    absgrad_out: Optional[Tensor] = None,  # [C, N, 2] buffer backward adds |per-pixel d loss/d means2d| to
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """Resumes compositing with the gaussians of one depth chunk (all behind the previous chunks).
-
-    Returns this chunk's colors [C,H,W,D] (already weighted by the incoming transmittance, no
-    background), the transmittance after it [C,H,W] and the stopped mask [C,H,W]. Chaining the
-    chunks front to back (colors summed, state passed on) gives the render of the whole list: the
-    stop rule (stop before the gaussian that would take T to <= 1e-4) sees the absolute T."""
+@stage
+def rasterize_depth_chunk(means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids,
+                          transmittance, stopped, absgrad_out):  # fmt: skip
     trans_in = torch.where(stopped, torch.zeros_like(transmittance), transmittance)
     out_colors, trans, stopped_out = _rasterize(
         means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, absgrad_out,
@@ -415,21 +351,11 @@ def rasterize_depth_chunk(
     return out_colors, torch.where(stopped, transmittance, trans), stopped | stopped_out
 
 
-def _rasterize(
-    means2d: Tensor,  # [C, N, 2]
-    conics: Tensor,  # [C, N, 3]
-    colors: Tensor,  # [C, N, D]
-    opacities: Tensor,  # [C, N]
-    width: int,
-    height: int,
-    tile_size: int,
-    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32
-    flatten_ids: Tensor,  # [M] int32
-    absgrad_out: Optional[Tensor] = None,  # [C, N, 2]
-    trans_in: Optional[Tensor] = None,  # [C, H, W]; None = 1; 0 marks a pixel that has stopped
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """Compositing of every tile: colors [C,H,W,D] (no background), transmittance [C,H,W],
-    stopped [C,H,W] bool."""
+def _rasterize(means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids,
+               absgrad_out=None, trans_in=None) -> Tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Compositing of every tile (rasterize_to_pixels's arguments, absgrad_out [C, N, 2] or None, trans_in
+    [C, H, W] or None: start at 1; 0 marks a pixel that has stopped): colors [C,H,W,D] (no background),
+    transmittance [C,H,W], stopped [C,H,W] bool."""
     C, N, D = colors.shape
     tile_height, tile_width = isect_offsets.shape[1:]
     n_tiles = C * tile_height * tile_width

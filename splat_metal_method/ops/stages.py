@@ -1,5 +1,5 @@
-"""The stages every backend but gsplat runs through, written once: the argument check, projection with the
-non-finite culling, the tile lists and rasterizer (or depth chunks), and the meta dict gsplat's strategies
+"""The stages every backend but gsplat runs through, written once (over the backend contract, ops/contract.py):
+projection with the non-finite culling, the tile lists and rasterizer (or depth chunks), and the meta dict gsplat's strategies
 read. ``ops.rasterization`` and the Metal fused path (ops/metal/fused.py) both call these; neither imports
 the other."""
 
@@ -11,57 +11,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from .constants import SH_MAX_DEGREE
 from .reference import activate_sh_colors
-
-RENDER_MODES = ("RGB", "D", "ED", "RGB+D", "RGB+ED")
-
-MAX_TILE_SIZE = 32  # one thread per pixel of a tile: at most 1024 per threadgroup/block (Metal, gsplat)
-
-
-RASTERIZE_MODES = ("classic", "antialiased")
-
-
-def check_inputs(means, quats, scales, opacities, colors, viewmats, Ks, sh_degree, render_mode, backgrounds,
-                 tile_size, rasterize_mode="classic"):  # fmt: skip
-    """The op's one argument check (every backend, distributed_rasterization too): shapes, devices and
-    options, read on the host only (no tensor op: the gsplat passthrough costs no device work)."""
-
-    def fail(msg):
-        raise ValueError(f"[rasterization] {msg}")
-
-    if rasterize_mode not in RASTERIZE_MODES:
-        fail(f"rasterize_mode must be one of {RASTERIZE_MODES}, got {rasterize_mode!r}")
-
-    if isinstance(tile_size, bool) or not isinstance(tile_size, int) or not 1 <= tile_size <= MAX_TILE_SIZE:
-        fail(f"tile_size must be an int in 1..{MAX_TILE_SIZE} (one thread per pixel of a tile), got {tile_size!r}")
-
-    N = means.shape[0] if means.dim() == 2 else -1
-    if means.dim() != 2 or means.shape[1] != 3:
-        fail(f"means must be [N,3], got {list(means.shape)}")
-    for name, t, shape in (("quats", quats, (N, 4)), ("scales", scales, (N, 3)), ("opacities", opacities, (N,))):
-        if tuple(t.shape) != shape:
-            fail(f"{name} must be {list(shape)}, got {list(t.shape)}")
-    C = viewmats.shape[0] if viewmats.dim() == 3 else -1
-    if tuple(viewmats.shape) != (C, 4, 4):
-        fail(f"viewmats must be [C,4,4], got {list(viewmats.shape)}")
-    if tuple(Ks.shape) != (C, 3, 3):
-        fail(f"Ks must be [C,3,3] with C={C} like viewmats, got {list(Ks.shape)}")
-    if sh_degree is None:
-        if colors.dim() != 2 or colors.shape[0] != N:
-            fail(f"colors must be [N,D] when sh_degree is None, got {list(colors.shape)} (N={N})")
-    else:
-        if colors.dim() != 3 or colors.shape[0] != N or colors.shape[2] != 3:
-            fail(f"colors must be [N,K,3] SH coefficients when sh_degree is set, got {list(colors.shape)}")
-        if not 0 <= sh_degree <= SH_MAX_DEGREE or (sh_degree + 1) ** 2 > colors.shape[1]:
-            fail(f"sh_degree={sh_degree} needs 0..{SH_MAX_DEGREE} and K >= (sh_degree+1)^2, got K={colors.shape[1]}")
-    if render_mode not in RENDER_MODES:
-        fail(f"render_mode must be one of {RENDER_MODES}, got {render_mode!r}")
-    tensors = [means, quats, scales, opacities, colors, viewmats, Ks]
-    if any(t.device != means.device for t in tensors):
-        fail("all inputs must be on the same device: " + ", ".join(str(t.device) for t in tensors))
-    if backgrounds is not None and tuple(backgrounds.shape) != (C, colors.shape[-1]):
-        fail(f"backgrounds must be [C,D] with C={C}, D={colors.shape[-1]} like colors, got {list(backgrounds.shape)}")
 
 
 def _project_and_cull(ops, means, quats, scales, opacities, colors, viewmats, Ks, width, height, eps2d, near_plane,

@@ -9,21 +9,22 @@ projection and SH arithmetic is the Metal kernels' (itself the reference's order
 bit-identical to the reference's. Every stage is deterministic for any thread count (no atomics;
 fixed-order sums), and runs on up to torch.get_num_threads() threads (see _threads).
 
-The stages keep the backend contract (same names and signatures as ops/reference.py). Tensors that
+The stages implement the backend contract (ops/contract.py). Tensors that
 are not float32 CPU tensors go to the reference (the native code is float32 only).
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .. import reference
-from ..autograd_stages import ProjectFn, SphericalHarmonicsFn, camera_grads, resumed_transmittance_grad
+from ..autograd_stages import SphericalHarmonicsFn, camera_grads, project_with, resumed_transmittance_grad
 from ..constants import ALPHA_MAX, ALPHA_MIN, SH_MAX_DEGREE, TRANSMITTANCE_MIN
+from ..contract import absgrad_buffer, stage, with_background
 from . import build
 
 __all__ = ["project", "spherical_harmonics", "isect_tiles", "isect_offset_encode", "rasterize_to_pixels",
@@ -127,38 +128,18 @@ KERNELS = SimpleNamespace(project_fwd=_project_fwd, project_bwd=_project_bwd, sp
                           spherical_harmonics_bwd=_sh_bwd)  # fmt: skip
 
 
-def project(
-    means: Tensor,  # [N, 3]
-    quats: Tensor,  # [N, 4] wxyz (normalised inside)
-    scales: Tensor,  # [N, 3]
-    viewmats: Tensor,  # [C, 4, 4]
-    Ks: Tensor,  # [C, 3, 3]
-    width: int,
-    height: int,
-    eps2d: float = 0.3,
-    near_plane: float = 0.01,
-    far_plane: float = 1e10,
-    radius_clip: float = 0.0,
-    calc_compensations: bool = False,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """radii [C,N] int32, means2d [C,N,2], depths [C,N], conics [C,N,3], compensations [C,N] or None."""
+@stage
+def project(means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane, radius_clip,
+            calc_compensations):  # fmt: skip
     args = (width, height, eps2d, near_plane, far_plane, radius_clip, calc_compensations)
     if not _native(means, quats, scales, viewmats, Ks):
         return reference.project(means, quats, scales, viewmats, Ks, *args)
-    radii, means2d, depths, conics, comp = ProjectFn.apply(
-        KERNELS, means, quats, scales, viewmats, Ks, int(width), int(height), float(eps2d), float(near_plane),
-        float(far_plane), float(radius_clip), bool(calc_compensations),
-    )  # fmt: skip
-    return radii, means2d, depths, conics, (comp if calc_compensations else None)
+    return project_with(KERNELS, means, quats, scales, viewmats, Ks, *args)
 
 
-def spherical_harmonics(
-    degree: int,
-    dirs: Tensor,  # [C, N, 3] unnormalised view directions
-    coeffs: Tensor,  # [C, N, K, 3], K >= (degree+1)^2
-    masks: Optional[Tensor] = None,  # [C, N] bool
-    activate: bool = False,
-) -> Tensor:  # [C, N, 3]; with ``activate`` clamp_min(colour + 0.5, 0) (in torch, after the kernel)
+@stage
+def spherical_harmonics(degree, dirs, coeffs, masks, activate):
+    """The activation in torch, after the kernel."""
     if not 0 <= int(degree) <= SH_MAX_DEGREE:
         raise ValueError(f"[spherical_harmonics] degree must be 0..{SH_MAX_DEGREE}, got {degree}")
     if not _native(dirs, coeffs):
@@ -168,16 +149,10 @@ def spherical_harmonics(
 
 
 @torch.no_grad()
-def isect_tiles(
-    means2d: Tensor,  # [C, N, 2]
-    radii: Tensor,  # [C, N] int32
-    depths: Tensor,  # [C, N]
-    tile_size: int,
-    tile_width: int,
-    tile_height: int,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """tiles_per_gauss [C,N] int32, isect_ids [M] int64, flatten_ids [M] int32: the reference's
-    lists in the reference's order (isect.cpp: counting sort by tile, stable depth sort per tile)."""
+@stage
+def isect_tiles(means2d, radii, depths, tile_size, tile_width, tile_height):
+    """The reference's lists in the reference's order (isect.cpp: counting sort by tile, stable depth sort per
+    tile)."""
     if not _native(means2d, depths):
         return reference.isect_tiles(means2d, radii, depths, tile_size, tile_width, tile_height)
     lib = build.load()
@@ -259,62 +234,26 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
                 None, None, None, None, None, None, None)  # fmt: skip
 
 
-def rasterize_to_pixels(
-    means2d: Tensor,  # [C, N, 2]
-    conics: Tensor,  # [C, N, 3]
-    colors: Tensor,  # [C, N, D]
-    opacities: Tensor,  # [C, N]
-    width: int,
-    height: int,
-    tile_size: int,
-    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32
-    flatten_ids: Tensor,  # [M] int32
-    backgrounds: Optional[Tensor] = None,  # [C, D]
-    absgrad: bool = False,
-) -> Tuple[Tensor, Tensor]:
-    """render_colors [C,H,W,D], render_alphas [C,H,W,1]. With absgrad, sets means2d.absgrad [C,N,2]
-    (zeros now, filled by the backward pass), as the reference does."""
+@stage
+def rasterize_to_pixels(means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids,
+                        backgrounds, absgrad):  # fmt: skip
     if not _native(means2d, conics, colors, opacities):
-        return reference.rasterize_to_pixels(
-            means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, backgrounds,
-            absgrad,
-        )  # fmt: skip
-    absgrad_buf = None
-    if absgrad:
-        absgrad_buf = torch.zeros_like(means2d)
-        means2d.absgrad = absgrad_buf
+        return reference.rasterize_to_pixels(means2d, conics, colors, opacities, width, height, tile_size,
+                                             isect_offsets, flatten_ids, backgrounds, absgrad)  # fmt: skip
     render_colors, trans, _ = _RasterizeToPixelsFn.apply(
         means2d, conics, colors, opacities, None, None, int(width), int(height), int(tile_size), isect_offsets,
-        flatten_ids, absgrad_buf,
+        flatten_ids, absgrad_buffer(means2d, absgrad),
     )  # fmt: skip
     render_alphas = 1.0 - trans[..., None]  # [C, H, W, 1]
-    if backgrounds is not None:
-        render_colors = render_colors + backgrounds[:, None, None, :] * (1.0 - render_alphas)
-    return render_colors, render_alphas
+    return with_background(render_colors, render_alphas, backgrounds), render_alphas
 
 
-def rasterize_depth_chunk(
-    means2d: Tensor,  # [C, N, 2]
-    conics: Tensor,  # [C, N, 3]
-    colors: Tensor,  # [C, N, D]
-    opacities: Tensor,  # [C, N]
-    width: int,
-    height: int,
-    tile_size: int,
-    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32, of this chunk's intersections
-    flatten_ids: Tensor,  # [M_k] int32, this chunk's intersections
-    transmittance: Tensor,  # [C, H, W] running transmittance before this chunk
-    stopped: Tensor,  # [C, H, W] bool: the pixel has already hit the transmittance floor
-    absgrad_out: Optional[Tensor] = None,  # [C, N, 2] buffer backward adds |per-pixel d loss/d means2d| to
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """One depth chunk resumed from the running state (see ops/chunked.py and the reference's
-    rasterize_depth_chunk, which this matches): this chunk's colours [C,H,W,D] (weighted by the
-    incoming transmittance, no background), the transmittance after it [C,H,W] and the stopped mask."""
+@stage
+def rasterize_depth_chunk(means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids,
+                          transmittance, stopped, absgrad_out):  # fmt: skip
     if not _native(means2d, conics, colors, opacities, transmittance):
-        return reference.rasterize_depth_chunk(
-            means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids, transmittance,
-            stopped, absgrad_out,
-        )  # fmt: skip
+        return reference.rasterize_depth_chunk(means2d, conics, colors, opacities, width, height, tile_size,
+                                               isect_offsets, flatten_ids, transmittance, stopped, absgrad_out)  # fmt: skip
     return _RasterizeToPixelsFn.apply(
         means2d, conics, colors, opacities, transmittance, stopped, int(width), int(height), int(tile_size),
         isect_offsets, flatten_ids, absgrad_out,

@@ -19,8 +19,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..autograd_stages import ProjectFn, SphericalHarmonicsFn, resumed_transmittance_grad
+from ..autograd_stages import SphericalHarmonicsFn, project_with, resumed_transmittance_grad
 from ..constants import TRANSMITTANCE_MIN
+from ..contract import absgrad_buffer, stage
 from . import rasterize as _rasterize  # _rasterize.RASTER_CHUNK read at each call (tests lower it)
 from .isect import (
     IntersectionCapacities,
@@ -99,22 +100,10 @@ class _RasterizeToPixelsFn(torch.autograd.Function):
             absgrad_out=ctx.absgrad_buf, chunk=_rasterize.RASTER_CHUNK, plan=plan,
             composite=(composite_bg, render_colors, v_rgb) if composite_bg is not None else None, tile_merge=tile_merge,
         )  # fmt: skip
-        return (
-            v_means2d if need[0] else None,
-            v_conics if need[1] else None,
-            v_colors if need[2] else None,
-            v_opacities if need[3] else None,
-            v_backgrounds if need[4] else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,  # width, height, tile_size, offsets, flatten_ids, absgrad buffer
-            None,
-            None,  # composite_bg (no gradient: rasterize_to_pixels_composite's condition), squeeze
-            None,  # tile_merge
-        )
+        grads = (v_means2d, v_conics, v_colors, v_opacities, v_backgrounds)
+        # width, height, tile_size, offsets, flatten_ids, absgrad buffer, composite_bg (no gradient:
+        # rasterize_to_pixels_composite's condition), squeeze, tile_merge: none
+        return tuple(g if n else None for g, n in zip(grads, need)) + (None,) * 9
 
 
 class _RasterizeDepthChunkFn(torch.autograd.Function):
@@ -168,64 +157,30 @@ KERNELS = SimpleNamespace(
 
 
 # ------------------------------------------------------------------------------------------------
-# The backend contract (same names and signatures as ops/reference.py)
+# The backend contract (ops/contract.py)
 # ------------------------------------------------------------------------------------------------
-def project(
-    means: Tensor,  # [N, 3]
-    quats: Tensor,  # [N, 4] wxyz (normalised inside)
-    scales: Tensor,  # [N, 3]
-    viewmats: Tensor,  # [C, 4, 4]
-    Ks: Tensor,  # [C, 3, 3]
-    width: int,
-    height: int,
-    eps2d: float = 0.3,
-    near_plane: float = 0.01,
-    far_plane: float = 1e10,
-    radius_clip: float = 0.0,
-    calc_compensations: bool = False,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """radii [C,N] int32, means2d [C,N,2], depths [C,N], conics [C,N,3], compensations [C,N] or None."""
-    radii, means2d, depths, conics, comp = ProjectFn.apply(
-        KERNELS, means, quats, scales, viewmats, Ks, int(width), int(height), float(eps2d), float(near_plane),
-        float(far_plane), float(radius_clip), bool(calc_compensations),
-    )  # fmt: skip
-    return radii, means2d, depths, conics, (comp if calc_compensations else None)
+@stage
+def project(means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane, radius_clip,
+            calc_compensations):  # fmt: skip
+    return project_with(KERNELS, means, quats, scales, viewmats, Ks, width, height, eps2d, near_plane, far_plane,
+                        radius_clip, calc_compensations)  # fmt: skip
 
 
-def spherical_harmonics(
-    degree: int,
-    dirs: Tensor,  # [C, N, 3]
-    coeffs: Tensor,  # [C, N, K, 3]
-    masks: Optional[Tensor] = None,  # [C, N] bool
-    activate: bool = False,
-) -> Tensor:  # [C, N, 3]; with ``activate`` clamp_min(colour + 0.5, 0), inside sh.metal / sh_bwd.metal
+@stage
+def spherical_harmonics(degree, dirs, coeffs, masks, activate):
+    """The activation inside sh.metal / sh_bwd.metal."""
     return SphericalHarmonicsFn.apply(KERNELS, int(degree), dirs, coeffs, masks, bool(activate))
 
 
-def isect_tiles(
-    means2d: Tensor,  # [C, N, 2]
-    radii: Tensor,  # [C, N] int32
-    depths: Tensor,  # [C, N]
-    tile_size: int,
-    tile_width: int,
-    tile_height: int,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """tiles_per_gauss [C,N] int32, isect_ids [M] int64, flatten_ids [M] int32 (not differentiable)."""
+@stage
+def isect_tiles(means2d, radii, depths, tile_size, tile_width, tile_height):
     # no .detach(): isect_tiles_fwd runs under no_grad and its kernels read the memory (2 aten ops fewer)
     return isect_tiles_fwd(means2d, radii, depths, int(tile_size), int(tile_width), int(tile_height))
 
 
-def isect_tiles_padded(
-    means2d: Tensor,  # [C, N, 2]
-    radii: Tensor,  # [C, N] int32
-    depths: Tensor,  # [C, N]
-    tile_size: int,
-    tile_width: int,
-    tile_height: int,
-    capacities: IntersectionCapacities,
-    with_isect_ids: bool = True,
-) -> Optional[Tuple[Tensor, Optional[Tensor], Tensor, Tensor]]:
-    """Metal only (training steps): isect_tiles + isect_offset_encode into buffers of a capacity kept
+def isect_tiles_padded(means2d, radii, depths, tile_size, tile_width, tile_height, capacities: IntersectionCapacities,
+                       with_isect_ids: bool = True) -> Optional[Tuple[Tensor, Optional[Tensor], Tensor, Tensor]]:  # fmt: skip
+    """Metal only (training steps): the contract's isect_tiles (same arguments) + isect_offset_encode into buffers of a capacity kept
     from earlier steps (`capacities`, the caller's), without reading the intersection count on the host
     (isect.py, "Padded lists").
     tiles_per_gauss [C,N] int32, isect_ids [cap] int64, flatten_ids [cap] int32, isect_offsets
@@ -240,87 +195,40 @@ def isect_tiles_padded(
     )
 
 
-def isect_offset_encode(isect_ids: Tensor, C: int, tile_width: int, tile_height: int) -> Tensor:
-    """[C, tile_height, tile_width] int32 start of each tile's range in the sorted list."""
+@stage
+def isect_offset_encode(isect_ids, C, tile_width, tile_height):
     return isect_offset_encode_fwd(isect_ids, int(C), int(tile_width), int(tile_height))
 
 
-def rasterize_to_pixels(
-    means2d: Tensor,  # [C, N, 2]
-    conics: Tensor,  # [C, N, 3]
-    colors: Tensor,  # [C, N, D]
-    opacities: Tensor,  # [C, N]
-    width: int,
-    height: int,
-    tile_size: int,
-    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32
-    flatten_ids: Tensor,  # [M] int32
-    backgrounds: Optional[Tensor] = None,  # [C, D]
-    absgrad: bool = False,
-    tile_merge: bool = False,
-) -> Tuple[Tensor, Tensor]:
-    """render_colors [C,H,W,D], render_alphas [C,H,W,1]. With absgrad, sets means2d.absgrad [C,N,2]
-    (zeros now, filled by the backward pass), as the reference does. ``tile_merge`` (Metal only): the
-    backward's tile merge (rasterize_bwd.py)."""
-    absgrad_buf = _absgrad_buffer(means2d, absgrad)
+@stage
+def rasterize_to_pixels(means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids,
+                        backgrounds, absgrad, *, tile_merge: bool = False):  # fmt: skip
+    """The background inside the kernels. ``tile_merge`` (Metal only): the backward's tile merge
+    (rasterize_bwd.py)."""
     return _RasterizeToPixelsFn.apply(
         means2d, conics, colors, opacities, backgrounds, int(width), int(height), int(tile_size),
-        isect_offsets, flatten_ids, absgrad_buf, None, False, bool(tile_merge),
+        isect_offsets, flatten_ids, absgrad_buffer(means2d, absgrad), None, False, bool(tile_merge),
     )  # fmt: skip
 
 
-def _absgrad_buffer(means2d: Tensor, absgrad: bool) -> Optional[Tensor]:
-    """With absgrad: means2d.absgrad [C,N,2], zeros now, filled by the backward pass (as the reference)."""
-    if not absgrad:
-        return None
-    means2d.absgrad = torch.zeros(means2d.shape, dtype=means2d.dtype, device=means2d.device)
-    return means2d.absgrad
-
-
-def rasterize_to_pixels_composite(
-    means2d: Tensor,  # [C, N, 2]
-    conics: Tensor,  # [C, N, 3]
-    colors: Tensor,  # [C, N, D], D >= 3
-    opacities: Tensor,  # [C, N]
-    width: int,
-    height: int,
-    tile_size: int,
-    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32, or [C * th * tw + 1] (padded lists)
-    flatten_ids: Tensor,  # [M] int32
-    composite_bg: Tensor,  # [3] float32, no gradient
-    absgrad: bool = False,
-    squeeze: bool = False,
-    tile_merge: bool = False,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """Not a contract stage (rasterization.py's fused composite, Metal only): rasterize_to_pixels without
+def rasterize_to_pixels_composite(means2d, conics, colors, opacities, width, height, tile_size, isect_offsets,
+                                  flatten_ids, composite_bg: Tensor, absgrad: bool = False, squeeze: bool = False,
+                                  tile_merge: bool = False) -> Tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """rasterize_to_pixels's arguments (colors D >= 3; isect_offsets also [C * th * tw + 1], padded lists) with
+    composite_bg [3] float32 (no gradient) in place of backgrounds. Not a contract stage (rasterization.py's fused composite, Metal only): rasterize_to_pixels without
     backgrounds, plus splatfacto's background composite rgb = clamp(render_colors[..., :3] + (1 - render_alphas)
     * composite_bg, 0, 1) written by the same kernel and differentiated inside rasterize_bwd (no composite
     launches, no gradient buffers for it). rgb is [C,H,W,3], or [H,W,3] with ``squeeze`` and one camera.
     The unfused twin is rasterize_to_pixels + ops/composite.py's composite_background, the same bits."""
-    absgrad_buf = _absgrad_buffer(means2d, absgrad)
     return _RasterizeToPixelsFn.apply(
         means2d, conics, colors, opacities, None, int(width), int(height), int(tile_size),
-        isect_offsets, flatten_ids, absgrad_buf, composite_bg, bool(squeeze), bool(tile_merge),
+        isect_offsets, flatten_ids, absgrad_buffer(means2d, absgrad), composite_bg, bool(squeeze), bool(tile_merge),
     )  # fmt: skip
 
 
-def rasterize_depth_chunk(
-    means2d: Tensor,  # [C, N, 2]
-    conics: Tensor,  # [C, N, 3]
-    colors: Tensor,  # [C, N, D]
-    opacities: Tensor,  # [C, N]
-    width: int,
-    height: int,
-    tile_size: int,
-    isect_offsets: Tensor,  # [C, tile_height, tile_width] int32, of this chunk's intersections
-    flatten_ids: Tensor,  # [M_k] int32, this chunk's intersections
-    transmittance: Tensor,  # [C, H, W] running transmittance before this chunk
-    stopped: Tensor,  # [C, H, W] bool: the pixel has already hit the transmittance floor
-    absgrad_out: Optional[Tensor] = None,  # [C, N, 2] buffer backward adds |per-pixel d loss/d means2d| to
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """One depth chunk resumed from the running state, as the reference's rasterize_depth_chunk: this
-    chunk's colours [C,H,W,D] (weighted by the incoming transmittance, no background), the
-    transmittance after it [C,H,W] and the stopped mask [C,H,W]."""
+@stage
+def rasterize_depth_chunk(means2d, conics, colors, opacities, width, height, tile_size, isect_offsets, flatten_ids,
+                          transmittance, stopped, absgrad_out):  # fmt: skip
     return _RasterizeDepthChunkFn.apply(
         means2d, conics, colors.contiguous(), opacities.contiguous(), transmittance.contiguous(), stopped,
         int(width), int(height), int(tile_size), isect_offsets, flatten_ids, absgrad_out,
