@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import pytorch_msssim
 import torch
+from aten_counter import AtenCounter
 from nerfstudio.cameras.camera_optimizers import CameraOptimizerConfig
 from nerfstudio.data.scene_box import SceneBox
 from nerfstudio.models.splatfacto import SplatfactoModel
@@ -74,20 +75,9 @@ def test_model_loss_dict_equals_splatfactos(scale_regularization, step, with_mas
 def test_gt_img_is_splatfactos_in_one_dispatch():
     """get_gt_img converts a uint8 image once per batch image, with one aten division (not a copy, then a division) to the very
     bits of splatfacto's image.float() / 255.0, and passes float images through as splatfacto does."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     model = small_model(False)
     image = torch.arange(256, dtype=torch.uint8).repeat(3 * 41)[: 30 * 41 * 3].reshape(30, 41, 3)  # every value
-    with Ops() as mode:
+    with AtenCounter() as mode:
         ours = model.get_gt_img(image)
         again = model.get_gt_img(image)  # get_loss_dict's call after get_metrics_dict's: the cached image
     assert mode.ops == ["aten.div.Tensor"] and again is ours, mode.ops

@@ -15,25 +15,13 @@ import importlib
 import gsplat.rendering
 import pytest
 import torch
+from aten_counter import AtenCounter
 from scenes import random_scene
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from splat_metal_method.ops import rasterization
 
 LAYER = importlib.import_module("splat_metal_method.ops.rasterization")  # the module, not the function
 HOST_READS = ("item", "tolist", "cpu", "numpy")
-
-
-class AtenCounter(TorchDispatchMode):
-    """Every aten op dispatched inside the block, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def count_layer_work(monkeypatch, call: dict):
@@ -113,8 +101,9 @@ def test_the_counter_sees_device_work(monkeypatch):
     scene = random_scene(n=8, C=1, width=16, height=16, seed=1)
     original = LAYER.check_inputs
 
-    def guarded(means, quats, *rest):
-        original(means, quats, *rest)
+    def guarded(call):
+        original(call)
+        quats = call.quats
         torch.where((quats * quats).sum(dim=-1, keepdim=True) == 0, quats.new_ones(1), quats)
         quats.sum().item()
 
