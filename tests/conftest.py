@@ -119,6 +119,7 @@ SLOW_TESTS = {
     "tests/ops/metal/test_emulator_asan.py::test_kernel_suite_passes_under_asan",
     "tests/ops/metal/test_emulator_tg_switch.py::test_kernel_suite_passes_under_the_switch_build",
     "tests/ops/metal/test_emulator_fp_contract.py::test_kernel_comparisons_hold_under_fp_contraction",
+    "tests/ops/metal/test_emulator_fp_contract.py::test_garden_render_under_fp_contraction",
     "tests/ops/metal/test_emulator_ubsan.py::test_nonfinite_inputs_run_clean_under_ubsan",
     "tests/ops/metal/test_fused_adam.py::test_the_fused_step_equals_its_unfused_twins_through_densification[0]",
     "tests/ops/metal/test_fused_adam.py::test_the_fused_step_equals_its_unfused_twins_through_densification[1]",
