@@ -62,9 +62,10 @@ def test_the_build_fuses_multiply_adds(monkeypatch, tmp_path):
     assert fused == exact != unfused, "the fp-contraction build should fuse the multiply-add"
 
 
-def test_kernel_comparisons_hold_under_fp_contraction(tmp_path):
-    env = dict(os.environ, SPLAT_METAL_EMU_FP_CONTRACT="1", SPLAT_METAL_EMU_SEED="0",
-               SPLAT_METAL_CACHE_DIR=str(tmp_path))  # fmt: skip
+def test_kernel_comparisons_hold_under_fp_contraction():
+    env = dict(
+        os.environ, SPLAT_METAL_EMU_FP_CONTRACT="1", SPLAT_METAL_EMU_SEED="0"
+    )  # the libraries cached by build flags
     env.pop("PYTEST_ADDOPTS", None)
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", *SUITE],
@@ -74,12 +75,11 @@ def test_kernel_comparisons_hold_under_fp_contraction(tmp_path):
     assert " passed" in res.stdout, res.stdout[-2000:]
 
 
-def test_garden_render_under_fp_contraction(monkeypatch, tmp_path, garden):
+def test_garden_render_under_fp_contraction(monkeypatch, garden):
     """test_forward_kernels.py::test_garden_public_api_end_to_end's render (2000 garden gaussians, SH degree 1,
     RGB+ED, backgrounds, 3 real cameras) with every kernel library built with fp contraction: radii within
     one pixel of the reference's (on at most 0.1% of them: a 3 sigma within a rounding of an integer),
     colours and alphas within 1e-4 but for 0.01% of pixels and within 2/255 everywhere."""
-    monkeypatch.setenv("SPLAT_METAL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("SPLAT_METAL_EMU_FP_CONTRACT", "1")
     monkeypatch.setenv("SPLAT_METAL_EMU_SEED", "0")
     monkeypatch.setattr(runtime, "_libraries", {})  # this process's default-build libraries stay out of it

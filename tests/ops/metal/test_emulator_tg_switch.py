@@ -5,6 +5,9 @@ memory between barriers loses updates as it can on a GPU.
 - Planted: every thread of a group does ``tg[0] += 1`` between two barriers. The default build runs each
   thread's increment whole (the count is exact: the bug is invisible); the switch build loses updates. The
   same count with a threadgroup atomic is exact in both.
+- Planted: a thread reads its neighbour's threadgroup word across a barrier with mem_flags::mem_none (Metal
+  orders threadgroup memory across a barrier only with mem_flags::mem_threadgroup): refused by the switch
+  build, which records each word's last plain store; the same kernel with mem_threadgroup runs.
 - The kernel suite under the switch build, at a fixed schedule seed, in a subprocess (the mode is read when a
   library is compiled, and the libraries of this process are the default build): the kernels that use
   threadgroup memory (rasterizer forward and backward with the tile merge, bins, scan, sort, loss, the fused
@@ -21,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from splat_metal_method.ops.metal.emulator import compile_library
+from splat_metal_method.ops.metal.emulator import EmulatorError, compile_library
 
 ROOT = Path(__file__).resolve().parents[3]
 COUNTERS = """#include <metal_stdlib>
@@ -44,6 +47,18 @@ kernel void count_atomic(device int* out [[buffer(0)]], uint tid [[thread_index_
   atomic_fetch_add_explicit(tg, 1, memory_order_relaxed);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (tid == 0) out[0] = atomic_load_explicit(tg, memory_order_relaxed);
+}
+// BUG on purpose (strong == 0): the barrier orders no threadgroup memory, yet threads read others' words.
+kernel void neighbour(device float* out [[buffer(0)]], constant long& strong [[buffer(1)]],
+                      uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float sh[128];
+  sh[tid] = float(tid);
+  if (strong != 0) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  } else {
+    threadgroup_barrier(mem_flags::mem_none);
+  }
+  out[tid] = sh[(tid + 64) % 128];
 }
 """
 # The part of the kernel suite that runs under the switch build (tests over threadgroup memory; the slowest,
@@ -84,9 +99,10 @@ def test_a_lost_update_in_threadgroup_memory_shows_only_in_the_switch_build(monk
     assert _count(switching, "count_atomic") == 256 == _count(default, "count_atomic")
 
 
-def test_kernel_suite_passes_under_the_switch_build(tmp_path):
-    env = dict(os.environ, SPLAT_METAL_EMU_TG_SWITCH="1", SPLAT_METAL_EMU_SEED="0",
-               SPLAT_METAL_CACHE_DIR=str(tmp_path))  # fmt: skip
+def test_kernel_suite_passes_under_the_switch_build():
+    env = dict(
+        os.environ, SPLAT_METAL_EMU_TG_SWITCH="1", SPLAT_METAL_EMU_SEED="0"
+    )  # the libraries cached by build flags
     env.pop("PYTEST_ADDOPTS", None)
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-p", "no:randomly",
@@ -95,6 +111,25 @@ def test_kernel_suite_passes_under_the_switch_build(tmp_path):
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert " passed" in res.stdout and " skipped" not in res.stdout.split("\n")[-2], res.stdout[-2000:]
+
+
+def test_a_barrier_without_mem_threadgroup_is_refused_where_threadgroup_memory_crosses_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPLAT_METAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SPLAT_METAL_EMU_TG_SWITCH", raising=False)
+    expected = torch.arange(128.0).roll(-64)
+    out = torch.zeros(128)
+    compile_library(COUNTERS, "counters.metal").neighbour(out, 0, threads=128, group_size=128)
+    assert torch.equal(out, expected), "the default build does not check mem_flags"
+    monkeypatch.setenv("SPLAT_METAL_EMU_TG_SWITCH", "1")
+    lib = compile_library(COUNTERS, "counters.metal")
+    with pytest.raises(EmulatorError, match=r"\[neighbour\] in threadgroup \(0,0,0\), thread_index_in_threadgroup \d+ "
+                                            r"reads threadgroup memory that thread \d+ wrote before the "
+                                            r"threadgroup_barrier at counters\.metal:\d+, whose mem_flags lack "
+                                            r"mem_flags::mem_threadgroup"):  # fmt: skip
+        lib.neighbour(torch.zeros(128), 0, threads=128, group_size=128)
+    out = torch.zeros(128)
+    lib.neighbour(out, 1, threads=128, group_size=128)
+    assert torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("flag", ["0", ""])

@@ -116,8 +116,10 @@ Checks (every compile_library; a violation raises MetalCompileError naming the .
     threadgroup memory (g++'s -fsanitize=thread instrumentation calls hooks the shim defines; no TSan
     runtime): a non-atomic read-modify-write of threadgroup memory between barriers (``tg[0] += 1`` from
     every thread) loses updates, which the default build (threads run whole between synchronisation points)
-    cannot show. g++ only; several times slower. tests/ops/metal/test_emulator_tg_switch.py runs part of the
-    kernel suite that way at a fixed seed.
+    cannot show. It also records each threadgroup word's last plain store: a load of a word another
+    simdgroup's thread stored before a ``threadgroup_barrier`` without ``mem_flags::mem_threadgroup`` (and no
+    barrier with it since) is an EmulatorError naming both threads and the barrier. g++ only; several times
+    slower. tests/ops/metal/test_emulator_tg_switch.py runs part of the kernel suite that way at a fixed seed.
   * ``SPLAT_METAL_EMU_FP_CONTRACT=1`` builds them with ``-ffp-contract=fast -mfma`` as MSL 3.1 (no
     ``fp contract(off)`` pragma): multiply-adds fused as Apple's compiler may below MSL 3.2 (macOS 14 and
     older). tests/ops/metal/test_emulator_fp_contract.py runs the forward and backward kernel comparisons
@@ -138,8 +140,9 @@ What the emulator cannot see (the Mac-side doctor command and the macOS CI job c
   * Races are found only when a schedule exposes them: threads run one at a time between
     synchronisation points (at every threadgroup-memory access in the SPLAT_METAL_EMU_TG_SWITCH=1 build), so
     a race shows as a seed-dependent result (or poison, or a lost update), not as a torn value; lanes of a
-    simdgroup are not in lockstep here (stricter than the GPU). ``mem_flags`` are not checked: a barrier
-    with ``mem_none`` orders threadgroup memory here as ``mem_threadgroup`` does. Races through
+    simdgroup are not in lockstep here (stricter than the GPU). ``mem_flags`` are checked only in the
+    SPLAT_METAL_EMU_TG_SWITCH=1 build, for threadgroup memory and plain loads and stores between
+    simdgroups; ``mem_device`` is never checked. Races through
     device memory between different groups are not shuffled (groups run whole, on several OS
     threads). Atomics are real.
   * Undefined behaviour only under ``SPLAT_METAL_EMU_UBSAN=1`` / ``SPLAT_METAL_EMU_ASAN=1``.

@@ -489,6 +489,7 @@ struct Fiber {
   bool fresh = true;  // true: must be (re)started with makecontext (new, or abandoned after an error)
   State state = DONE;
   int simd_op = 0;
+  int barrier_flags = 0;   // the mem_flags of the threadgroup_barrier it waits at
   Site site{"", 0, 0};     // the barrier or simdgroup op this thread waits at
   bool switching = false;  // inside a threadgroup-switch yield (MSL_EMU_TG_SWITCH)
   uint32_t simd_seq = 0;   // simdgroup ops done by this thread (double-buffers the lane slots)
@@ -514,11 +515,23 @@ inline void shuffle_order(std::vector<uint32_t>& order, uint32_t n, uint64_t key
   }
 }
 
+struct TgWrite {  // the threadgroup-switch build's record of the last plain store to a 4-byte word
+  int32_t writer;  // thread_index_in_threadgroup, -1: none since the group started
+  uint32_t barrier;  // barriers the group had passed when it was written
+};
+
 struct TgBlock {  // one `threadgroup T a[N];` array of a kernel, owned by one OS thread
   void* ptr = nullptr;
   size_t bytes = 0;
   uint64_t gen = ~0ull;  // the group it was last poisoned for
+  TgWrite* writes = nullptr;  // [ceil(bytes / 4)], threadgroup-switch build only
 };
+
+#ifdef MSL_EMU_TG_SWITCH
+#define MSL_EMU_NO_TSAN __attribute__((no_sanitize_thread))
+#else
+#define MSL_EMU_NO_TSAN
+#endif
 
 struct SimdSlots {  // lane values of one simdgroup's current op; [seq parity][lane]
   alignas(16) unsigned char val[2][kSimdWidth][16];
@@ -559,13 +572,18 @@ struct Worker {
   const TgBlock* tg_begin = nullptr;  // tg's blocks as plain pointers, for the threadgroup-switch hooks
   const TgBlock* tg_end = nullptr;
   int64_t count[6] = {0, 0, 0, 0, 0, 0};  // work counters of this OS thread (see Count)
+  // threadgroup-switch build: barriers this group passed, the count right after the last one with
+  // mem_threadgroup, the last one without it, and the first too-weak-barrier report of the group
+  uint32_t barriers = 0, fenced = 0;
+  Site weak_barrier{"", 0, 0};
+  std::string tg_error;
   void* asan_fake_stack = nullptr;
   const void* sched_stack_bottom = nullptr;  // the OS thread's own stack, for AddressSanitizer
   size_t sched_stack_size = 0;
   Worker() { tg.reserve(kMaxTgArrays); }  // tg never moves: the threadgroup-switch hooks read it any time
   ~Worker() {
     for (Fiber* f : fibers) { munmap(f->stack, kStackBytes + 4096); delete f; }
-    for (TgBlock& b : tg) std::free(b.ptr);
+    for (TgBlock& b : tg) { std::free(b.ptr); std::free(b.writes); }
   }
 };
 
@@ -719,6 +737,8 @@ inline bool run_group_fibers(Worker* w, const uint32_t tg[3], const uint32_t act
     f->state = RUNNABLE; f->simd_seq = 0; f->simd_op = 0;
     fill_pos(d, tg, actual, i, f->pos);
   }
+  w->barriers = w->fenced = 0;
+  w->tg_error.clear();
   auto abandon = [&](const std::string& msg) {
     d.fail(msg);
     for (uint32_t i = 0; i < n; ++i) if (w->fibers[i]->state != DONE) w->fibers[i]->fresh = true;
@@ -731,6 +751,7 @@ inline bool run_group_fibers(Worker* w, const uint32_t tg[3], const uint32_t act
     for (uint32_t i : w->order)
       if (w->fibers[i]->state == RUNNABLE) resume(w, w->fibers[i]);
     w->in_fiber = false;
+    if (!w->tg_error.empty()) return abandon("in " + group_str(tg) + ", " + w->tg_error);
     uint32_t n_done = 0, n_bar = 0;
     for (uint32_t i = 0; i < n; ++i) {
       n_done += w->fibers[i]->state == DONE;
@@ -790,6 +811,11 @@ inline bool run_group_fibers(Worker* w, const uint32_t tg[3], const uint32_t act
                        " at " + w->fibers[i]->site.str() +
                        " (undefined behaviour in Metal: every thread must reach the same barrier; keep barriers "
                        "out of divergent control flow)");
+    bool fence = true;  // the barrier orders threadgroup memory only if every thread asked for it
+    for (uint32_t i = 0; i < n; ++i) fence = fence && (w->fibers[i]->barrier_flags & 2);  // mem_threadgroup
+    ++w->barriers;
+    if (fence) w->fenced = w->barriers;
+    else w->weak_barrier = w->fibers[0]->site;
     for (uint32_t i = 0; i < n; ++i) w->fibers[i]->state = RUNNABLE;
     w->in_fiber = true;
   }
@@ -870,19 +896,26 @@ inline void set_tg_view(Worker* w) {
 // first thread of a group to reach the declaration fills it with the poison byte (0xFF: float NaN,
 // int -1; 0x7F with an odd seed: float 3.4e38, int 2139062143), so a read before any write shows.
 // Each array is its own heap block, so AddressSanitizer also catches threadgroup out-of-bounds.
-inline void* tg_array(int slot, size_t bytes) {
+// Not instrumented in the threadgroup-switch build: a hook between its stores would see half an update.
+MSL_EMU_NO_TSAN inline void* tg_array(int slot, size_t bytes) {
   Worker* w = tls_worker;
   if (w->tg.size() <= size_t(slot)) w->tg.resize(slot + 1);
   set_tg_view(w);
-  TgBlock& b = w->tg[slot];
+  TgBlock& b = w->tg.data()[slot];
   if (b.bytes != bytes) {
+    b.bytes = 0;  // out of the hooks' view while it moves
     std::free(b.ptr);
+    std::free(b.writes);
     if (posix_memalign(&b.ptr, 64, bytes ? bytes : 1) != 0) b.ptr = nullptr;
+#ifdef MSL_EMU_TG_SWITCH
+    b.writes = static_cast<TgWrite*>(std::malloc(sizeof(TgWrite) * (bytes / 4 + 1)));
+#endif
     b.bytes = bytes;
     b.gen = ~0ull;
   }
   if (b.gen != w->group_linear) {
     std::memset(b.ptr, w->d->poison, bytes);
+    if (b.writes) std::memset(b.writes, 0xFF, sizeof(TgWrite) * (bytes / 4 + 1));  // writer -1
     b.gen = w->group_linear;
   }
   return b.ptr;
@@ -895,16 +928,37 @@ inline void* tg_array(int slot, size_t bytes) {
 // the group's threadgroup memory. The next thread of the round's shuffled order runs until its own next
 // access: a non-atomic read-modify-write of threadgroup memory between barriers (`tg[0] += 1`) then loses
 // updates as it can on a GPU, instead of running whole.
-__attribute__((no_sanitize_thread)) inline bool in_threadgroup_memory(const Worker* w, const volatile void* p) {
+//
+// It also checks mem_flags: a plain load of a word another simdgroup's thread stored before a barrier
+// without mem_flags::mem_threadgroup, and no barrier with it since, is refused (Metal orders threadgroup
+// memory across a barrier only with that flag; atomics are not checked).
+__attribute__((no_sanitize_thread)) inline const TgBlock* tg_block_of(const Worker* w, const volatile void* p) {
   const char* c = (const char*)p;  // no std:: calls here: they are instrumented and would call back
   for (const TgBlock* b = w->tg_begin; b != w->tg_end; ++b)
-    if (c >= (const char*)b->ptr && c < (const char*)b->ptr + b->bytes) return true;
-  return false;
+    if (c >= (const char*)b->ptr && c < (const char*)b->ptr + b->bytes) return b;
+  return nullptr;
 }
-__attribute__((no_sanitize_thread)) inline void tg_access(const volatile void* p) {
+enum TgAccess { TG_LOAD, TG_STORE, TG_ATOMIC };
+__attribute__((no_sanitize_thread)) inline void tg_access(const volatile void* p, TgAccess how = TG_ATOMIC) {
   Worker* w = tls_worker;
-  if (!w || !w->in_fiber || !w->cur || w->cur->switching || !in_threadgroup_memory(w, p)) return;
+  if (!w || !w->in_fiber || !w->cur || w->cur->switching) return;
+  const TgBlock* b = tg_block_of(w, p);
+  if (!b) return;
   Fiber* f = w->cur;
+  if (b->writes && how != TG_ATOMIC) {
+    TgWrite& rec = b->writes[((const char*)p - (const char*)b->ptr) / 4];
+    if (how == TG_STORE) {
+      rec.writer = int32_t(f->pos.tidx);
+      rec.barrier = w->barriers;
+    } else if (rec.writer >= 0 && uint32_t(rec.writer) / kSimdWidth != f->pos.sgidx &&
+               w->barriers > rec.barrier && w->fenced <= rec.barrier && w->tg_error.empty()) {
+      w->tg_error = "thread_index_in_threadgroup " + std::to_string(f->pos.tidx) +
+                    " reads threadgroup memory that thread " + std::to_string(rec.writer) +
+                    " wrote before the threadgroup_barrier at " + w->weak_barrier.str() +
+                    ", whose mem_flags lack mem_flags::mem_threadgroup (Metal does not order threadgroup "
+                    "memory across it: pass mem_flags::mem_threadgroup)";
+    }
+  }
   f->switching = true;  // block()'s own accesses are instrumented too
   block(RUNNABLE);
   f->switching = false;
@@ -966,8 +1020,10 @@ template <class T> inline T slot(const SimdSlots& s, int par, uint32_t lane) {
 }  // namespace msl_emu
 
 namespace metal {
-inline void threadgroup_barrier(mem_flags, msl_emu::Site site) {
-  if (msl_emu::current_fiber("threadgroup_barrier")->pos.tidx == 0) msl_emu::count(msl_emu::BARRIERS);
+inline void threadgroup_barrier(mem_flags flags, msl_emu::Site site) {
+  msl_emu::Fiber* f = msl_emu::current_fiber("threadgroup_barrier");
+  f->barrier_flags = int(flags);
+  if (f->pos.tidx == 0) msl_emu::count(msl_emu::BARRIERS);
   msl_emu::block(msl_emu::AT_BARRIER, 0, site);
 }
 inline void simdgroup_barrier(mem_flags, msl_emu::Site site) {
@@ -1072,17 +1128,17 @@ MSL_EMU_NOTSAN void __tsan_func_entry(void*) {}
 MSL_EMU_NOTSAN void __tsan_func_exit() {}
 MSL_EMU_NOTSAN void __tsan_vptr_update(void**, void*) {}
 MSL_EMU_NOTSAN void __tsan_vptr_read(void**) {}
-MSL_EMU_NOTSAN void __tsan_read_range(void* p, unsigned long) { msl_emu::tg_access(p); }
-MSL_EMU_NOTSAN void __tsan_write_range(void* p, unsigned long) { msl_emu::tg_access(p); }
+MSL_EMU_NOTSAN void __tsan_read_range(void* p, unsigned long) { msl_emu::tg_access(p, msl_emu::TG_LOAD); }
+MSL_EMU_NOTSAN void __tsan_write_range(void* p, unsigned long) { msl_emu::tg_access(p, msl_emu::TG_STORE); }
 MSL_EMU_NOTSAN void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 MSL_EMU_NOTSAN void __tsan_atomic_signal_fence(int) {}
 #define MSL_EMU_ACCESS(n)                                                                             \
-  MSL_EMU_NOTSAN void __tsan_read##n(void* p) { msl_emu::tg_access(p); }                               \
-  MSL_EMU_NOTSAN void __tsan_write##n(void* p) { msl_emu::tg_access(p); }                              \
-  MSL_EMU_NOTSAN void __tsan_unaligned_read##n(void* p) { msl_emu::tg_access(p); }                     \
-  MSL_EMU_NOTSAN void __tsan_unaligned_write##n(void* p) { msl_emu::tg_access(p); }                    \
-  MSL_EMU_NOTSAN void __tsan_volatile_read##n(void* p) { msl_emu::tg_access(p); }                      \
-  MSL_EMU_NOTSAN void __tsan_volatile_write##n(void* p) { msl_emu::tg_access(p); }
+  MSL_EMU_NOTSAN void __tsan_read##n(void* p) { msl_emu::tg_access(p, msl_emu::TG_LOAD); }             \
+  MSL_EMU_NOTSAN void __tsan_write##n(void* p) { msl_emu::tg_access(p, msl_emu::TG_STORE); }           \
+  MSL_EMU_NOTSAN void __tsan_unaligned_read##n(void* p) { msl_emu::tg_access(p, msl_emu::TG_LOAD); }   \
+  MSL_EMU_NOTSAN void __tsan_unaligned_write##n(void* p) { msl_emu::tg_access(p, msl_emu::TG_STORE); } \
+  MSL_EMU_NOTSAN void __tsan_volatile_read##n(void* p) { msl_emu::tg_access(p, msl_emu::TG_LOAD); }    \
+  MSL_EMU_NOTSAN void __tsan_volatile_write##n(void* p) { msl_emu::tg_access(p, msl_emu::TG_STORE); }
 MSL_EMU_ACCESS(1)
 MSL_EMU_ACCESS(2)
 MSL_EMU_ACCESS(4)
