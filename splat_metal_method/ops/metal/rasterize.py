@@ -100,6 +100,14 @@ def plan_from_rows(row_entries, C: int, tile_height: int, tile_pixels: int, budg
     return PassPlan(WHOLE_TILE, tuple(dispatches))
 
 
+def row_chunk(tile_pixels: int, tile_width: int, budget: int) -> int:
+    """The largest chunk at which one pass over one full tile row (tile_width tiles, each compositing `chunk`
+    gaussians over tile_pixels pixels) fits `budget` backward: above RASTER_CHUNK up to 7,600 pixels wide at
+    tile 16 (476 tiles), below beyond. plan_from_lengths cuts no band below one row, so with a chunk no larger
+    every dispatch fits."""
+    return max(1, budget // (runtime.BWD_WORK_FACTOR * tile_pixels * max(1, int(tile_width))))
+
+
 def plan_passes(isect_offsets: Tensor, n_isects: int, tile_size: int, chunk: Optional[int] = None,
                 n_gaussians: Optional[int] = None, grid: Optional[Tuple[int, int, int]] = None) -> PassPlan:  # fmt: skip
     """The dispatches of a render. A tile lists a gaussian at most once, so its list is at most
@@ -109,7 +117,10 @@ def plan_passes(isect_offsets: Tensor, n_isects: int, tile_size: int, chunk: Opt
     Padded lists (isect_offsets [C * tile_height * tile_width + 1] with the end slot, `n_isects` their
     capacity, `grid` = (C, tile_height, tile_width)) are never read: plan_from_rows, from the estimate of
     intersections per tile row isect.py attaches to them (``isect_offsets.row_entries``; without one, the
-    capacity spread evenly over the rows)."""
+    capacity spread evenly over the rows).
+
+    Exact lists: the chunk is at most row_chunk (one pass over one tile row then fits the budget at any
+    list lengths), so that no dispatch passes the budget at any load."""
     chunk = int(chunk or RASTER_CHUNK)
     tile_pixels = int(tile_size) ** 2
     longest_bound = min(n_isects, n_isects if n_gaussians is None else n_gaussians)
@@ -121,6 +132,7 @@ def plan_passes(isect_offsets: Tensor, n_isects: int, tile_size: int, chunk: Opt
         if rows is None or len(rows) != C * tile_height:
             rows = [-(-n_isects // (C * tile_height))] * (C * tile_height)
         return plan_from_rows(rows, C, tile_height, tile_pixels, runtime.COMMAND_BUFFER_BUDGET)
+    chunk = min(chunk, row_chunk(tile_pixels, isect_offsets.shape[2], runtime.COMMAND_BUFFER_BUDGET))
     if longest_bound <= chunk and tile_pixels * n_isects * runtime.BWD_WORK_FACTOR <= runtime.COMMAND_BUFFER_BUDGET:
         return PassPlan(chunk, (Dispatch(0, None, (0, isect_offsets.shape[1]), tile_pixels * n_isects),))
     starts = isect_offsets.reshape(-1).long()

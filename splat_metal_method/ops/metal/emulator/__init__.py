@@ -36,7 +36,8 @@ Kernels
     ushort; the position/size ones uint, uint2, uint3 (or ushort...), the vector ones of a kernel
     with the same number of components.
   * Always pass ``threads=`` and ``group_size=`` (same rank, 1-3 dims; at most 1024 threads per
-    group). The emulator refuses to guess defaults.
+    group). The emulator refuses to guess defaults, and refuses a zero in either (an empty dispatch, which
+    Metal's validation rejects): skip the launch when there is no work.
 Types
   * Scalars: bool, char/uchar, short/ushort, int/uint, long/ulong (64-bit), float. No double, no half.
   * Vectors floatN/intN/uintN/shortN/ushortN/charN/ucharN/boolN (N = 2, 3, 4) with Metal sizes:
@@ -75,15 +76,20 @@ Synchronisation
     gives the same schedule, whichever OS thread runs the group). A correct kernel gives the same
     result under every seed (up to the summation order of float atomics); the tests require it.
   * ``threadgroup_barrier(mem_flags::mem_threadgroup | mem_device | mem_none)`` must be reached by
-    every thread of the group the same number of times: never ``return`` early before a barrier
-    (mask the work instead). Violations raise EmulatorError naming the group and thread.
+    every thread of the group the same number of times, at the same call: never ``return`` early before a
+    barrier (mask the work instead), never write one barrier on both branches of an if/else (two calls are
+    two barriers on a GPU). Violations raise EmulatorError naming the group, the threads and, for two calls,
+    both .metal file:line (and column under clang; g++ 12 has no __builtin_COLUMN, so two calls on one line
+    are told apart only by what they are).
   * simdgroup ops (32 lanes; lane = thread_index_in_threadgroup % 32; the last simdgroup of a
     group may be partial): simd_sum/max/min, simd_prefix_exclusive_sum,
     simd_prefix_inclusive_sum, simd_shuffle, simd_shuffle_down/up/xor, simd_broadcast,
     simd_broadcast_first, simd_ballot (-> simd_vote, ``(ulong)vote``, ``.any()``, ``.all()``),
     simd_any, simd_all, simd_is_first, simdgroup_barrier. Call them in uniform control flow
-    (every live lane of the simdgroup calls the same op); lanes that have returned are inactive
-    and excluded. Reading an inactive/nonexistent lane returns the caller's own value.
+    (every live lane of the simdgroup at the same call of the same op, as with barriers: two calls of
+    simd_sum on two branches are an error naming both); lanes that have returned are inactive
+    and excluded. Reading an inactive/nonexistent lane returns the caller's own value. A helper
+    that holds the op is one call site wherever it is called from.
   * Device atomics over 4-byte buffers: atomic_int, atomic_uint, atomic_float (``atomic<T>``);
     atomic_load/store/exchange/fetch_add/fetch_sub/compare_exchange_weak _explicit (all three);
     fetch_max/min/and/or/xor _explicit (int/uint only, as in Metal); memory_order_relaxed.
@@ -92,8 +98,9 @@ Checks (every compile_library; a violation raises MetalCompileError naming the .
 -------------------------------------------------------------------------------------------------
   * The MSL subset (msl_subset.py): non-ASCII bytes anywhere (torch builds the source as ASCII; a
     ``#line`` path with a non-ASCII user name included), ``double``, ``std::``, C library calls,
-    exceptions, ``virtual``, function pointers, recursion, includes other than <metal_stdlib>, and
-    the kernel-signature rules above. Variable-length arrays: ``-Werror=vla``.
+    exceptions, ``virtual``, function pointers, recursion, includes other than <metal_stdlib>,
+    ``#pragma once`` (torch's header inliner refuses it in some releases), and the kernel-signature rules
+    above. Variable-length arrays: ``-Werror=vla``.
   * Address spaces (address_spaces.py): clang++ -fsyntax-only compiles the source against a
     declaration-only <metal_stdlib> in which device, constant and threadgroup are distinct
     address spaces (thread the default), so a device pointer passed to a thread pointer parameter
@@ -105,6 +112,18 @@ Checks (every compile_library; a violation raises MetalCompileError naming the .
     they are imported): ``LD_PRELOAD="$(g++ -print-file-name=libasan.so) $(g++
     -print-file-name=libstdc++.so.6)" ASAN_OPTIONS=detect_leaks=0`` (``asan_preload()`` gives the list;
     the tests run part of the kernel suite that way in a subprocess). Fiber stack switches are annotated for ASan.
+  * ``SPLAT_METAL_EMU_TG_SWITCH=1`` builds them so that a group's threads switch at EVERY access to
+    threadgroup memory (g++'s -fsanitize=thread instrumentation calls hooks the shim defines; no TSan
+    runtime): a non-atomic read-modify-write of threadgroup memory between barriers (``tg[0] += 1`` from
+    every thread) loses updates, which the default build (threads run whole between synchronisation points)
+    cannot show. It also records each threadgroup word's last plain store: a load of a word another
+    simdgroup's thread stored before a ``threadgroup_barrier`` without ``mem_flags::mem_threadgroup`` (and no
+    barrier with it since) is an EmulatorError naming both threads and the barrier. g++ only; several times
+    slower. tests/ops/metal/test_emulator_tg_switch.py runs part of the kernel suite that way at a fixed seed.
+  * ``SPLAT_METAL_EMU_FP_CONTRACT=1`` builds them with ``-ffp-contract=fast -mfma`` as MSL 3.1 (no
+    ``fp contract(off)`` pragma): multiply-adds fused as Apple's compiler may below MSL 3.2 (macOS 14 and
+    older). tests/ops/metal/test_emulator_fp_contract.py runs the forward and backward kernel comparisons
+    under it. x86-64 CPUs with FMA only.
   * ``SPLAT_METAL_EMU_UBSAN=1`` builds them with UndefinedBehaviorSanitizer (float-cast-overflow,
     signed-integer-overflow, shift, bounds; no recovery), and ``SPLAT_METAL_EMU_ASAN=1`` does too. A
     float-to-int conversion of NaN, inf or an out-of-range value, undefined in C++ and MSL (x86 gives
@@ -119,8 +138,11 @@ What the emulator cannot see (the Mac-side doctor command and the macOS CI job c
   * GPU precision: fast paths of exp/log/rsqrt and fma contraction on the GPU differ in the last
     bits; compare with tolerances, never bit-exactly.
   * Races are found only when a schedule exposes them: threads run one at a time between
-    synchronisation points, so a race shows as a seed-dependent result (or poison), not as a torn
-    value; lanes of a simdgroup are not in lockstep here (stricter than the GPU). Races through
+    synchronisation points (at every threadgroup-memory access in the SPLAT_METAL_EMU_TG_SWITCH=1 build), so
+    a race shows as a seed-dependent result (or poison, or a lost update), not as a torn value; lanes of a
+    simdgroup are not in lockstep here (stricter than the GPU). ``mem_flags`` are checked only in the
+    SPLAT_METAL_EMU_TG_SWITCH=1 build, for threadgroup memory and plain loads and stores between
+    simdgroups; ``mem_device`` is never checked. Races through
     device memory between different groups are not shuffled (groups run whole, on several OS
     threads). Atomics are real.
   * Undefined behaviour only under ``SPLAT_METAL_EMU_UBSAN=1`` / ``SPLAT_METAL_EMU_ASAN=1``.

@@ -27,6 +27,7 @@ from .parse import DTYPES, POSITION_FIELDS, SCALAR_FIELDS, Kernel, TgDecl, parse
 SHIM_DIR = Path(__file__).resolve().parent
 MAX_THREADS_PER_GROUP = 1024
 MAX_THREADGROUP_MEMORY = 32 * 1024
+MAX_THREADGROUP_ARRAYS = 256  # msl_shim.h kMaxTgArrays
 
 _CXX = os.environ.get("CXX", "g++")
 _FLAGS = [
@@ -46,6 +47,14 @@ _ASAN_FLAGS = ["-fsanitize=address", "-fno-omit-frame-pointer", "-O1"]
 # gives INT_MIN, an Apple GPU may saturate), signed overflow, oversized shifts, constant-size array
 # indices out of range. No recovery: the first report ends the process (exit code 1).
 _UBSAN_FLAGS = ["-fsanitize=float-cast-overflow,signed-integer-overflow,shift,bounds", "-fno-sanitize-recover=all"]
+# The threadgroup-switch build (tg_switch_enabled): every memory access calls a hook of msl_shim.h, which
+# switches threads at each threadgroup-memory access. Compiled with these, linked without them (the shim
+# defines the hooks; no ThreadSanitizer runtime). g++ only.
+_TG_SWITCH_FLAGS = ["-DMSL_EMU_TG_SWITCH", "-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0"]
+# The fp-contraction build (fp_contract_enabled): multiply-adds fused wherever the compiler likes, as Apple's
+# compiler may below MSL 3.2 (where common.h's `#pragma METAL fp contract(off)` does not exist: the shim then
+# says __METAL_VERSION__ 310). -mfma: x86-64's baseline has no fused multiply-add to contract into.
+_FP_CONTRACT_FLAGS = ["-ffp-contract=fast", "-mfma", "-DMSL_EMU_METAL_VERSION=310"]
 _GCC_ONLY_FLAGS = ["-fsingle-precision-constant"]  # `0.5` is a float literal in MSL, not a double
 
 
@@ -109,6 +118,28 @@ def ubsan_enabled() -> bool:
     return os.environ.get("SPLAT_METAL_EMU_UBSAN", "") not in ("", "0") or asan_enabled()
 
 
+def tg_switch_enabled() -> bool:
+    """SPLAT_METAL_EMU_TG_SWITCH=1 builds every library so that a group's threads switch at EVERY access to
+    threadgroup memory, not only at barriers and simdgroup ops (msl_shim.h, tg_access): a lost update of a
+    non-atomic read-modify-write between barriers shows. Read when a library is compiled (part of its cache
+    key), never at import."""
+    return os.environ.get("SPLAT_METAL_EMU_TG_SWITCH", "") not in ("", "0")
+
+
+def fp_contract_enabled() -> bool:
+    """SPLAT_METAL_EMU_FP_CONTRACT=1 builds every library with fp contraction on (_FP_CONTRACT_FLAGS), compiled
+    as MSL 3.1: what Apple's compiler may do to a kernel on macOS 14 and older. Read when a library is
+    compiled (part of its cache key), never at import."""
+    return os.environ.get("SPLAT_METAL_EMU_FP_CONTRACT", "") not in ("", "0")
+
+
+def _cpu_has_fma() -> bool:
+    try:
+        return " fma " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
+    except OSError:
+        return False
+
+
 def asan_runtime() -> str:
     """Path of the compiler's ASan runtime, which a Python process must LD_PRELOAD to load ASan builds."""
     lib = "libclang_rt.asan-x86_64.so" if "clang" in _compiler_version() else "libasan.so"
@@ -170,6 +201,18 @@ def _flags() -> list[str]:
         flags = flags + _ASAN_FLAGS
     if ubsan_enabled():  # clang links its sanitizer runtime into a shared object only with -shared-libsan
         flags = flags + _UBSAN_FLAGS + (["-shared-libsan"] if clang else [])
+    if fp_contract_enabled():
+        if not _cpu_has_fma():
+            raise EmulatorError(
+                "SPLAT_METAL_EMU_FP_CONTRACT=1 needs an x86-64 CPU with FMA (Linux /proc/cpuinfo says none)"
+            )
+        flags = [f for f in flags if f != "-ffp-contract=off"] + _FP_CONTRACT_FLAGS
+    if tg_switch_enabled():
+        if clang or asan_enabled():
+            raise EmulatorError(
+                "SPLAT_METAL_EMU_TG_SWITCH=1 needs g++ (its -fsanitize=thread hooks) and no SPLAT_METAL_EMU_ASAN"
+            )
+        flags = flags + _TG_SWITCH_FLAGS
     return flags
 
 
@@ -195,8 +238,10 @@ def compile_library(source: str, name: str = "kernels") -> "EmulatorLibrary":
     if shutil.which(_CXX) is None:
         raise EmulatorError(f"the MSL emulator needs a C++ compiler ({_CXX!r} not found; set $CXX)")
     kernels, tg_decls = parse_kernels(source)
+    if len(tg_decls) > MAX_THREADGROUP_ARRAYS:
+        raise EmulatorError(f"{name}: {len(tg_decls)} threadgroup arrays; the emulator holds {MAX_THREADGROUP_ARRAYS}")
     check_msl_subset(source, strip_comments(source), kernels, name)
-    fibers = uses_fibers(source)
+    fibers = uses_fibers(source) or tg_switch_enabled()  # a switch needs a fiber per thread
     flags = _flags()
     if asan_enabled() and not _asan_loaded():
         raise EmulatorError(
@@ -236,6 +281,15 @@ def compile_library(source: str, name: str = "kernels") -> "EmulatorLibrary":
                 src_path.write_text(cpp)
                 tmp_so = Path(tmp) / f"{key}.so"
                 cmd = [_CXX, *flags, "-I", str(SHIM_DIR), "-x", "c++", str(src_path), "-o", str(tmp_so)]
+                if tg_switch_enabled():  # instrumented object, then a shared object without the tsan runtime
+                    obj = Path(tmp) / f"{key}.o"
+                    cmd = [c for c in cmd if c != "-shared"]
+                    cmd[cmd.index("-o") + 1] = str(obj)
+                    cmd[1:1] = ["-c"]
+                    res = subprocess.run(cmd, capture_output=True, text=True)
+                    cmd = [_CXX, "-shared", "-pthread", "-Wl,-Bsymbolic", str(obj), "-o", str(tmp_so)]
+                    if res.returncode != 0:
+                        raise MetalCompileError(f"MSL emulator: compiling {name!r} failed:\n{res.stderr}")
                 _compile_count += 1
                 res = subprocess.run(cmd, capture_output=True, text=True)
                 if res.returncode != 0:
@@ -310,8 +364,11 @@ class EmulatorKernel:
         grid, group = _dims(k.name, "threads", threads), _dims(k.name, "group_size", group_size)
         if len(grid) != len(group):
             raise EmulatorError(f"[{k.name}] threads {grid} and group_size {group} must have the same rank")
-        if 0 in group:
-            raise EmulatorError(f"[{k.name}] group_size must be positive, got {group}")
+        if 0 in group or 0 in grid:
+            raise EmulatorError(
+                f"[{k.name}] threads {grid} and group_size {group} must be positive in every dimension: "
+                "Metal's validation refuses an empty dispatch (skip the launch when there is no work)"
+            )
         n_group = group[0] * (group[1] if len(group) > 1 else 1) * (group[2] if len(group) > 2 else 1)
         if n_group > MAX_THREADS_PER_GROUP:
             raise EmulatorError(

@@ -47,9 +47,14 @@ typedef unsigned int uint;
 typedef unsigned long ulong;
 
 // The MSL version the emulator compiles as (Apple's compiler predefines __METAL_VERSION__): 3.2, the first
-// with `#pragma METAL fp math_mode(safe)` and `fp contract(off)` (common.h). That is the only math the
-// emulator runs (no fast math; -ffp-contract=off), and msl_subset.py refuses any other math pragma.
-#define __METAL_VERSION__ 320
+// with `#pragma METAL fp math_mode(safe)` and `fp contract(off)` (common.h). That is the math the emulator
+// runs (no fast math; -ffp-contract=off), and msl_subset.py refuses any other math pragma. The fp-contraction
+// build (library.py, SPLAT_METAL_EMU_FP_CONTRACT=1) compiles as 3.1 with -ffp-contract=fast: what Apple's
+// compiler may do below 3.2, where the pragma does not exist.
+#ifndef MSL_EMU_METAL_VERSION
+#define MSL_EMU_METAL_VERSION 320
+#endif
+#define __METAL_VERSION__ MSL_EMU_METAL_VERSION
 
 // ================================================================================================
 // Part 1: MSL surface
@@ -415,8 +420,36 @@ MSL_INT_ATOMIC(atomic_fetch_xor_explicit, o ^ v)
 // ---- barriers and simdgroup ops (implemented in part 2) ----
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
-void threadgroup_barrier(mem_flags);
-void simdgroup_barrier(mem_flags);
+}  // namespace metal
+namespace msl_emu {
+// Where a barrier or simdgroup op is called: a default argument of each, so it is the CALLER's .metal
+// file and line (the assembled source's #line directives), and column where the compiler has
+// __builtin_COLUMN (clang; g++ 12 tells two calls on one line apart only by the op). Every thread of a group
+// (lane of a simdgroup) must reach the same call site: two sites are two different barriers on a GPU.
+struct Site {
+  const char* file;
+  unsigned line, column;
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_COLUMN)
+#define MSL_EMU_COLUMN __builtin_COLUMN()
+#endif
+#endif
+#ifndef MSL_EMU_COLUMN
+#define MSL_EMU_COLUMN 0u
+#endif
+  static constexpr Site here(const char* f = __builtin_FILE(), unsigned l = __builtin_LINE(),
+                             unsigned c = MSL_EMU_COLUMN) {
+    return Site{f, l, c};
+  }
+  bool operator==(const Site& o) const { return line == o.line && column == o.column && std::strcmp(file, o.file) == 0; }
+  std::string str() const {
+    return std::string(file) + ":" + std::to_string(line) + (column ? ":" + std::to_string(column) : "");
+  }
+};
+}  // namespace msl_emu
+namespace metal {
+void threadgroup_barrier(mem_flags, msl_emu::Site site = msl_emu::Site::here());
+void simdgroup_barrier(mem_flags, msl_emu::Site site = msl_emu::Site::here());
 
 }  // namespace metal
 
@@ -426,7 +459,8 @@ void simdgroup_barrier(mem_flags);
 namespace msl_emu {
 
 constexpr int kSimdWidth = 32;
-constexpr size_t kStackBytes = 256 * 1024;  // per fiber, lazily committed; a guard page below
+constexpr size_t kStackBytes = 256 * 1024;
+constexpr size_t kMaxTgArrays = 256;  // `threadgroup T a[N];` declarations of one library, at most (library.py)  // per fiber, lazily committed; a guard page below
 
 struct Pos {  // what the position attributes read, filled per thread as Metal defines them
   uint32_t tpig[3];    // thread_position_in_grid = tgp * dispatch size + tpt
@@ -455,6 +489,9 @@ struct Fiber {
   bool fresh = true;  // true: must be (re)started with makecontext (new, or abandoned after an error)
   State state = DONE;
   int simd_op = 0;
+  int barrier_flags = 0;   // the mem_flags of the threadgroup_barrier it waits at
+  Site site{"", 0, 0};     // the barrier or simdgroup op this thread waits at
+  bool switching = false;  // inside a threadgroup-switch yield (MSL_EMU_TG_SWITCH)
   uint32_t simd_seq = 0;   // simdgroup ops done by this thread (double-buffers the lane slots)
   Pos pos;
   void* asan_fake_stack = nullptr;  // AddressSanitizer's bookkeeping while this fiber is switched out
@@ -478,11 +515,23 @@ inline void shuffle_order(std::vector<uint32_t>& order, uint32_t n, uint64_t key
   }
 }
 
+struct TgWrite {  // the threadgroup-switch build's record of the last plain store to a 4-byte word
+  int32_t writer;  // thread_index_in_threadgroup, -1: none since the group started
+  uint32_t barrier;  // barriers the group had passed when it was written
+};
+
 struct TgBlock {  // one `threadgroup T a[N];` array of a kernel, owned by one OS thread
   void* ptr = nullptr;
   size_t bytes = 0;
   uint64_t gen = ~0ull;  // the group it was last poisoned for
+  TgWrite* writes = nullptr;  // [ceil(bytes / 4)], threadgroup-switch build only
 };
+
+#ifdef MSL_EMU_TG_SWITCH
+#define MSL_EMU_NO_TSAN __attribute__((no_sanitize_thread))
+#else
+#define MSL_EMU_NO_TSAN
+#endif
 
 struct SimdSlots {  // lane values of one simdgroup's current op; [seq parity][lane]
   alignas(16) unsigned char val[2][kSimdWidth][16];
@@ -520,13 +569,21 @@ struct Worker {
   uint64_t group_linear = 0;     // index of the group being run (its threadgroup memory generation)
   std::vector<uint32_t> order;   // this round's thread order
   std::vector<TgBlock> tg;       // threadgroup arrays, by declaration slot
+  const TgBlock* tg_begin = nullptr;  // tg's blocks as plain pointers, for the threadgroup-switch hooks
+  const TgBlock* tg_end = nullptr;
   int64_t count[6] = {0, 0, 0, 0, 0, 0};  // work counters of this OS thread (see Count)
+  // threadgroup-switch build: barriers this group passed, the count right after the last one with
+  // mem_threadgroup, the last one without it, and the first too-weak-barrier report of the group
+  uint32_t barriers = 0, fenced = 0;
+  Site weak_barrier{"", 0, 0};
+  std::string tg_error;
   void* asan_fake_stack = nullptr;
   const void* sched_stack_bottom = nullptr;  // the OS thread's own stack, for AddressSanitizer
   size_t sched_stack_size = 0;
+  Worker() { tg.reserve(kMaxTgArrays); }  // tg never moves: the threadgroup-switch hooks read it any time
   ~Worker() {
     for (Fiber* f : fibers) { munmap(f->stack, kStackBytes + 4096); delete f; }
-    for (TgBlock& b : tg) std::free(b.ptr);
+    for (TgBlock& b : tg) { std::free(b.ptr); std::free(b.writes); }
   }
 };
 
@@ -586,11 +643,12 @@ inline void asan_in_sched(Worker* w) {
 }
 
 // Give control back to the group scheduler until it resumes this thread.
-inline void block(State s, int op = 0) {
+inline void block(State s, int op = 0, const Site& site = Site{"", 0, 0}) {
   Worker* w = tls_worker;
   Fiber* f = w->cur;
   f->state = s;
   f->simd_op = op;
+  f->site = site;
   if (!_setjmp(f->jb)) { asan_to_sched(w, f); _longjmp(w->sched, 1); }
   asan_in_fiber(w, f);
 }
@@ -679,6 +737,8 @@ inline bool run_group_fibers(Worker* w, const uint32_t tg[3], const uint32_t act
     f->state = RUNNABLE; f->simd_seq = 0; f->simd_op = 0;
     fill_pos(d, tg, actual, i, f->pos);
   }
+  w->barriers = w->fenced = 0;
+  w->tg_error.clear();
   auto abandon = [&](const std::string& msg) {
     d.fail(msg);
     for (uint32_t i = 0; i < n; ++i) if (w->fibers[i]->state != DONE) w->fibers[i]->fresh = true;
@@ -691,6 +751,7 @@ inline bool run_group_fibers(Worker* w, const uint32_t tg[3], const uint32_t act
     for (uint32_t i : w->order)
       if (w->fibers[i]->state == RUNNABLE) resume(w, w->fibers[i]);
     w->in_fiber = false;
+    if (!w->tg_error.empty()) return abandon("in " + group_str(tg) + ", " + w->tg_error);
     uint32_t n_done = 0, n_bar = 0;
     for (uint32_t i = 0; i < n; ++i) {
       n_done += w->fibers[i]->state == DONE;
@@ -698,24 +759,33 @@ inline bool run_group_fibers(Worker* w, const uint32_t tg[3], const uint32_t act
     }
     if (n_done == n) return true;
     bool progress = false;
+    for (uint32_t i = 0; i < n && !progress; ++i) progress = w->fibers[i]->state == RUNNABLE;  // yielded
+    if (progress) { w->in_fiber = true; continue; }
     for (uint32_t s = 0; s < nsg; ++s) {  // a simdgroup op completes when all its live lanes arrived
       uint32_t lo = s * kSimdWidth, hi = std::min(n, lo + kSimdWidth);
       uint32_t mask = 0, n_simd = 0, n_live = 0;
-      int op = 0; uint32_t seq = 0; bool mismatch = false;
+      int op = 0; uint32_t seq = 0, first = 0, other = 0; bool mismatch = false;
       for (uint32_t i = lo; i < hi; ++i) {
         Fiber* f = w->fibers[i];
         if (f->state == DONE) continue;
         ++n_live;
         if (f->state != AT_SIMD) continue;
-        if (n_simd == 0) { op = f->simd_op; seq = f->simd_seq; }
-        else if (f->simd_op != op || f->simd_seq != seq) mismatch = true;
+        if (n_simd == 0) { op = f->simd_op; seq = f->simd_seq; first = i; }
+        else if (!mismatch && (f->simd_op != op || f->simd_seq != seq || !(f->site == w->fibers[first]->site))) {
+          mismatch = true;
+          other = i;
+        }
         ++n_simd;
         mask |= 1u << (i - lo);
       }
       if (n_simd == 0) continue;
       if (mismatch)
         return abandon("lanes of simdgroup " + std::to_string(s) + " in " + group_str(tg) +
-                       " reached different simdgroup operations (simd_* calls must be in uniform control flow)");
+                       " reached different simdgroup operations: lane " + std::to_string(first - lo) + " at " +
+                       w->fibers[first]->site.str() + ", lane " + std::to_string(other - lo) + " at " +
+                       w->fibers[other]->site.str() +
+                       " (undefined behaviour in Metal: simd_* calls must be in uniform control flow, every "
+                       "live lane at the same call)");
       if (n_simd < n_live)
         return abandon("deadlock in " + group_str(tg) + ": some lanes of simdgroup " + std::to_string(s) +
                        " wait in a simd_* operation while others wait at a threadgroup_barrier");
@@ -734,6 +804,18 @@ inline bool run_group_fibers(Worker* w, const uint32_t tg[3], const uint32_t act
                      "must reach every barrier; never return early before a barrier, mask the work instead, "
                      "and keep barriers out of divergent control flow)");
     }
+    for (uint32_t i = 1; i < n; ++i)
+      if (!(w->fibers[i]->site == w->fibers[0]->site))
+        return abandon("in " + group_str(tg) + ", threads reached different threadgroup_barrier calls: "
+                       "thread_index_in_threadgroup 0 at " + w->fibers[0]->site.str() + ", " + std::to_string(i) +
+                       " at " + w->fibers[i]->site.str() +
+                       " (undefined behaviour in Metal: every thread must reach the same barrier; keep barriers "
+                       "out of divergent control flow)");
+    bool fence = true;  // the barrier orders threadgroup memory only if every thread asked for it
+    for (uint32_t i = 0; i < n; ++i) fence = fence && (w->fibers[i]->barrier_flags & 2);  // mem_threadgroup
+    ++w->barriers;
+    if (fence) w->fenced = w->barriers;
+    else w->weak_barrier = w->fibers[0]->site;
     for (uint32_t i = 0; i < n; ++i) w->fibers[i]->state = RUNNABLE;
     w->in_fiber = true;
   }
@@ -798,26 +880,90 @@ inline int dispatch(Body body, void** args, const int64_t* grid, const int64_t* 
   return 0;
 }
 
+// Publishes w->tg's blocks to the threadgroup-switch hooks; not instrumented (a hook between the two stores
+// would see half an update).
+#ifdef MSL_EMU_TG_SWITCH
+__attribute__((no_sanitize_thread))
+#endif
+inline void set_tg_view(Worker* w) {
+  TgBlock* data = w->tg.data();  // the calls are instrumented: before the stores
+  size_t n = w->tg.size();
+  w->tg_begin = data;
+  w->tg_end = data + n;
+}
+
 // Storage of the threadgroup array declared at `slot`, for the group this OS thread runs now. The
 // first thread of a group to reach the declaration fills it with the poison byte (0xFF: float NaN,
 // int -1; 0x7F with an odd seed: float 3.4e38, int 2139062143), so a read before any write shows.
 // Each array is its own heap block, so AddressSanitizer also catches threadgroup out-of-bounds.
-inline void* tg_array(int slot, size_t bytes) {
+// Not instrumented in the threadgroup-switch build: a hook between its stores would see half an update.
+MSL_EMU_NO_TSAN inline void* tg_array(int slot, size_t bytes) {
   Worker* w = tls_worker;
   if (w->tg.size() <= size_t(slot)) w->tg.resize(slot + 1);
-  TgBlock& b = w->tg[slot];
+  set_tg_view(w);
+  TgBlock& b = w->tg.data()[slot];
   if (b.bytes != bytes) {
+    b.bytes = 0;  // out of the hooks' view while it moves
     std::free(b.ptr);
+    std::free(b.writes);
     if (posix_memalign(&b.ptr, 64, bytes ? bytes : 1) != 0) b.ptr = nullptr;
+#ifdef MSL_EMU_TG_SWITCH
+    b.writes = static_cast<TgWrite*>(std::malloc(sizeof(TgWrite) * (bytes / 4 + 1)));
+#endif
     b.bytes = bytes;
     b.gen = ~0ull;
   }
   if (b.gen != w->group_linear) {
     std::memset(b.ptr, w->d->poison, bytes);
+    if (b.writes) std::memset(b.writes, 0xFF, sizeof(TgWrite) * (bytes / 4 + 1));  // writer -1
     b.gen = w->group_linear;
   }
   return b.ptr;
 }
+
+#ifdef MSL_EMU_TG_SWITCH
+// The threadgroup-switch build (SPLAT_METAL_EMU_TG_SWITCH=1): g++'s -fsanitize=thread instruments every
+// load, store and atomic of the library with a call to a __tsan_* hook; this shim defines the hooks itself
+// (no ThreadSanitizer runtime is linked) and yields the thread to the group scheduler before every access to
+// the group's threadgroup memory. The next thread of the round's shuffled order runs until its own next
+// access: a non-atomic read-modify-write of threadgroup memory between barriers (`tg[0] += 1`) then loses
+// updates as it can on a GPU, instead of running whole.
+//
+// It also checks mem_flags: a plain load of a word another simdgroup's thread stored before a barrier
+// without mem_flags::mem_threadgroup, and no barrier with it since, is refused (Metal orders threadgroup
+// memory across a barrier only with that flag; atomics are not checked).
+__attribute__((no_sanitize_thread)) inline const TgBlock* tg_block_of(const Worker* w, const volatile void* p) {
+  const char* c = (const char*)p;  // no std:: calls here: they are instrumented and would call back
+  for (const TgBlock* b = w->tg_begin; b != w->tg_end; ++b)
+    if (c >= (const char*)b->ptr && c < (const char*)b->ptr + b->bytes) return b;
+  return nullptr;
+}
+enum TgAccess { TG_LOAD, TG_STORE, TG_ATOMIC };
+__attribute__((no_sanitize_thread)) inline void tg_access(const volatile void* p, TgAccess how = TG_ATOMIC) {
+  Worker* w = tls_worker;
+  if (!w || !w->in_fiber || !w->cur || w->cur->switching) return;
+  const TgBlock* b = tg_block_of(w, p);
+  if (!b) return;
+  Fiber* f = w->cur;
+  if (b->writes && how != TG_ATOMIC) {
+    TgWrite& rec = b->writes[((const char*)p - (const char*)b->ptr) / 4];
+    if (how == TG_STORE) {
+      rec.writer = int32_t(f->pos.tidx);
+      rec.barrier = w->barriers;
+    } else if (rec.writer >= 0 && uint32_t(rec.writer) / kSimdWidth != f->pos.sgidx &&
+               w->barriers > rec.barrier && w->fenced <= rec.barrier && w->tg_error.empty()) {
+      w->tg_error = "thread_index_in_threadgroup " + std::to_string(f->pos.tidx) +
+                    " reads threadgroup memory that thread " + std::to_string(rec.writer) +
+                    " wrote before the threadgroup_barrier at " + w->weak_barrier.str() +
+                    ", whose mem_flags lack mem_flags::mem_threadgroup (Metal does not order threadgroup "
+                    "memory across it: pass mem_flags::mem_threadgroup)";
+    }
+  }
+  f->switching = true;  // block()'s own accesses are instrumented too
+  block(RUNNABLE);
+  f->switching = false;
+}
+#endif
 
 inline void count_atomic(const volatile void* p) {
   Worker* w = tls_worker;
@@ -854,7 +1000,8 @@ inline Fiber* current_fiber(const char* what) {
 // Store this lane's value, wait for the whole simdgroup, then read everybody's values.
 // Slots are double-buffered by op parity: a fast lane may already write op k+1 while a slow lane
 // still reads op k, but it cannot reach op k+2 before the slow lane arrives at k+1.
-template <class T> inline SimdSlots& simd_exchange(const char* what, int op, T v, int32_t arg, int& par) {
+template <class T> inline SimdSlots& simd_exchange(const char* what, int op, T v, int32_t arg, int& par,
+                                                    const Site& site) {
   static_assert(sizeof(T) <= 16, "simd op value too large");
   Fiber* f = current_fiber(what);
   Worker* w = tls_worker;
@@ -863,7 +1010,7 @@ template <class T> inline SimdSlots& simd_exchange(const char* what, int op, T v
   std::memcpy(s.val[par][f->pos.lane], &v, sizeof(T));
   s.arg[par][f->pos.lane] = arg;
   ++f->simd_seq;
-  block(AT_SIMD, op);
+  block(AT_SIMD, op, site);
   return s;
 }
 template <class T> inline T slot(const SimdSlots& s, int par, uint32_t lane) {
@@ -873,18 +1020,20 @@ template <class T> inline T slot(const SimdSlots& s, int par, uint32_t lane) {
 }  // namespace msl_emu
 
 namespace metal {
-inline void threadgroup_barrier(mem_flags) {
-  if (msl_emu::current_fiber("threadgroup_barrier")->pos.tidx == 0) msl_emu::count(msl_emu::BARRIERS);
-  msl_emu::block(msl_emu::AT_BARRIER);
+inline void threadgroup_barrier(mem_flags flags, msl_emu::Site site) {
+  msl_emu::Fiber* f = msl_emu::current_fiber("threadgroup_barrier");
+  f->barrier_flags = int(flags);
+  if (f->pos.tidx == 0) msl_emu::count(msl_emu::BARRIERS);
+  msl_emu::block(msl_emu::AT_BARRIER, 0, site);
 }
-inline void simdgroup_barrier(mem_flags) {
+inline void simdgroup_barrier(mem_flags, msl_emu::Site site) {
   int par;
-  msl_emu::simd_exchange("simdgroup_barrier", msl_emu::OP_BARRIER, 0, 0, par);
+  msl_emu::simd_exchange("simdgroup_barrier", msl_emu::OP_BARRIER, 0, 0, par, site);
 }
 
 #define MSL_SIMD_REDUCE(name, OP, init, combine)                                                    \
-  template <class T> inline T name(T v) {                                                           \
-    int par; auto& s = msl_emu::simd_exchange(#name, msl_emu::OP, v, 0, par);                        \
+  template <class T> inline T name(T v, msl_emu::Site site = msl_emu::Site::here()) {               \
+    int par; auto& s = msl_emu::simd_exchange(#name, msl_emu::OP, v, 0, par, site);                  \
     msl_emu::count_reduction<T>(s, par);    \
     bool first = true; T r = v;                                                                     \
     for (uint32_t l = 0; l < 32; ++l) if (s.active[par] >> l & 1) {                                 \
@@ -896,16 +1045,16 @@ MSL_SIMD_REDUCE(simd_max, OP_MAX, 0, max(r, x))
 MSL_SIMD_REDUCE(simd_min, OP_MIN, 0, min(r, x))
 #undef MSL_SIMD_REDUCE
 
-template <class T> inline T simd_prefix_exclusive_sum(T v) {
-  int par; auto& s = msl_emu::simd_exchange("simd_prefix_exclusive_sum", msl_emu::OP_PREFIX_EX, v, 0, par);
+template <class T> inline T simd_prefix_exclusive_sum(T v, msl_emu::Site site = msl_emu::Site::here()) {
+  int par; auto& s = msl_emu::simd_exchange("simd_prefix_exclusive_sum", msl_emu::OP_PREFIX_EX, v, 0, par, site);
   msl_emu::count_reduction<T>(s, par);
   uint32_t me = msl_emu::tls_worker->cur->pos.lane;
   T r = T(0);
   for (uint32_t l = 0; l < me; ++l) if (s.active[par] >> l & 1) r = r + msl_emu::slot<T>(s, par, l);
   return r;
 }
-template <class T> inline T simd_prefix_inclusive_sum(T v) {
-  int par; auto& s = msl_emu::simd_exchange("simd_prefix_inclusive_sum", msl_emu::OP_PREFIX_IN, v, 0, par);
+template <class T> inline T simd_prefix_inclusive_sum(T v, msl_emu::Site site = msl_emu::Site::here()) {
+  int par; auto& s = msl_emu::simd_exchange("simd_prefix_inclusive_sum", msl_emu::OP_PREFIX_IN, v, 0, par, site);
   msl_emu::count_reduction<T>(s, par);
   uint32_t me = msl_emu::tls_worker->cur->pos.lane;
   T r = T(0);
@@ -915,8 +1064,8 @@ template <class T> inline T simd_prefix_inclusive_sum(T v) {
 // Reading a lane that does not exist or has returned is undefined in Metal; here it yields the
 // caller's own value (also what shuffle_down/up give at the edge of the simdgroup).
 #define MSL_SIMD_SHUFFLE(name, OP, src_expr)                                                        \
-  template <class T> inline T name(T v, nd<uint> a) {                                               \
-    int par; auto& s = msl_emu::simd_exchange(#name, msl_emu::OP, v, int32_t(a), par);               \
+  template <class T> inline T name(T v, nd<uint> a, msl_emu::Site site = msl_emu::Site::here()) {   \
+    int par; auto& s = msl_emu::simd_exchange(#name, msl_emu::OP, v, int32_t(a), par, site);         \
     msl_emu::count_simd(s, par, msl_emu::SIMD_SHUFFLES, 1);                                         \
     int64_t me = msl_emu::tls_worker->cur->pos.lane; int64_t src = (src_expr);                       \
     if (src < 0 || src >= 32 || !(s.active[par] >> src & 1)) return v;                              \
@@ -928,8 +1077,8 @@ MSL_SIMD_SHUFFLE(simd_shuffle_up, OP_SHUFFLE_UP, me - int64_t(a))
 MSL_SIMD_SHUFFLE(simd_shuffle_xor, OP_SHUFFLE_XOR, me ^ int64_t(a))
 #undef MSL_SIMD_SHUFFLE
 
-template <class T> inline T simd_broadcast_first(T v) {
-  int par; auto& s = msl_emu::simd_exchange("simd_broadcast_first", msl_emu::OP_BROADCAST_FIRST, v, 0, par);
+template <class T> inline T simd_broadcast_first(T v, msl_emu::Site site = msl_emu::Site::here()) {
+  int par; auto& s = msl_emu::simd_exchange("simd_broadcast_first", msl_emu::OP_BROADCAST_FIRST, v, 0, par, site);
   msl_emu::count_simd(s, par, msl_emu::SIMD_SHUFFLES, 1);
   return msl_emu::slot<T>(s, par, uint32_t(__builtin_ctz(s.active[par])));
 }
@@ -941,34 +1090,93 @@ struct simd_vote {
   bool any() const { return v != 0; }
   bool all() const { return (v & active_) == active_; }  // all active lanes voted true
 };
-inline simd_vote simd_ballot(bool b) {
-  int par; auto& s = msl_emu::simd_exchange("simd_ballot", msl_emu::OP_BALLOT, b, 0, par);
+inline simd_vote simd_ballot(bool b, msl_emu::Site site = msl_emu::Site::here()) {
+  int par; auto& s = msl_emu::simd_exchange("simd_ballot", msl_emu::OP_BALLOT, b, 0, par, site);
   msl_emu::count_simd(s, par, msl_emu::SIMD_SHUFFLES, 1);
   ulong r = 0;
   for (uint32_t l = 0; l < 32; ++l) if ((s.active[par] >> l & 1) && msl_emu::slot<bool>(s, par, l)) r |= 1ul << l;
   return simd_vote{r, ulong(s.active[par])};
 }
-inline simd_vote simd_active_threads_mask() {
-  int par; auto& s = msl_emu::simd_exchange("simd_active_threads_mask", msl_emu::OP_BALLOT, true, 0, par);
+inline simd_vote simd_active_threads_mask(msl_emu::Site site = msl_emu::Site::here()) {
+  int par; auto& s = msl_emu::simd_exchange("simd_active_threads_mask", msl_emu::OP_BALLOT, true, 0, par, site);
   return simd_vote{ulong(s.active[par]), ulong(s.active[par])};
 }
-inline bool simd_any(bool b) {
-  int par; auto& s = msl_emu::simd_exchange("simd_any", msl_emu::OP_ANY, b, 0, par);
+inline bool simd_any(bool b, msl_emu::Site site = msl_emu::Site::here()) {
+  int par; auto& s = msl_emu::simd_exchange("simd_any", msl_emu::OP_ANY, b, 0, par, site);
   msl_emu::count_simd(s, par, msl_emu::SIMD_SHUFFLES, 1);
   for (uint32_t l = 0; l < 32; ++l) if ((s.active[par] >> l & 1) && msl_emu::slot<bool>(s, par, l)) return true;
   return false;
 }
-inline bool simd_all(bool b) {
-  int par; auto& s = msl_emu::simd_exchange("simd_all", msl_emu::OP_ALL, b, 0, par);
+inline bool simd_all(bool b, msl_emu::Site site = msl_emu::Site::here()) {
+  int par; auto& s = msl_emu::simd_exchange("simd_all", msl_emu::OP_ALL, b, 0, par, site);
   msl_emu::count_simd(s, par, msl_emu::SIMD_SHUFFLES, 1);
   for (uint32_t l = 0; l < 32; ++l) if ((s.active[par] >> l & 1) && !msl_emu::slot<bool>(s, par, l)) return false;
   return true;
 }
-inline bool simd_is_first() {
-  int par; auto& s = msl_emu::simd_exchange("simd_is_first", msl_emu::OP_BROADCAST_FIRST, 0, 0, par);
+inline bool simd_is_first(msl_emu::Site site = msl_emu::Site::here()) {
+  int par; auto& s = msl_emu::simd_exchange("simd_is_first", msl_emu::OP_BROADCAST_FIRST, 0, 0, par, site);
   return msl_emu::tls_worker->cur->pos.lane == uint32_t(__builtin_ctz(s.active[par]));
 }
 }  // namespace metal
+
+#ifdef MSL_EMU_TG_SWITCH
+// The hooks -fsanitize=thread calls (see tg_access). Atomics do the operation itself (sequentially
+// consistent: stronger than any order Metal offers), after the switch.
+#define MSL_EMU_NOTSAN extern "C" __attribute__((no_sanitize_thread, visibility("default")))
+MSL_EMU_NOTSAN void __tsan_init() {}
+MSL_EMU_NOTSAN void __tsan_func_entry(void*) {}
+MSL_EMU_NOTSAN void __tsan_func_exit() {}
+MSL_EMU_NOTSAN void __tsan_vptr_update(void**, void*) {}
+MSL_EMU_NOTSAN void __tsan_vptr_read(void**) {}
+MSL_EMU_NOTSAN void __tsan_read_range(void* p, unsigned long) { msl_emu::tg_access(p, msl_emu::TG_LOAD); }
+MSL_EMU_NOTSAN void __tsan_write_range(void* p, unsigned long) { msl_emu::tg_access(p, msl_emu::TG_STORE); }
+MSL_EMU_NOTSAN void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+MSL_EMU_NOTSAN void __tsan_atomic_signal_fence(int) {}
+#define MSL_EMU_ACCESS(n)                                                                             \
+  MSL_EMU_NOTSAN void __tsan_read##n(void* p) { msl_emu::tg_access(p, msl_emu::TG_LOAD); }             \
+  MSL_EMU_NOTSAN void __tsan_write##n(void* p) { msl_emu::tg_access(p, msl_emu::TG_STORE); }           \
+  MSL_EMU_NOTSAN void __tsan_unaligned_read##n(void* p) { msl_emu::tg_access(p, msl_emu::TG_LOAD); }   \
+  MSL_EMU_NOTSAN void __tsan_unaligned_write##n(void* p) { msl_emu::tg_access(p, msl_emu::TG_STORE); } \
+  MSL_EMU_NOTSAN void __tsan_volatile_read##n(void* p) { msl_emu::tg_access(p, msl_emu::TG_LOAD); }    \
+  MSL_EMU_NOTSAN void __tsan_volatile_write##n(void* p) { msl_emu::tg_access(p, msl_emu::TG_STORE); }
+MSL_EMU_ACCESS(1)
+MSL_EMU_ACCESS(2)
+MSL_EMU_ACCESS(4)
+MSL_EMU_ACCESS(8)
+MSL_EMU_ACCESS(16)
+#undef MSL_EMU_ACCESS
+#define MSL_EMU_ATOMICS(bits, T)                                                                      \
+  MSL_EMU_NOTSAN T __tsan_atomic##bits##_load(const volatile T* a, int) {                             \
+    msl_emu::tg_access(a); return __atomic_load_n(a, __ATOMIC_SEQ_CST); }                             \
+  MSL_EMU_NOTSAN void __tsan_atomic##bits##_store(volatile T* a, T v, int) {                          \
+    msl_emu::tg_access(a); __atomic_store_n(a, v, __ATOMIC_SEQ_CST); }                                \
+  MSL_EMU_NOTSAN T __tsan_atomic##bits##_exchange(volatile T* a, T v, int) {                          \
+    msl_emu::tg_access(a); return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); }                      \
+  MSL_EMU_NOTSAN T __tsan_atomic##bits##_fetch_add(volatile T* a, T v, int) {                         \
+    msl_emu::tg_access(a); return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); }                       \
+  MSL_EMU_NOTSAN T __tsan_atomic##bits##_fetch_sub(volatile T* a, T v, int) {                         \
+    msl_emu::tg_access(a); return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST); }                       \
+  MSL_EMU_NOTSAN T __tsan_atomic##bits##_fetch_and(volatile T* a, T v, int) {                         \
+    msl_emu::tg_access(a); return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST); }                       \
+  MSL_EMU_NOTSAN T __tsan_atomic##bits##_fetch_or(volatile T* a, T v, int) {                          \
+    msl_emu::tg_access(a); return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); }                        \
+  MSL_EMU_NOTSAN T __tsan_atomic##bits##_fetch_xor(volatile T* a, T v, int) {                         \
+    msl_emu::tg_access(a); return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST); }                       \
+  MSL_EMU_NOTSAN T __tsan_atomic##bits##_fetch_nand(volatile T* a, T v, int) {                        \
+    msl_emu::tg_access(a); return __atomic_fetch_nand(a, v, __ATOMIC_SEQ_CST); }                      \
+  MSL_EMU_NOTSAN int __tsan_atomic##bits##_compare_exchange_strong(volatile T* a, T* c, T v, int, int) { \
+    msl_emu::tg_access(a); return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); } \
+  MSL_EMU_NOTSAN int __tsan_atomic##bits##_compare_exchange_weak(volatile T* a, T* c, T v, int, int) {   \
+    msl_emu::tg_access(a); return __atomic_compare_exchange_n(a, c, v, true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); } \
+  MSL_EMU_NOTSAN T __tsan_atomic##bits##_compare_exchange_val(volatile T* a, T c, T v, int, int) {     \
+    msl_emu::tg_access(a); __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); \
+    return c; }
+MSL_EMU_ATOMICS(8, char)
+MSL_EMU_ATOMICS(16, short)
+MSL_EMU_ATOMICS(32, int)
+MSL_EMU_ATOMICS(64, long)
+#undef MSL_EMU_ATOMICS
+#endif
 
 // Position attributes: the kernel declares uint, ushort, uint2, uint3 (or ushort2/3); give it that.
 namespace msl_emu {

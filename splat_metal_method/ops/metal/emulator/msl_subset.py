@@ -8,7 +8,8 @@ MetalCompileError naming the .metal file and line. Refused:
   * ``double``, ``std::``, C library calls (printf, malloc, ...), exceptions (throw/try/catch),
     ``virtual``, function pointers, recursion (direct or through other functions of the source;
     the call graph is by name, so overloads of one name that call each other count as recursion),
-    ``#include`` of anything but <metal_stdlib>, ``#pragma`` other than ``once``,
+    ``#include`` of anything but <metal_stdlib>, ``#pragma once`` (torch's header inliner refuses
+    it in some releases), any ``#pragma`` other than
     ``METAL fp math_mode(safe)`` and ``METAL fp contract(off)`` (the only math the emulator runs: a
     fast-math pragma would make the GPU compute what the emulator never tested); variable-length arrays
     are refused by the compilers
@@ -63,7 +64,7 @@ _BANNED = [  # (regex over comment-free source, why Metal refuses it)
 ]
 _INCLUDE = re.compile(r"^[ \t]*#[ \t]*include\b[^\n]*", re.M)
 _PRAGMA = re.compile(r"^[ \t]*#[ \t]*pragma\b([^\n]*)", re.M)
-_ALLOWED_PRAGMAS = {"once", "METAL fp math_mode(safe)", "METAL fp contract(off)"}
+_ALLOWED_PRAGMAS = {"METAL fp math_mode(safe)", "METAL fp contract(off)"}
 _LINE_DIRECTIVE = re.compile(r'^[ \t]*#[ \t]*line[ \t]+(\d+)(?:[ \t]+"([^"\n]*)")?', re.M)
 _NOT_CALLS = {"if", "for", "while", "switch", "return", "sizeof", "alignof", "defined", "static_assert"}
 
@@ -289,6 +290,14 @@ def check_msl_subset(source: str, clean: str, kernels: dict, name: str) -> None:
                 "(torch.mps.compile_shader compiles one string and has no include path)",
             )
     for m in _PRAGMA.finditer(clean):
+        if " ".join(m.group(1).split()) == "once":
+            _fail(
+                name,
+                source,
+                m.start(),
+                "`#pragma once`: torch.mps.compile_shader's header inliner refuses it in some releases; "
+                "kernel sources are concatenated once each (runtime.load_source), so delete the line",
+            )
         if " ".join(m.group(1).split()) not in _ALLOWED_PRAGMAS:
             _fail(
                 name,
