@@ -40,7 +40,7 @@ from test_export_formats import _console_script, _model_arrays, _psnr, _referenc
 from splat_metal_method.export import cli
 from splat_metal_method.export.cli import ExportSplats
 from splat_metal_method.export.gaussians import SH_C0, ExportGaussians
-from splat_metal_method.export.gltf_file import TO_GLTF, write_glb
+from splat_metal_method.export.gltf_file import TO_GLTF, TO_GLTF_QUAT, sh_rotation, write_glb
 from splat_metal_method.ops.reference import sh_bases
 
 pytestmark = pytest.mark.timeout(900)
@@ -77,6 +77,30 @@ def _rotation_matrices(xyzw: np.ndarray) -> np.ndarray:  # [N, 4] -> [N, 3, 3], 
     return np.stack([1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y),
                      2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x),
                      2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)], -1).reshape(-1, 3, 3)  # fmt: skip
+
+
+def glb_params(glb: dict, n_rest: int) -> dict:
+    """gauss_params of a .glb's gaussians (read_glb's), turned back into the run's axes (+z up); SH
+    bands the file lacks (band 4) are zero. For the reference op (test_export_roundtrip.model_from_ply)."""
+    a = glb["attributes"]
+    back = TO_GLTF.T  # glTF's axes -> the run's
+    q = np.roll(a[f"{KHR}:ROTATION"].astype(np.float64), 1, axis=1)  # [N, 4] wxyz
+    w, x, y, z = TO_GLTF_QUAT * np.array([1, -1, -1, -1])  # the inverse turn
+    qw, qx, qy, qz = q.T
+    quats = np.stack([w * qw - x * qx - y * qy - z * qz, w * qx + x * qw + y * qz - z * qy,
+                      w * qy - x * qz + y * qw + z * qx, w * qz + x * qy - y * qx + z * qw], 1)  # fmt: skip
+    n = len(q)
+    rest = np.zeros((n, n_rest, 3))
+    band = 1
+    while f"{KHR}:SH_DEGREE_{band}_COEF_0" in a:
+        coefs = np.stack([a[f"{KHR}:SH_DEGREE_{band}_COEF_{i}"] for i in range(2 * band + 1)], 1)  # [N, 2l+1, 3]
+        rest[:, band * band - 1 : (band + 1) ** 2 - 1] = np.einsum("jk,nkc->njc", sh_rotation(band, back), coefs)
+        band += 1
+    opacity = np.clip(a[f"{KHR}:OPACITY"].astype(np.float64), 1e-12, 1 - 1e-7)
+    p = {"means": a["POSITION"].astype(np.float64) @ back.T, "scales": np.log(a[f"{KHR}:SCALE"].astype(np.float64)),
+         "quats": quats, "opacities": np.log(opacity / (1 - opacity)), "features_dc": a[f"{KHR}:SH_DEGREE_0_COEF_0"],
+         "features_rest": rest}  # fmt: skip
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in p.items()}
 
 
 @pytest.mark.parametrize("degree", [0, 1, 2, 3, 4])
@@ -243,6 +267,25 @@ def test_cli_writes_it_and_the_validator_finds_no_other_error(glb_export, tmp_pa
     assert "ACCESSOR_MAX_MISMATCH" in codes, codes
 
 
+def test_decoded_renders_as_the_model(glb_export):
+    """The file's gaussians turned back into the run's axes, rendered by the reference op at the
+    held-out views, against the model's render: float32 values, only rounding is lost."""
+    from test_export_playcanvas import _eval_cameras
+    from test_export_roundtrip import model_from_ply
+
+    config, out, _ = glb_export
+    pipeline, _, _ = demo_runs.load_pipeline(config)
+    model = _reference_model(pipeline)
+    cameras = _eval_cameras(pipeline)
+    params = glb_params(read_glb(out / "splat.glb"), model.features_rest.shape[1])
+    m = _model_arrays(pipeline.model)
+    assert np.abs(params["means"] - m["means"]).max() < 1e-5
+    assert np.abs(params["features_rest"] - m["features_rest"]).max() < 1e-5
+    psnr = _psnr(_render(model, cameras), _render(model_from_ply(model, params), cameras))
+    print(f"the .glb decoded, reference op vs the model: {psnr:.1f} dB")
+    assert psnr >= 60, f"the decoded .glb renders at {psnr:.1f} dB of the model"
+
+
 # ---------------------------------------------------------------------------------------------
 # The PlayCanvas engine draws it in Chromium.
 
@@ -320,6 +363,30 @@ class EnginePage(LocalSite):
 VIEW_WIDTH, VIEW_HEIGHT, VIEW_FOV_X = 256, 192, 60.0
 
 
+def engine_renders(page: EnginePage, model, cameras, names=("splat.glb", "splat.ply")) -> dict:
+    """{name: [H, W, 3] tensors} of the engine drawing each file at each camera (256x192, 60 degrees
+    wide, at the camera's position and view axis; a .glb in glTF's axes), and "model": the model's
+    render of the same cameras (reference op)."""
+    from nerfstudio.cameras.cameras import Cameras
+
+    background = model._get_background_color().tolist()
+    turn = np.eye(4)
+    turn[:3, :3] = TO_GLTF
+    f = (VIEW_WIDTH / 2) / math.tan(math.radians(VIEW_FOV_X) / 2)
+    renders = {name: [] for name in (*names, "model")}
+    for camera in cameras:
+        c2w = np.eye(4)
+        c2w[:3] = camera.camera_to_worlds.reshape(3, 4).numpy()
+        cam = Cameras(camera_to_worlds=torch.from_numpy(c2w[:3]).float()[None], fx=f, fy=f, cx=VIEW_WIDTH / 2,
+                      cy=VIEW_HEIGHT / 2, width=VIEW_WIDTH, height=VIEW_HEIGHT)  # fmt: skip
+        renders["model"] += _render(model, [cam])
+        for name in names:
+            pose = turn @ c2w if name.endswith(".glb") else c2w
+            image = page.capture(name, pose, VIEW_FOV_X, VIEW_WIDTH, VIEW_HEIGHT, background)
+            renders[name].append(torch.from_numpy(image))
+    return renders
+
+
 @pytest.fixture
 def engine(tmp_path):
     import browser as test_browser  # Chromium helpers (tests/browser.py)
@@ -340,7 +407,7 @@ def engine(tmp_path):
 def test_playcanvas_engine_draws_it_as_the_ply(glb_export, engine):
     """The engine opens the .glb as glTF (y-up, the data turned) and our .ply as gsplat (the run's axes)
     at each held-out camera: both against the model's render of that camera, and against each other."""
-    from nerfstudio.cameras.cameras import Cameras
+    from test_export_playcanvas import _eval_cameras
 
     config, out, _ = glb_export
     for name in ("splat.glb", "splat.ply"):
@@ -348,20 +415,7 @@ def test_playcanvas_engine_draws_it_as_the_ply(glb_export, engine):
     pipeline, _, _ = demo_runs.load_pipeline(config)
     model = _reference_model(pipeline)
     background = model._get_background_color().tolist()
-    cams = pipeline.datamanager.eval_dataset.cameras
-    turn = np.eye(4)
-    turn[:3, :3] = TO_GLTF
-    f = (VIEW_WIDTH / 2) / math.tan(math.radians(VIEW_FOV_X) / 2)
-    renders = {"splat.glb": [], "splat.ply": [], "model": []}
-    for i in range(cams.shape[0]):
-        c2w = np.eye(4)
-        c2w[:3] = cams.camera_to_worlds[i].numpy()
-        cam = Cameras(camera_to_worlds=torch.from_numpy(c2w[:3]).float()[None], fx=f, fy=f, cx=VIEW_WIDTH / 2,
-                      cy=VIEW_HEIGHT / 2, width=VIEW_WIDTH, height=VIEW_HEIGHT)  # fmt: skip
-        renders["model"] += _render(model, [cam])
-        for name, pose in (("splat.glb", turn @ c2w), ("splat.ply", c2w)):
-            image = engine.capture(name, pose, VIEW_FOV_X, VIEW_WIDTH, VIEW_HEIGHT, background)
-            renders[name].append(torch.from_numpy(image))
+    renders = engine_renders(engine, model, _eval_cameras(pipeline))
     glb = _psnr(renders["splat.glb"], renders["model"])
     ply = _psnr(renders["splat.ply"], renders["model"])
     same = _psnr(renders["splat.glb"], renders["splat.ply"])
