@@ -9,7 +9,9 @@ rendered by the reference op at the held-out cameras; the model renders the same
 same op. --browser adds SuperSplat's viewer (tests/playcanvas_viewer.py) opening .ply, .sog and
 .compressed.ply in headless Chromium at the held-out cameras' positions and view axes (256x192, 60
 degrees wide), against the model's render of those cameras and against the viewer's own render of
-the .ply. Prints a Markdown table and writes benchmarks/results/export_formats_<label>.csv.
+the .ply; and the PlayCanvas engine alone (tests/export/test_export_glb.py) opening the .glb as glTF,
+against the model's render and the engine's own render of the .ply (the .glb row's browser columns).
+The .glb is read by tests/export_readers.read_glb and turned back into the run's axes. Prints a Markdown table and writes benchmarks/results/export_formats_<label>.csv.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "export")]  # helpers, and the export tests
 
 
 def main() -> None:
@@ -32,16 +34,17 @@ def main() -> None:
     args = parser.parse_args()
 
     import demo_runs
-    from export_readers import read_splat, read_spz
+    from export_readers import read_glb, read_splat, read_spz
     from playcanvas_viewer import splat_transform
     from test_export_formats import _psnr, _reference_model, _render, _splat_params, _spz_params
+    from test_export_glb import glb_params
     from test_export_playcanvas import _eval_cameras, viewer_camera, viewer_renders
     from test_export_roundtrip import model_from_ply, read_splat_ply
 
     from splat_metal_method.export.cli import ExportSplats
 
     out = Path(tempfile.mkdtemp(prefix="bench_export_formats_"))
-    formats = ("ply", "splat", "spz", "sog", "compressed-ply")
+    formats = ("ply", "splat", "spz", "sog", "compressed-ply", "glb")
     paths = ExportSplats(load_config=args.load_config, output_dir=out, format=formats).main()
     pipeline, _, step = demo_runs.load_pipeline(args.load_config)
     model = _reference_model(pipeline)
@@ -54,6 +57,7 @@ def main() -> None:
         "ply": read_splat_ply(out / "splat.ply"),
         "splat": _splat_params(read_splat(out / "splat.splat"), n_rest),
         "spz": _spz_params(read_spz(out / "splat.spz")),
+        "glb": glb_params(read_glb(out / "splat.glb"), n_rest),
     }
     for fmt, name in (("sog", "splat.sog"), ("compressed-ply", "splat.compressed.ply")):
         decoded = out / f"decoded_{fmt}.ply"
@@ -84,6 +88,20 @@ def main() -> None:
                     row["browser_vs_ply_db"] = round(_psnr(renders[row["file"]], renders["splat.ply"]), 1)
         finally:
             viewer.close()
+            browser.quit()
+        from test_export_glb import EnginePage, engine_renders
+
+        browser = test_viewer.Browser(out / "chromium-profile-engine")
+        page = EnginePage(out / "engine-site", browser)
+        try:
+            for name in ("splat.glb", "splat.ply"):
+                (page.folder / name).write_bytes((out / name).read_bytes())
+            renders = engine_renders(page, model, cameras)
+            row = next(r for r in rows if r["format"] == "glb")
+            row["browser_psnr_db"] = round(_psnr(renders["splat.glb"], renders["model"]), 1)
+            row["browser_vs_ply_db"] = round(_psnr(renders["splat.glb"], renders["splat.ply"]), 1)
+        finally:
+            page.close()
             browser.quit()
 
     print(f"\n{args.load_config}: {n:,} gaussians, SH degree {model.config.sh_degree}, step {step}, "

@@ -10,11 +10,16 @@ the tests read the files the way the viewers do.
   NGSP container): a plain 32-byte header (numStreams at byte 15, tocByteOffset at 16), extension
   records up to tocByteOffset, a TOC of (compressed, uncompressed) uint64 pairs, then one ZSTD
   frame per array in the same order; the arrays are read as in version 3.
+- .glb: the glTF 2.0 specification's binary container (12-byte header "glTF", version 2, length;
+  a JSON chunk and a BIN chunk, each an 8-byte length/type header) and its accessors (bufferView,
+  byteOffset, componentType, type, normalized, byteStride), each attribute of the mesh's first
+  primitive read as the specification defines it.
 """
 
 from __future__ import annotations
 
 import gzip
+import json
 import struct
 from pathlib import Path
 from typing import Dict
@@ -117,3 +122,43 @@ def read_spz(path: Path) -> Dict[str, np.ndarray]:
         "sh_dc": ((color.reshape(n, 3).astype(np.float32) / 255) - 0.5) / 0.15,  # [N, 3]
         "sh_rest": (sh.reshape(n, d, 3).astype(np.float32) - 128) / 128,  # [N, D, 3] coefficient-major
     }
+
+
+GLB_COMPONENTS = {5120: "i1", 5121: "u1", 5122: "<i2", 5123: "<u2", 5125: "<u4", 5126: "<f4"}
+GLB_TYPES = {"SCALAR": 1, "VEC2": 2, "VEC3": 3, "VEC4": 4, "MAT4": 16}
+
+
+def read_glb(path: Path) -> Dict:
+    """{"json": the glTF JSON, "attributes": {semantic: float32 [N, k] (normalized integers scaled to
+    0..1 / -1..1 as the specification does)}} of the first mesh's first primitive."""
+    data = Path(path).read_bytes()
+    magic, version, length = struct.unpack_from("<III", data, 0)
+    assert magic == 0x46546C67 and version == 2, f"not a GLB version 2 (magic {magic:#x}, version {version})"
+    assert length == len(data), f"header says {length} bytes, the file has {len(data)}"
+    json_length, json_type = struct.unpack_from("<II", data, 12)
+    assert json_type == 0x4E4F534A and json_length % 4 == 0, "the first chunk is not a padded JSON chunk"
+    gltf = json.loads(data[20 : 20 + json_length])
+    bin_length, bin_type = struct.unpack_from("<II", data, 20 + json_length)
+    assert bin_type == 0x004E4942, "the second chunk is not BIN"
+    binary = data[28 + json_length : 28 + json_length + bin_length]
+    assert 28 + json_length + bin_length == len(data), "bytes after the BIN chunk"
+    assert gltf["buffers"][0]["byteLength"] <= bin_length
+
+    def accessor(index: int) -> np.ndarray:
+        a = gltf["accessors"][index]
+        view = gltf["bufferViews"][a["bufferView"]]
+        dtype = np.dtype(GLB_COMPONENTS[a["componentType"]])
+        k = GLB_TYPES[a["type"]]
+        stride = view.get("byteStride", dtype.itemsize * k)
+        start = view.get("byteOffset", 0) + a.get("byteOffset", 0)
+        assert start % dtype.itemsize == 0, "a misaligned accessor"
+        rows = np.ndarray((a["count"], k), dtype, binary, start, (stride, dtype.itemsize))
+        assert start + stride * (a["count"] - 1) + dtype.itemsize * k <= view.get("byteOffset", 0) + view["byteLength"]
+        values = rows.astype(np.float32)
+        if a.get("normalized"):
+            info = np.iinfo(dtype)
+            values = np.maximum(values / info.max, -1.0) if info.min < 0 else values / info.max
+        return values
+
+    primitive = gltf["meshes"][0]["primitives"][0]
+    return {"json": gltf, "attributes": {name: accessor(i) for name, i in primitive["attributes"].items()}}

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Literal, Optional, Sequence, Tuple, get_args
 
-Format = Literal["ply", "splat", "spz", "sog", "compressed-ply"]
+Format = Literal["ply", "splat", "spz", "sog", "compressed-ply", "glb"]
 FORMATS = get_args(Format)
 EXTENSIONS = {"compressed-ply": "compressed.ply"}  # file name = output_name + "." + this (else the format)
 PROG = "splat-metal-export"
@@ -63,7 +63,8 @@ class ExportSplats:
     """One or more of: ply (3DGS .ply, as ns-export gaussian-splat), splat (antimatter15's 32 bytes per
     gaussian, no view-dependent colour), spz (Niantic's compressed format, keeps SH; --spz-version), sog
     (PlayCanvas/SuperSplat's WebP bundle, SH from a palette), compressed-ply (PlayCanvas's chunked
-    .compressed.ply, SH at 8 bits)."""
+    .compressed.ply, SH at 8 bits), glb (binary glTF 2.0 with KHR_gaussian_splatting, in glTF's y-up axes,
+    SH bands 1-3)."""
     output_name: str = "splat"
     """File name without extension: splat.ply (ns-export's name), splat.splat, splat.spz, splat.sog,
     splat.compressed.ply."""
@@ -82,7 +83,7 @@ class ExportSplats:
         """Writes the files; returns their paths."""
         formats = list(dict.fromkeys(self.format))  # in order, once each
         if not formats:
-            raise ExportError("--format needs at least one of ply, splat, spz, sog, compressed-ply")
+            raise ExportError(f"--format needs at least one of {', '.join(FORMATS)}")
         obb_parts = (self.obb_center, self.obb_rotation, self.obb_scale)
         if any(p is not None for p in obb_parts) and not all(p is not None for p in obb_parts):
             raise ExportError("a crop needs all three of --obb-center, --obb-rotation and --obb-scale")
@@ -280,6 +281,10 @@ def _write_all(g, formats: List[str], targets: List[Path], device=None, spz_vers
 
 
 def _write_one(g, fmt: str, path: Path, device=None, report=None, spz_version: int = 3) -> Tuple[int, str]:
+    if fmt == "glb":
+        from .gltf_file import write_glb
+
+        return write_glb(g, path, report)
     if fmt in ("sog", "compressed-ply"):
         from .playcanvas import write_playcanvas
 
