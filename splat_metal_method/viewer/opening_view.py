@@ -1,8 +1,8 @@
 """The viewer opens on the scene: a browser that connects looks through the first training camera.
 
-nerfstudio 1.1.5's viewer starts every browser at viser's default camera, somewhere near the origin
-in a scene scaled to fit [-1, 1]: a dark or blurred view of the scene's inside, until the user finds
-a training camera to click and hides the cameras. Here each browser, when it connects (ns-train
+nerfstudio 1.1.5's viewer starts every browser at viser's default camera, wherever that falls in a
+scene scaled to fit [-1, 1] (inside it, a dark or blurred view; or the scene off to one side), until
+the user finds a training camera to click and hides the cameras. Here each browser, when it connects (ns-train
 --vis viewer, ns-viewer), is given the pose of the first training camera exactly as nerfstudio draws
 its frustum (position times VISER_NERFSTUDIO_SCALE_RATIO, orientation turned by pi about x from
 nerfstudio's OpenGL camera to viser's OpenCV one) and a field of view that shows the whole photo.
@@ -22,9 +22,13 @@ the horizontal angle where viser takes the vertical one, so the outline is wider
 
 The frustum of that camera is not drawn (set invisible when nerfstudio adds the frustums): a browser
 looking through it would see the frustum's own thumbnail of the photo in front of the render (viser
-draws it about 0.2 viser units ahead at nerfstudio's camera_frustum_scale 0.1, past its near plane at 0.05). Every other frustum is drawn as nerfstudio
-draws it, clicking one moves there as before, and "Hide Train Cams" / "Show Train Cams" hide and
-show all of them, this one included.
+draws it about 0.2 viser units ahead at nerfstudio's camera_frustum_scale 0.1, past its near plane at
+0.05). Every other frustum is drawn as nerfstudio draws it, clicking one moves there as before, and
+"Hide Train Cams" / "Show Train Cams" hide and show all of them, this one included.
+
+The browser may already have sent a camera message or two of viser's default view before it gets the
+new camera (they cross on the websocket): the viewer renders those first (for 0.1 to 1.5 s in the
+browser tests, on a loaded 2-core machine), and every render after that is through camera 0.
 
 Installed by the model (``SplatMetalModel.opening_view``): nerfstudio's Viewer hands every
 ``ViewerControl`` it finds on the pipeline the viewer itself, so this applies to splat-metal's
