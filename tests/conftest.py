@@ -140,6 +140,7 @@ SLOW_TESTS = {
     "tests/test_previous_layout.py::test_ns_train_resumes_an_old_run_with_load_dir",
     "tests/verify/test_self_check.py::test_ns_train_checks_metal_kernels_first_and_falls_back_on_a_wrong_one",
     "tests/viewer/test_opening_view.py::test_browser_opens_on_the_first_training_camera",
+    "tests/viewer/test_opening_view.py::test_ns_viewer_opens_on_the_first_training_camera",
     "tests/viewer/test_opening_view.py::test_the_opening_cameras_frustum_is_hidden_and_the_others_drawn",
     "tests/viewer/test_real_capture.py::test_viewer_first_frame_in_chromium",
     "tests/viewer/test_viewer.py::test_browser_ns_viewer_on_a_finished_run_forced_metal",

@@ -5,7 +5,7 @@ through the first training camera, with a field of view that shows all of its ph
 - nerfstudio's real Viewer with a splat-metal run: every frustum drawn, the opening camera's hidden.
 - In Chromium: `ns-train splat-metal --vis viewer` on the demo scene; without any click, the canvas at a
   mid-training step shows the model's render from training camera 0 (PSNR above OPENING_PSNR_DB), and
-  not that of its neighbour, camera 1.
+  not that of its neighbour, camera 1. `ns-viewer` on a finished run opens there too.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from test_viewer import (  # noqa: F401 (browser is a fixture)
     _stop,
     _wait_for,
     browser,
+    ns_viewer_in_browser,
 )  # fmt: skip
 
 from splat_metal_method.viewer.opening_view import OPENING_CAMERA, fitting_fov, viser_pose
@@ -193,6 +194,20 @@ def test_browser_opens_on_the_first_training_camera(tmp_path_factory, tmp_path, 
     expected = fitting_fov(cameras[OPENING_CAMERA], record["width"] / record["height"])
     assert abs(fov - expected) < 0.01, (fov, expected)  # the render's size rounds the aspect to pixels
     assert neighbour < OPENING_PSNR_DB, f"the comparison cannot tell camera 1 ({neighbour:.2f} dB) from camera 0"
+
+
+def test_ns_viewer_opens_on_the_first_training_camera(tmp_path_factory, tmp_path, browser):  # noqa: F811 (fixture)
+    """`ns-viewer --load-config` on a finished run (12 steps), Chromium on its page and no click: the
+    settled frame is through training camera 0 and is the model's render from it."""
+    run = demo_runs.sh3_run(tmp_path_factory)
+    with ns_viewer_in_browser(run, browser, tmp_path, demo_runs.tool_env()) as (proc, trace, log, opened):
+        record, shot = _settled_frame(browser, trace, proc, log, after=opened)
+    pipeline, _, _ = demo_runs.load_pipeline(run, test_mode="inference")
+    cameras = pipeline.datamanager.train_dataset.cameras
+    np.testing.assert_allclose(record["camera_to_world"], cameras.camera_to_worlds[OPENING_CAMERA].numpy(), atol=1e-4)
+    psnr, _, _ = _canvas_against_camera(pipeline.model, cameras, OPENING_CAMERA, record, shot)
+    print(f"[opening view] ns-viewer: canvas vs camera {OPENING_CAMERA} {psnr:.2f} dB")
+    assert psnr > OPENING_PSNR_DB, f"ns-viewer does not open on training camera {OPENING_CAMERA}: {psnr:.2f} dB"
 
 
 def _load_at_step(config: Path, step: int):
