@@ -453,6 +453,10 @@ def _pose_problem(frame: dict) -> Optional[str]:
     """Why a frame's transform_matrix is not a camera-to-world pose (None if it is): a 4x4 matrix of finite
     numbers, last row 0 0 0 1, rotation orthonormal with determinant +1 (within float32 tolerance)."""
     if not _is_pose(frame):
+        rows = frame.get("transform_matrix")
+        if isinstance(rows, list) and len(rows) == 3 and all(isinstance(r, list) and len(r) == 4 for r in rows):
+            # nerfstudio 1.1.5's own parser fails on these (a RuntimeError in auto_orient_and_center_poses).
+            return "has 3 rows; give the 4x4 camera-to-world matrix (add the last row [0, 0, 0, 1])"
         return "must be a 4x4 matrix of finite numbers"
     pose = np.array(frame["transform_matrix"], dtype=float)  # [4, 4]
     if not np.allclose(pose[3], [0, 0, 0, 1], atol=POSE_TOLERANCE):

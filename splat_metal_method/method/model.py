@@ -36,7 +36,7 @@ from ..ops.loss import l1_ssim_loss
 from ..ops.metal.fused import rasterization_metal
 from ..ops.ssim import FusedSSIM
 from ..verify import self_check
-from ..viewer import render_device
+from ..viewer import opening_view, render_device
 
 
 def viewmat_from_c2w(camera_to_world: torch.Tensor) -> torch.Tensor:  # [C, 3(4), 4] -> [C, 4, 4]
@@ -251,6 +251,7 @@ class SplatMetalModel(SplatfactoModel):
         self.isect_capacities = IntersectionCapacities()  # of the training steps' padded lists (ops/metal/isect.py)
         self.memory = memory.setup_model_memory(self)  # caps self.strategy; hooks via get_training_callbacks
         reliability.install_atomic_ply_export(write_ply)  # in ns-export only: same bytes, fast, then renamed
+        self.opening_view = opening_view.OpeningView()  # the viewer finds it: browsers open on a training camera
 
     def load_state_dict(self, dict, **kwargs):  # type: ignore[override]
         """Resizes the gaussians to the checkpoint's count IN PLACE, then loads.

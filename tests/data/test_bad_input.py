@@ -64,6 +64,16 @@ def _zero_pose(scene_copy, tmp):
     return scene, path, ["frame 1", "transform_matrix", "last row", "0 0 0 1"]
 
 
+def _three_row_pose(scene_copy, tmp):
+    """[R|t] without the row 0 0 0 1: nerfstudio 1.1.5's own parser fails on it (a RuntimeError in
+    auto_orient_and_center_poses, whatever the orientation and centre methods), so it is refused too."""
+    scene = scene_copy()
+    path = _edit_transforms(
+        scene, lambda m: m["frames"][1].update(transform_matrix=m["frames"][1]["transform_matrix"][:3])
+    )
+    return scene, path, ["frame 1", "transform_matrix", "has 3 rows", "4x4", "[0, 0, 0, 1]"]
+
+
 def _scaled_rotation(scene_copy, tmp):
     scene = scene_copy()
 
@@ -162,12 +172,14 @@ PARSER_CASES = {
     "negative-focal-in-a-frame": _negative_focal_in_a_frame,
     "mirrored-rotation": _mirrored_rotation,
     "negative-principal-point": _negative_principal_point,
+    "three-row-pose": _three_row_pose,
 }
 WHAT = {  # the table's description of each case (docs/reliability.md)
     "missing-folder": "`ns-train splat-metal --data` a folder that does not exist",
     "empty-folder": "`--data` an empty folder",
     "no-transforms-json": "`--data` a folder ns-process-data left half-written (images/, no transforms.json)",
     "zero-pose": "a frame's `transform_matrix` is all zeros",
+    "three-row-pose": "a frame's `transform_matrix` is 3x4 (no last row 0 0 0 1)",
     "scaled-rotation": "a frame's rotation is scaled by 2 (not orthonormal)",
     "mirrored-rotation": "a frame's rotation is mirrored (determinant -1)",
     "duplicate-image": "two frames list the same image",

@@ -644,23 +644,30 @@ def ns_viewer_in_browser(config: Path, browser: Browser, folder: Path, env: dict
     _assert_clean_log(log.read_text(), "ns-viewer")
 
 
+def ns_train_with_viewer(scene: Path, folder: Path, timestamp: str, steps: int, *extra):
+    """Starts `ns-train splat-metal --vis viewer` (demo options, ``steps`` steps, then the viewer stays up;
+    ``extra`` options) with the render log, as from a terminal. Returns (process, port, render log,
+    output log, the run's config.yml); stop it with _stop."""
+    port, trace, log = _free_port(), folder / "renders.jsonl", folder / "ns-train.log"
+    out = folder / "outputs"
+    args = [demo_runs.tool("ns-train"), "splat-metal", *demo_runs.demo_args(), "--data", scene, "--output-dir", out,
+            "--timestamp", timestamp, "--vis", "viewer", "--viewer.websocket-port", port,
+            "--viewer.quit-on-train-completion", "False", "--max-num-iterations", steps, *extra]  # fmt: skip
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen([str(a) for a in args], stdout=log_file, stderr=subprocess.STDOUT,
+                                env=demo_runs.tool_env(**{RENDER_LOG_ENV: str(trace)}), cwd=folder,
+                                start_new_session=True, preexec_fn=_as_from_a_terminal)  # fmt: skip
+    return proc, port, trace, log, out / scene.name / "splat-metal" / timestamp / "config.yml"
+
+
 def test_browser_shows_training_in_the_viewer(tmp_path_factory, tmp_path, browser):
     """`ns-train splat-metal --vis viewer` on the demo scene with Chromium connected: frames arrive
     while training runs (the viewer renders between training steps); after pausing training from
     the viewer, the canvas shows exactly the model's render of the viewer's camera, and the paused
     model is the checkpoint on disk. Ctrl+C then ends ns-train cleanly."""
     scene = demo_runs.demo_scene(tmp_path_factory)
-    port, trace, log = _free_port(), tmp_path / "renders.jsonl", tmp_path / "ns-train.log"
-    out = tmp_path / "outputs"
-    args = [demo_runs.tool("ns-train"), "splat-metal", *demo_runs.demo_args(), "--data", scene, "--output-dir", out,
-            "--timestamp", "viewer", "--vis", "viewer", "--viewer.websocket-port", port,
-            "--viewer.quit-on-train-completion", "False", "--max-num-iterations", 100000,
-            "--steps-per-save", 1]  # every step: the paused model is on disk  # fmt: skip
-    config = out / scene.name / "splat-metal" / "viewer" / "config.yml"
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen([str(a) for a in args], stdout=log_file, stderr=subprocess.STDOUT,
-                                env=demo_runs.tool_env(**{RENDER_LOG_ENV: str(trace)}), cwd=tmp_path,
-                                start_new_session=True, preexec_fn=_as_from_a_terminal)  # fmt: skip
+    # --steps-per-save 1: every step, so the paused model is on disk.
+    proc, port, trace, log, config = ns_train_with_viewer(scene, tmp_path, "viewer", 100000, "--steps-per-save", 1)
     try:
         _wait_for("the viewer's web server", lambda: _http_up(port), 240, proc, log)
         browser.driver.get(f"http://localhost:{port}")
