@@ -252,7 +252,7 @@ def test_cli_writes_it_and_the_validator_finds_no_other_error(glb_export, tmp_pa
     assert _errors_beside_the_extension_attributes(report) == []
     attributes = [m["pointer"].rsplit("/", 1)[1] for m in messages if m["severity"] == 0]
     assert sorted(attributes) == sorted(a for a in read_glb(out / "splat.glb")["attributes"] if a.startswith(KHR))
-    assert len(attributes) == 4 + 15  # ROTATION, SCALE, OPACITY, 16 SH coefficients but DC counted once
+    assert len(attributes) == 4 + 15  # ROTATION, SCALE, OPACITY, SH_DEGREE_0_COEF_0, the 15 of bands 1-3
     assert report["issues"]["numWarnings"] == 0
     assert {m["code"] for m in messages if m["severity"] > 0} <= {"UNSUPPORTED_EXTENSION"}
     # the validator still checks the data: a POSITION bound that is not the data's is an error
