@@ -193,12 +193,17 @@ def test_interrupted_glb_writes_nothing(tmp_path_factory, tmp_path, monkeypatch)
 # Khronos' glTF-Validator on the command's file.
 
 
-def _require(*paths: Path) -> None:
+def _require(*paths: Path, chromium: bool = False) -> None:
+    """The npm files (and node; with ``chromium``, Debian's chromium and chromedriver) or a skip (CI: a failure)."""
+    import browser as test_browser  # Chromium helpers (tests/browser.py)
+
     missing = [str(p) for p in paths if not p.exists()]
     if not shutil.which("node"):
         missing.append("node")
+    if chromium:
+        missing += [p for p in (test_browser.CHROMIUM, test_browser.CHROMEDRIVER) if not os.path.exists(p)]
     if missing:
-        reason = f"{', '.join(missing)} missing: scripts/setup.sh installs Node's tools into .npm-tools"
+        reason = f"{', '.join(missing)} missing: scripts/setup.sh installs them (Node's tools into .npm-tools)"
         if os.environ.get("CI"):
             pytest.fail(reason)
         pytest.skip(reason)
@@ -369,22 +374,29 @@ class EnginePage(LocalSite):
 VIEW_WIDTH, VIEW_HEIGHT, VIEW_FOV_X = 256, 192, 60.0
 
 
+def view_camera(camera):
+    """A held-out camera as the browser tests place theirs: (its camera-to-world [4, 4], run axes; the
+    nerfstudio Cameras at that pose, 256x192, 60 degrees wide, centred) for the model's render."""
+    from nerfstudio.cameras.cameras import Cameras
+
+    c2w = np.eye(4)
+    c2w[:3] = camera.camera_to_worlds.reshape(3, 4).numpy()
+    f = (VIEW_WIDTH / 2) / math.tan(math.radians(VIEW_FOV_X) / 2)
+    cam = Cameras(camera_to_worlds=torch.from_numpy(c2w[:3]).float()[None], fx=f, fy=f, cx=VIEW_WIDTH / 2,
+                  cy=VIEW_HEIGHT / 2, width=VIEW_WIDTH, height=VIEW_HEIGHT)  # fmt: skip
+    return c2w, cam
+
+
 def engine_renders(page: EnginePage, model, cameras, names=("splat.glb", "splat.ply")) -> dict:
     """{name: [H, W, 3] tensors} of the engine drawing each file at each camera (256x192, 60 degrees
     wide, at the camera's position and view axis; a .glb in glTF's axes), and "model": the model's
     render of the same cameras (reference op)."""
-    from nerfstudio.cameras.cameras import Cameras
-
     background = model._get_background_color().tolist()
     turn = np.eye(4)
     turn[:3, :3] = TO_GLTF
-    f = (VIEW_WIDTH / 2) / math.tan(math.radians(VIEW_FOV_X) / 2)
     renders = {name: [] for name in (*names, "model")}
     for camera in cameras:
-        c2w = np.eye(4)
-        c2w[:3] = camera.camera_to_worlds.reshape(3, 4).numpy()
-        cam = Cameras(camera_to_worlds=torch.from_numpy(c2w[:3]).float()[None], fx=f, fy=f, cx=VIEW_WIDTH / 2,
-                      cy=VIEW_HEIGHT / 2, width=VIEW_WIDTH, height=VIEW_HEIGHT)  # fmt: skip
+        c2w, cam = view_camera(camera)
         renders["model"] += _render(model, [cam])
         for name in names:
             pose = turn @ c2w if name.endswith(".glb") else c2w
@@ -397,12 +409,7 @@ def engine_renders(page: EnginePage, model, cameras, names=("splat.glb", "splat.
 def engine(tmp_path):
     import browser as test_browser  # Chromium helpers (tests/browser.py)
 
-    _require(ENGINE)
-    if not all(os.path.exists(p) for p in (test_browser.CHROMIUM, test_browser.CHROMEDRIVER)):
-        reason = "chromium / chromedriver missing: scripts/setup.sh installs them"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+    _require(ENGINE, chromium=True)
     b = test_browser.Browser(tmp_path / "chromium-profile")
     page = EnginePage(tmp_path / "site", b)
     yield page
@@ -470,16 +477,10 @@ window.show = (file, width, height, fovX, position, target, up, background) => n
 def test_babylon_draws_it(glb_export, tmp_path):
     """Babylon.js opens the .glb (its glTF loader) at each held-out camera, turned into glTF's axes."""
     import browser as test_browser
-    from nerfstudio.cameras.cameras import Cameras
     from PIL import Image
     from test_export_playcanvas import _eval_cameras
 
-    _require(*BABYLON)
-    if not all(os.path.exists(p) for p in (test_browser.CHROMIUM, test_browser.CHROMEDRIVER)):
-        reason = "chromium / chromedriver missing: scripts/setup.sh installs them"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+    _require(*BABYLON, chromium=True)
     config, out, _ = glb_export
     b = test_browser.Browser(tmp_path / "chromium-profile")
     site = LocalSite(tmp_path / "site", b)
@@ -491,14 +492,10 @@ def test_babylon_draws_it(glb_export, tmp_path):
     pipeline, _, _ = demo_runs.load_pipeline(config)
     model = _reference_model(pipeline)
     background = model._get_background_color().tolist()
-    f = (VIEW_WIDTH / 2) / math.tan(math.radians(VIEW_FOV_X) / 2)
     renders, reference = [], []
     try:
         for camera in _eval_cameras(pipeline):
-            c2w = np.eye(4)
-            c2w[:3] = camera.camera_to_worlds.reshape(3, 4).numpy()
-            cam = Cameras(camera_to_worlds=torch.from_numpy(c2w[:3]).float()[None], fx=f, fy=f, cx=VIEW_WIDTH / 2,
-                          cy=VIEW_HEIGHT / 2, width=VIEW_WIDTH, height=VIEW_HEIGHT)  # fmt: skip
+            c2w, cam = view_camera(camera)
             reference += _render(model, [cam])
             pose = TO_GLTF @ c2w[:3]  # [3, 4] in glTF's axes: OpenGL camera axes, as Babylon's right-handed scene
             position, back, up = pose[:, 3], pose[:, 2], pose[:, 1]
