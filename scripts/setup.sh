@@ -77,9 +77,10 @@ fi
 # PlayCanvas's own tools for the export tests (tests/test_export_playcanvas.py): splat-transform decodes
 # our .sog / .compressed.ply and writes them from our .ply; SuperSplat's viewer renders them in
 # Chromium. Pinned: splat-transform 3.x needs Node >= 22. Into .npm-tools (gitignored), once.
-# The .glb's (tests/export/test_export_glb.py): Khronos' glTF-Validator and the PlayCanvas engine,
-# whose glb parser draws KHR_gaussian_splatting in Chromium.
-NPM_TOOLS="@playcanvas/splat-transform@2.7.1 @playcanvas/supersplat-viewer@1.36.2 gltf-validator@2.0.0-dev.3.10 playcanvas@2.23.3"
+# The .glb's (tests/export/test_export_glb.py): Khronos' glTF-Validator, and the PlayCanvas engine and
+# Babylon.js, whose glTF loaders draw KHR_gaussian_splatting in Chromium.
+NPM_TOOLS="@playcanvas/splat-transform@2.7.1 @playcanvas/supersplat-viewer@1.36.2 gltf-validator@2.0.0-dev.3.10 \
+playcanvas@2.23.3 babylonjs@9.28.0 babylonjs-loaders@9.28.0"
 if command -v npm >/dev/null 2>&1 && [ "$(cat .npm-tools/.installed 2>/dev/null)" != "$NPM_TOOLS" ]; then
   echo "[setup] npm install $NPM_TOOLS (into .npm-tools)"
   mkdir -p .npm-tools

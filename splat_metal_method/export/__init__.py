@@ -10,6 +10,7 @@
 - ``spz_file``: Niantic's ``.spz`` version 3 (gzip, quantised, keeps SH).
 - ``sog_file``: PlayCanvas's ``.sog`` (SuperSplat's format: WebP images, codebooks, SH palette).
 - ``compressed_ply_file``: PlayCanvas's ``.compressed.ply`` (chunks of 256, packed fields, 8-bit SH).
+- ``gltf_file``: binary glTF 2.0 ``.glb`` with ``KHR_gaussian_splatting`` (float32, in glTF's y-up axes).
 - ``ply_file``: the .ply bytes of nerfstudio's ``write_ply``, a block of rows at a time (also what
   ``ns-export gaussian-splat`` writes with, through engine/reliability.py's patch).
 - ``quantize``: Morton order, 256-entry 1-D codebooks and the k-means SH palette they share (exact,

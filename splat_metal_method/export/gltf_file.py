@@ -104,9 +104,10 @@ def gltf_attributes(g: ExportGaussians) -> List[Tuple[str, np.ndarray]]:
         (f"{EXTENSION}:SH_DEGREE_0_COEF_0", g.sh_dc.astype(np.float32)),
     ]
     for degree in range(1, min(g.sh_degree, MAX_SH_DEGREE) + 1):
-        band = g.sh_rest[:, degree * degree - 1 : (degree + 1) ** 2 - 1].astype(np.float64)  # [N, 2l+1, 3]
-        turned = np.einsum("jk,nkc->njc", sh_rotation(degree, TO_GLTF), band).astype(np.float32)
-        out += [(f"{EXTENSION}:SH_DEGREE_{degree}_COEF_{i}", turned[:, i]) for i in range(2 * degree + 1)]
+        band = g.sh_rest[:, degree * degree - 1 : (degree + 1) ** 2 - 1]  # [N, 2l+1, 3]
+        coefs = np.moveaxis(band, 1, 0).reshape(2 * degree + 1, -1).astype(np.float32)  # [2l+1, N*3]
+        turned = sh_rotation(degree, TO_GLTF).astype(np.float32) @ coefs  # A c for every gaussian and channel
+        out += [(f"{EXTENSION}:SH_DEGREE_{degree}_COEF_{i}", turned[i].reshape(n, 3)) for i in range(2 * degree + 1)]
     assert all(len(a) == n for _, a in out)
     return out
 
@@ -123,7 +124,7 @@ def glb_layout(g: ExportGaussians, generator: str = "splat-metal-export") -> Glb
     attributes = gltf_attributes(g)
     accessors, views, arrays, offset = [], [], [], 0
     for i, (semantic, array) in enumerate(attributes):
-        array = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<")))
+        array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))  # little-endian, no copy if it is
         kind = {1: "SCALAR", 3: "VEC3", 4: "VEC4"}[array.shape[1]]
         accessor = {"bufferView": i, "componentType": UNSIGNED_BYTE if array.dtype == np.uint8 else FLOAT,
                     "count": int(len(array)), "type": kind}  # fmt: skip
