@@ -21,12 +21,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from scenes import garden_scene
 
 from splat_metal_method.ops import rasterization
 from splat_metal_method.ops.metal import kernels, runtime
-from splat_metal_method.ops.metal.emulator import compile_library
+from splat_metal_method.ops.metal.emulator import compile_library, library
+
+pytestmark = pytest.mark.skipif(not library._cpu_has_fma(), reason="the fp-contraction build needs x86-64 with FMA")
 
 ROOT = Path(__file__).resolve().parents[3]
 MAD = """#include <metal_stdlib>

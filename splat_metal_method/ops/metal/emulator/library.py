@@ -280,20 +280,17 @@ def compile_library(source: str, name: str = "kernels") -> "EmulatorLibrary":
                 src_path = Path(tmp) / f"{key}.cpp"
                 src_path.write_text(cpp)
                 tmp_so = Path(tmp) / f"{key}.so"
-                cmd = [_CXX, *flags, "-I", str(SHIM_DIR), "-x", "c++", str(src_path), "-o", str(tmp_so)]
-                if tg_switch_enabled():  # instrumented object, then a shared object without the tsan runtime
-                    obj = Path(tmp) / f"{key}.o"
-                    cmd = [c for c in cmd if c != "-shared"]
-                    cmd[cmd.index("-o") + 1] = str(obj)
-                    cmd[1:1] = ["-c"]
+                source_args = ["-I", str(SHIM_DIR), "-x", "c++", str(src_path)]
+                steps = [[_CXX, *flags, *source_args, "-o", str(tmp_so)]]
+                if tg_switch_enabled():  # an instrumented object, then a shared object without the TSan runtime
+                    obj = str(Path(tmp) / f"{key}.o")
+                    steps = [[_CXX, "-c", *(f for f in flags if f != "-shared"), *source_args, "-o", obj],
+                             [_CXX, "-shared", "-pthread", "-Wl,-Bsymbolic", obj, "-o", str(tmp_so)]]  # fmt: skip
+                _compile_count += 1
+                for cmd in steps:
                     res = subprocess.run(cmd, capture_output=True, text=True)
-                    cmd = [_CXX, "-shared", "-pthread", "-Wl,-Bsymbolic", str(obj), "-o", str(tmp_so)]
                     if res.returncode != 0:
                         raise MetalCompileError(f"MSL emulator: compiling {name!r} failed:\n{res.stderr}")
-                _compile_count += 1
-                res = subprocess.run(cmd, capture_output=True, text=True)
-                if res.returncode != 0:
-                    raise MetalCompileError(f"MSL emulator: compiling {name!r} failed:\n{res.stderr}")
                 os.replace(tmp_so, so)  # atomic: concurrent processes never see a half-written .so
         lib = EmulatorLibrary(ctypes.CDLL(str(so)), kernels, fibers)
         _loaded[key] = lib
