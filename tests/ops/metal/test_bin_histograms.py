@@ -96,6 +96,7 @@ def windowed(window: int):
 CONFIGS = [(BIN_WINDOW, 3, 32), (9, 3, 32), (9, 1, 64), (40, 5, 32)]
 
 
+@pytest.mark.planted_variants  # windows of 9 and 40 tiles
 @pytest.mark.parametrize("cut", [False, True])
 @pytest.mark.parametrize("window, per_thread, group", CONFIGS)
 def test_bins_and_atomics(window, per_thread, group, cut):
@@ -120,6 +121,7 @@ PLANTS = {
 }  # fmt: skip
 
 
+@pytest.mark.planted_variants
 @pytest.mark.parametrize("plant", sorted(PLANTS))
 def test_planted_histogram_bugs_are_caught(plant):
     planted = planted_library("isect.metal", [PLANTS[plant]], f"isect planted: {plant}", (("SPLAT_BIN_WINDOW", 40),))
@@ -128,6 +130,7 @@ def test_planted_histogram_bugs_are_caught(plant):
     assert diffs != []
 
 
+@pytest.mark.planted_variants  # a window of 9 tiles
 @pytest.mark.parametrize("window, per_thread", [(9, 16), (9, 1), (BIN_WINDOW, 1)])
 def test_padded_lists_stay_the_exact_lists(monkeypatch, window, per_thread):
     """isect_tiles_padded_fwd with a small window / one gaussian a thread: the exact lists entry for entry."""
