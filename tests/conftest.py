@@ -124,6 +124,7 @@ SLOW_TESTS = {
     "tests/ops/metal/test_fused_adam.py::test_the_fused_step_matches_torch_adam",
     "tests/ops/metal/test_metal_training.py::test_fused_sh_step_training_run_matches_its_twin",
     "tests/ops/metal/test_variants.py::test_every_checked_library_passes_the_checks_at_every_msl_version",
+    "tests/ops/metal/test_kernel_limits.py::test_every_kernel_of_every_variant_has_threadgroup_memory_to_spare",
     "tests/ops/metal/test_variants.py::test_every_standard_library_passes_the_checks_at_every_msl_version",
     "tests/ops/metal/test_metal_training.py::test_thirty_training_steps_metal_vs_reference",
     "tests/ops/metal/test_pipeline_limits.py::test_rasterizer_runs_in_tile_strips_where_the_pipeline_allows_fewer_threads[128-8]",

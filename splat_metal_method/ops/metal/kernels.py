@@ -18,6 +18,7 @@ from .runtime import library_for, load_source
 from .variants import (  # noqa: F401 (group_threads and the geometry are part of this module's API)
     BIN_CAPACITY,
     BIN_COUNT_ITEMS,
+    BIN_ROUND,
     BIN_THREADS,
     BIN_WINDOW,
     GROUP_1D,
@@ -46,6 +47,7 @@ def _base_defines(tile_size: int) -> dict:
         "SPLAT_BIN_CAPACITY": BIN_CAPACITY,
         "SPLAT_BIN_THREADS": BIN_THREADS,
         "SPLAT_BIN_WINDOW": BIN_WINDOW,
+        "SPLAT_BIN_ROUND": BIN_ROUND,
         "SPLAT_SCAN_THREADS": SCAN_THREADS,
         "SPLAT_SCAN_ITEMS": SCAN_ITEMS,
     }

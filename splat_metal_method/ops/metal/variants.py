@@ -36,11 +36,13 @@ ADAM_SLOTS = 6  # parameter tensors one fused Adam launch steps; adam_prepare's 
 BIN_CAPACITY = 2048
 BIN_THREADS = 256
 # bin_count (isect.metal): a threadgroup of GROUP_1D threads counts the entries of GROUP_1D x BIN_COUNT_ITEMS
-# consecutive gaussians per tile in a threadgroup histogram of BIN_WINDOW ints (30 KiB of Apple's 32 KiB: every
-# tile of a 1297x840 image, 4,346 tiles of 16x16, fits), then reserves each touched tile's ranks with one device
-# atomic. 4,096 gaussians a group: at ~5 tiles a gaussian ~20K entries, so most of the ~4K tiles are shared.
+# consecutive gaussians per tile in threadgroup counters for a window of BIN_WINDOW tiles (every tile of a 1297x840
+# image, 4,346 tiles of 16x16, fits), BIN_ROUND tiles at a time (15 KiB of ints of Apple's 32 KiB; two rounds over
+# the group's entries), then reserves each touched tile's ranks with one device atomic. 4,096 gaussians a group: at
+# ~5 tiles a gaussian ~20K entries, so most of the ~4K tiles are shared.
 BIN_COUNT_ITEMS = 16
 BIN_WINDOW = 7680
+BIN_ROUND = 3840
 
 
 # The fused L1 + SSIM loss (loss.metal).
