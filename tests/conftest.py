@@ -52,7 +52,6 @@ def pytest_configure(config):
 # against the reference and every command (ns-train, ns-export, ns-eval, ns-render, ns-viewer,
 # splat-metal-export, doctor, bench) still runs once. A parametrized test is listed by its full id.
 SLOW_TESTS = {
-    "tests/bench/test_bench_cli.py::test_vs_ab_trains_both_and_counts_fewer_atomics_with_the_other[pixel-order-rows-blocks]",
     "tests/bench/test_bench_cli.py::test_vs_ab_trains_both_and_counts_fewer_atomics_with_the_other[tile-merge-direct-tile merge]",
     "tests/bench/test_mps_audit.py::test_audited_path_covers_the_training_step",
     "tests/bench/test_mps_audit.py::test_steady_step_host_reads_within_budget",
@@ -132,6 +131,9 @@ SLOW_TESTS = {
     "tests/ops/metal/test_fused_adam.py::test_the_fused_step_equals_its_unfused_twins_through_densification[3]",
     "tests/ops/metal/test_fused_adam.py::test_the_fused_step_matches_torch_adam",
     "tests/ops/metal/test_metal_training.py::test_fused_sh_step_training_run_matches_its_twin",
+    "tests/ops/metal/test_variants.py::test_every_checked_library_passes_the_checks_at_every_msl_version",
+    "tests/ops/metal/test_kernel_limits.py::test_every_kernel_of_every_variant_has_threadgroup_memory_to_spare",
+    "tests/ops/metal/test_variants.py::test_every_standard_library_passes_the_checks_at_every_msl_version",
     "tests/ops/metal/test_metal_training.py::test_thirty_training_steps_metal_vs_reference",
     "tests/ops/metal/test_pipeline_limits.py::test_rasterizer_runs_in_tile_strips_where_the_pipeline_allows_fewer_threads[128-8]",
     "tests/ops/metal/test_sh_adam.py::test_the_fused_sh_step_matches_torch_adam",

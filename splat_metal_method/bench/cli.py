@@ -8,8 +8,6 @@ into an issue.
                                                      # (msplat_bench.py: matched settings, one line)
     splat-metal-bench --vs tile-merge  # the metal backend with the backward's tile merge off, then on
                                        # (bwd_tile_merge): backward ms and atomics of each, one line
-    splat-metal-bench --vs pixel-order # the same with the rasterizers' pixels in rows, then in 8x4 blocks a
-                                       # simdgroup (the default; SPLAT_METAL_PIXEL_ORDER)
 
 For each standard scene (the demo scene; garden-points at 1/4 and full size of its 648x420 cameras
 when garden_points.npz is found, see bench_scenes.py) and backend, nerfstudio's Trainer runs a short
@@ -55,7 +53,7 @@ class Run:
     host_syncs: Optional[int] = None
     memory: List[Dict[str, float]] = field(default_factory=list)  # step, gaussians, MiB columns
     gaussians: int = 0
-    variant: str = ""  # --vs tile-merge / pixel-order: the AB_RUNS variant ("direct", "tile merge", "rows", "blocks")
+    variant: str = ""  # --vs tile-merge: the AB_RUNS variant ("direct", "tile merge")
     device_atomics: Optional[int] = None  # of the counted step (the step ledger's; our kernels only)
 
     @property
@@ -90,15 +88,18 @@ def memory_sample(device: str) -> Dict[str, float]:
 AB_RUNS = {
     "tile-merge": (("direct", {("config", "bwd_tile_merge"): False}),
                    ("tile merge", {("config", "bwd_tile_merge"): True})),
-    "pixel-order": (("rows", {("variants", "PIXEL_ORDER"): "rows"}),
-                    ("blocks", {("variants", "PIXEL_ORDER"): "blocks"})),
+}  # fmt: skip
+# --vs options that are gone: option -> the one line that says so
+GONE_VS = {
+    "pixel-order": "--vs pixel-order: the rasterizers' row pixel order is gone; every tile runs in 8x4 pixel blocks a "
+                   "simdgroup where its size allows (the default before), so there is nothing to compare",
 }  # fmt: skip
 
 
 def run_scene(data: Path, scene: str, backend: str, device: str, steps: int, hooks: bool, mem_every: int,
               refine_every: int, work: Path, count_syncs: bool, variant: Optional[tuple] = None) -> Run:  # fmt: skip
     """One training run. ``variant`` (metal backend): one of AB_RUNS' (name, settings), set for this run (the
-    backward's tile merge, the rasterizers' pixel order); None leaves them as the environment set them."""
+    backward's tile merge); None leaves them as the environment set them."""
     import importlib
 
     name, settings = variant or ("", {})
@@ -278,7 +279,7 @@ def ab_line(option: str, runs: List[Run], device: str) -> str:
 
 def ab_runs(option: str, scene_paths: Dict[str, Path], device: str, steps: int, mem_every: int, refine_every: int,
             work: Path, out: Path, quick: bool) -> int:  # fmt: skip
-    """--vs tile-merge / pixel-order: each scene trained twice on the metal backend, the baseline variant then the
+    """--vs tile-merge: each scene trained twice on the metal backend, the baseline variant then the
     other (AB_RUNS), same seed."""
     runs: List[Run] = []
     n = EMULATED_QUICK_STEPS if (quick and device == "cpu") else steps
@@ -305,17 +306,18 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 200; --quick 8)")
     ap.add_argument("--mem-every", type=int, default=None, help="memory sample every N steps (default steps/20)")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default ./splat-metal-bench-<time>)")
-    ap.add_argument("--vs", choices=("msplat",) + tuple(AB_RUNS), default=None,
+    ap.add_argument("--vs", choices=("msplat",) + tuple(AB_RUNS) + tuple(GONE_VS), default=None,
                     help="msplat: train msplat beside us with matched settings (needs `pip install msplat`: macOS "
                          "14+, Python 3.12+) and print one line; tile-merge: the metal backend with the backward's "
-                         "tile merge off, then on, and one line with the backward's ms and atomics of each; "
-                         "pixel-order: the same with the rasterizers' pixels in rows, then in 8x4 blocks a simdgroup "
-                         "(the default)")  # fmt: skip
+                         "tile merge off, then on, and one line with the backward's ms and atomics of each")  # fmt: skip
     ap.add_argument("--data", type=Path, default=None, help="--vs: a nerfstudio-format scene (default: the demo)")
     ap.add_argument("--sh-degree", type=int, default=3, help="--vs: SH degree of both")
     ap.add_argument("--downscale", type=int, default=1, help="--vs: image downscale factor of both")
     ap.add_argument("--num-downscales", type=int, default=0, help="--vs: coarse-to-fine levels of both")
     args = ap.parse_args(argv)
+    if args.vs in GONE_VS:
+        print(GONE_VS[args.vs], file=sys.stderr)
+        return 2
     device = default_device() if args.device == "auto" else args.device
     if device == "mps" and not torch.backends.mps.is_available():
         ap.error("--device mps: MPS is not available on this machine")

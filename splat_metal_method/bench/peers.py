@@ -409,7 +409,7 @@ class OursFromLedger:
 
     def _order_share(self) -> float:
         """Our backward's active groups over the same launches' groups in msplat's pixel order, 8x4 pixels a
-        simdgroup (step_ledger.BLOCK_ORDER_GROUPS): Scene.groups counts groups as the calibration's backward forms
+        simdgroup (step_ledger.KernelWork.block_order_groups): Scene.groups counts groups as the calibration's backward forms
         them (msplat 1.1.3 rasterizes in 8x8 threadgroups), so ours are that many times it. 1 in ledgers without
         the count (the tree before it, whose 16x2 strips a simdgroup it priced as 8x4 blocks: optimistic)."""
         w = self.ledger["kernels"].get("rasterize_bwd", {})

@@ -72,10 +72,6 @@ MOVED_BYTES = {
 }
 # kernel -> function (arguments, counted simd reductions: components, calls) giving the launch's active groups
 ACTIVE_GROUPS = {"rasterize_bwd": rasterize_bwd.active_groups}
-# kernel -> function (arguments, launch geometry) giving the active groups the same launch has in msplat's pixel order
-# (8x4 blocks a simdgroup, variants.PIXEL_ORDER "blocks"; None: the launch runs in it), by which the model's
-# calibration prices a backward's groups; run before the launch, executing only
-BLOCK_ORDER_GROUPS = {"rasterize_bwd": rasterize_bwd.block_order_groups}
 ALLOCATIONS = {"empty.memory_format", "empty_strided", "empty_like", "lift_fresh", "_local_scalar_dense"}
 
 # Parts of a step, by the innermost file of the Python stack that issued an aten op (first match).
@@ -151,7 +147,9 @@ class KernelWork:
     threadgroup_atomics: int = 0
     barriers: int = 0  # threadgroup barriers, once per threadgroup
     active_groups: int = 0  # rasterize_bwd: active (gaussian, simdgroup) pairs, from its reductions (ACTIVE_GROUPS)
-    block_order_groups: int = 0  # rasterize_bwd: the same launches' active groups in 8x4 blocks (BLOCK_ORDER_GROUPS)
+    block_order_groups: int = (
+        0  # rasterize_bwd: the same launches' active groups in 8x4 blocks (its own: it runs in them)
+    )
     threadgroup_bytes: int = 0  # threadgroup memory one group declares
     buffer_bytes: int = 0  # sizes of the buffers bound to its launches (estimate of bytes moved)
     # buffer_bytes by the bound buffer's shape ("3x1500x2" -> bytes), so a reader that knows the scene can
@@ -256,13 +254,6 @@ class _Counting:
     def launch(self, name, kernel, args, launch):
         from ..ops.metal import runtime
 
-        block_groups = None  # first: its launch may run in this launch's library
-        if name in BLOCK_ORDER_GROUPS and runtime.executing():
-            self.paused = True
-            try:
-                block_groups = BLOCK_ORDER_GROUPS[name](args, launch)
-            finally:
-                self.paused = False
         lib = getattr(kernel, "_lib", None)
         counters = getattr(lib, "work_counters", None)
         before = counters() if counters else {}
@@ -289,8 +280,7 @@ class _Counting:
         work.threadgroups = math.prod(-(-int(t) // int(g)) for t, g in zip(threads, group))
         if name in ACTIVE_GROUPS and runtime.executing():
             work.active_groups = ACTIVE_GROUPS[name](args, work.simd_reductions, work.simd_reduction_ops)
-            if name in BLOCK_ORDER_GROUPS:
-                work.block_order_groups = work.active_groups if block_groups is None else block_groups
+            work.block_order_groups = work.active_groups  # the launch runs in msplat's order (8x4 blocks) itself
         seen, read_write = set(), READ_WRITE_ARGS.get(name, ())
         read_write = read_write(args) if callable(read_write) else read_write
         for i, a in enumerate(args):

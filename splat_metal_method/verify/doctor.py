@@ -143,19 +143,21 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--emit-metal",
         metavar="DIR",
-        help="write each assembled kernel library to DIR/*.metal and exit (for compile checks with `xcrun metal`)",
+        help="write each assembled kernel library the compile checks build to DIR/*.metal, and the -std level of "
+        "each MSL version torch compiles at to DIR/std_levels.txt, and exit (for compile checks with `xcrun metal`)",
     )
     args = parser.parse_args(argv)
     if args.emit_metal:
         from pathlib import Path
 
-        from ..ops.metal import kernels
+        from ..ops.metal import kernels, variants
 
         out = Path(args.emit_metal)
         out.mkdir(parents=True, exist_ok=True)
         for name, source in kernels.all_sources().items():
             (out / f"{name}.metal").write_text(source)
             print(out / f"{name}.metal")
+        (out / "std_levels.txt").write_text("".join(f"{variants.MSL_STD[v]}\n" for v in variants.MSL_VERSIONS))
         return 0
     width, height = (int(v) for v in args.size.lower().split("x"))
     if args.device == "auto":

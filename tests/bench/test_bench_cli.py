@@ -69,13 +69,11 @@ def test_quick_bench_files(quick_run):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
-@pytest.mark.parametrize(
-    "option,base,other", [("tile-merge", "direct", "tile merge"), ("pixel-order", "rows", "blocks")]
-)
+@pytest.mark.parametrize("option,base,other", [("tile-merge", "direct", "tile merge")])
 def test_vs_ab_trains_both_and_counts_fewer_atomics_with_the_other(tmp_path, option, base, other):
-    """`splat-metal-bench --vs tile-merge` / `--vs pixel-order`: what a Mac user runs to settle the backward's tile
-    merge (off by default until measured) and the rasterizers' 8x4 pixel blocks (on). Here emulated: the line says its
-    times say nothing, the atomics are counted: fewer merged, fewer in blocks, for the same training."""
+    """`splat-metal-bench --vs tile-merge`: what a Mac user runs to settle the backward's tile merge (off by default
+    until measured). Here emulated: the line says its times say nothing, the atomics are counted: fewer merged, for
+    the same training."""
     from cli_helpers import cli_env
 
     out = tmp_path / "ab"
@@ -94,3 +92,17 @@ def test_vs_ab_trains_both_and_counts_fewer_atomics_with_the_other(tmp_path, opt
     assert [(r["backend"], r["variant"]) for r in rows] == [("metal", base), ("metal", other)]
     assert [int(r["device_atomics_per_step"]) for r in rows] == [int(m[3]), int(m[4])]
     assert all(int(r["gaussians"]) > 0 for r in rows)
+
+
+def test_vs_pixel_order_says_in_one_line_that_the_row_order_is_gone(tmp_path):
+    """The row pixel order was removed (8x4 blocks are the only order): `--vs pixel-order` says so in one line,
+    trains nothing and writes nothing."""
+    from cli_helpers import cli_env
+
+    proc = subprocess.run([sys.executable, "-m", "splat_metal_method.bench.cli", "--vs", "pixel-order",
+                           "--out", str(tmp_path / "ab")], capture_output=True, text=True, timeout=120,
+                          env=cli_env(), cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "row pixel order is gone" in lines[0] and "8x4" in lines[0], proc.stderr
+    assert not (tmp_path / "ab").exists()

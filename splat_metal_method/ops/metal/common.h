@@ -59,9 +59,8 @@ using namespace metal;
 // 8 and the group's rows a multiple of 4 (16x16 tiles and their strips of 4 and 8 rows), a simdgroup takes an 8x4
 // block instead (msplat's: it rasterizes in 8x8 threadgroups): a gaussian's footprint meets fewer simdgroups (a
 // fifth fewer on garden), and the backward reduces and issues its atomics once per (gaussian, simdgroup) it
-// meets. What a pixel computes does not depend on the order. SPLAT_PIXEL_ROWS (variants.PIXEL_ORDER = "rows",
-// SPLAT_METAL_PIXEL_ORDER=rows) keeps the row order.
-#if !defined(SPLAT_PIXEL_ROWS) && SPLAT_TILE_SIZE % 8 == 0 && SPLAT_GROUP_ROWS % 4 == 0
+// meets. What a pixel computes does not depend on the order.
+#if SPLAT_TILE_SIZE % 8 == 0 && SPLAT_GROUP_ROWS % 4 == 0
 #define SPLAT_PIXEL_BLOCKS 1
 #else
 #define SPLAT_PIXEL_BLOCKS 0

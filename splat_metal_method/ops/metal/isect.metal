@@ -259,8 +259,11 @@ inline bool bin_entries(const device float* means2d, const device int* radii, co
 // the rectangle (isect_emit's tile 0 padding; none while the rectangle holds `count` tiles) take
 // consecutive ranks of tile `base` with one atomic add of their number (threadgroup or device, as the
 // tile's). The counters keep the bins' lengths (bin_fill reads none of them; the next isect_count
-// zeroes them). Threadgroup memory: SPLAT_BIN_WINDOW ints; every thread reaches both barriers (no early
-// return: the gaussians past C*N are skipped).
+// zeroes them). Threadgroup memory: SPLAT_BIN_ROUND ints, the window's counters a round at a time: the three
+// steps run once per SPLAT_BIN_ROUND tiles of the window, each round counting only its tiles' entries in
+// threadgroup memory (the entries past the window take their device atomics in the first), so the atomics and the
+// ranks are those of one round over the whole window. Every thread reaches every barrier (no early return: the
+// gaussians past C*N are skipped; the rounds are the same for the whole group).
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void bin_count(
     const device float* means2d [[buffer(0)]],        // [C*N, 2]
@@ -280,71 +283,78 @@ kernel void bin_count(
     uint3 tgp [[threadgroup_position_in_grid]],
     uint3 tpg [[threads_per_threadgroup]]) {
   // ints seen as atomics (the emulator's address-space check builds no threadgroup array of atomic objects)
-  threadgroup int hist_ints[SPLAT_BIN_WINDOW];
+  threadgroup int hist_ints[SPLAT_BIN_ROUND];
   threadgroup atomic_int* hist = (threadgroup atomic_int*)hist_ints;
   const long threads = (long)tpg.x;
   const long g0 = (long)tgp.x * threads * per_thread;  // the group's first gaussian
   const long n_tiles = tile_width * tile_height;
   const long w0 = (g0 < total ? g0 / N : 0) * n_tiles;  // the window: dense tiles [w0, w0 + SPLAT_BIN_WINDOW)
   const long w1 = w0 + SPLAT_BIN_WINDOW;
-  for (long i = tid; i < SPLAT_BIN_WINDOW; i += threads) {
-    atomic_store_explicit(&hist[i], 0, memory_order_relaxed);
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (int pass = 0; pass < 2; ++pass) {
-    for (long j = 0; j < per_thread; ++j) {
-      const long gl = g0 + j * threads + (long)tid;
-      if (gl >= total) {
-        break;
-      }
-      const uint g = (uint)gl;
-      long out, end;
-      int x0, y0, x1, y1;
-      if (!bin_entries(means2d, radii, tiles_per_gauss, cum, g, capacity, tile_size, tile_width, tile_height,
-                       out, end, x0, y0, x1, y1)) {
-        continue;
-      }
-      const long base = (gl / N) * n_tiles;
-      for (int y = y0; y < y1 && end > out; ++y) {
-        for (int x = x0; x < x1 && end > out; ++x, ++out) {
-          const long t = base + (long)y * tile_width + x;
-          if (t < w1) {
-            if (pass == 0) {
-              slots[out] = atomic_fetch_add_explicit(&hist[t - w0], 1, memory_order_relaxed);
-            } else {
-              slots[out] += atomic_load_explicit(&hist[t - w0], memory_order_relaxed);
-            }
-          } else if (pass == 0) {
-            slots[out] = atomic_fetch_add_explicit(&bins[t], 1, memory_order_relaxed);
-          }
-        }
-      }
-      if (out < end) {
-        const int n = (int)(end - out);
-        if (base < w1) {
-          const int first = pass == 0 ? atomic_fetch_add_explicit(&hist[base - w0], n, memory_order_relaxed)
-                                      : atomic_load_explicit(&hist[base - w0], memory_order_relaxed);
-          for (int i = 0; out < end; ++i, ++out) {
-            slots[out] = pass == 0 ? first + i : slots[out] + first;
-          }
-        } else if (pass == 0) {
-          const int first = atomic_fetch_add_explicit(&bins[base], n, memory_order_relaxed);
-          for (int i = 0; out < end; ++i, ++out) {
-            slots[out] = first + i;
-          }
-        }
-      }
+  for (long r0 = w0; r0 < w1; r0 += SPLAT_BIN_ROUND) {  // one round per SPLAT_BIN_ROUND tiles of the window
+    const long r1 = r0 + SPLAT_BIN_ROUND < w1 ? r0 + SPLAT_BIN_ROUND : w1;
+    const bool first_round = r0 == w0;  // the entries past the window take their device atomics in it
+    if (!first_round) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous round's pass 2 has read its counters
     }
-    if (pass == 0) {  // reserve: one device atomic per tile of the window the group touched
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      for (long i = tid; i < SPLAT_BIN_WINDOW; i += threads) {
-        const int c = atomic_load_explicit(&hist[i], memory_order_relaxed);
-        if (c > 0) {
-          atomic_store_explicit(&hist[i], atomic_fetch_add_explicit(&bins[w0 + i], c, memory_order_relaxed),
-                                memory_order_relaxed);
+    for (long i = tid; i < r1 - r0; i += threads) {
+      atomic_store_explicit(&hist[i], 0, memory_order_relaxed);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int pass = 0; pass < 2; ++pass) {
+      for (long j = 0; j < per_thread; ++j) {
+        const long gl = g0 + j * threads + (long)tid;
+        if (gl >= total) {
+          break;
+        }
+        const uint g = (uint)gl;
+        long out, end;
+        int x0, y0, x1, y1;
+        if (!bin_entries(means2d, radii, tiles_per_gauss, cum, g, capacity, tile_size, tile_width, tile_height,
+                         out, end, x0, y0, x1, y1)) {
+          continue;
+        }
+        const long base = (gl / N) * n_tiles;
+        for (int y = y0; y < y1 && end > out; ++y) {
+          for (int x = x0; x < x1 && end > out; ++x, ++out) {
+            const long t = base + (long)y * tile_width + x;
+            if (t >= r0 && t < r1) {
+              if (pass == 0) {
+                slots[out] = atomic_fetch_add_explicit(&hist[t - r0], 1, memory_order_relaxed);
+              } else {
+                slots[out] += atomic_load_explicit(&hist[t - r0], memory_order_relaxed);
+              }
+            } else if (t >= w1 && pass == 0 && first_round) {
+              slots[out] = atomic_fetch_add_explicit(&bins[t], 1, memory_order_relaxed);
+            }
+          }
+        }
+        if (out < end) {
+          const int n = (int)(end - out);
+          if (base >= r0 && base < r1) {
+            const int first = pass == 0 ? atomic_fetch_add_explicit(&hist[base - r0], n, memory_order_relaxed)
+                                        : atomic_load_explicit(&hist[base - r0], memory_order_relaxed);
+            for (int i = 0; out < end; ++i, ++out) {
+              slots[out] = pass == 0 ? first + i : slots[out] + first;
+            }
+          } else if (base >= w1 && pass == 0 && first_round) {
+            const int first = atomic_fetch_add_explicit(&bins[base], n, memory_order_relaxed);
+            for (int i = 0; out < end; ++i, ++out) {
+              slots[out] = first + i;
+            }
+          }
         }
       }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (pass == 0) {  // reserve: one device atomic per tile of the round the group touched
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        for (long i = tid; i < r1 - r0; i += threads) {
+          const int c = atomic_load_explicit(&hist[i], memory_order_relaxed);
+          if (c > 0) {
+            atomic_store_explicit(&hist[i], atomic_fetch_add_explicit(&bins[r0 + i], c, memory_order_relaxed),
+                                  memory_order_relaxed);
+          }
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+      }
     }
   }
 }

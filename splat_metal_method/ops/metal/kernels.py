@@ -18,6 +18,7 @@ from .runtime import library_for, load_source
 from .variants import (  # noqa: F401 (group_threads and the geometry are part of this module's API)
     BIN_CAPACITY,
     BIN_COUNT_ITEMS,
+    BIN_ROUND,
     BIN_THREADS,
     BIN_WINDOW,
     GROUP_1D,
@@ -46,9 +47,19 @@ def _base_defines(tile_size: int) -> dict:
         "SPLAT_BIN_CAPACITY": BIN_CAPACITY,
         "SPLAT_BIN_THREADS": BIN_THREADS,
         "SPLAT_BIN_WINDOW": BIN_WINDOW,
+        "SPLAT_BIN_ROUND": BIN_ROUND,
         "SPLAT_SCAN_THREADS": SCAN_THREADS,
         "SPLAT_SCAN_ITEMS": SCAN_ITEMS,
     }
+
+
+_requested: set = set()  # every variants.Variant stage_source has built in this process
+
+
+def requested_variants() -> set:
+    """The libraries (variants.Variant) this process has assembled: each should be one variants.library_variants
+    yields (tests/ops/metal/conftest.py checks it after every kernel test)."""
+    return set(_requested)
 
 
 @lru_cache(maxsize=None)
@@ -56,6 +67,7 @@ def stage_source(stage_file: str, tile_size: int = constants.TILE_SIZE, extra: t
     """Full source of one library: defines, common.h, covar.h and sh.h (the quaternion/covariance math and the
     spherical-harmonics basis, shared with the native CPU backend), then the stage file. `extra` holds
     (name, value) pairs of per-variant defines (e.g. the channel count of the rasterizer)."""
+    _requested.add(variants.Variant(stage_file, int(tile_size), tuple(extra)))
     defines = _base_defines(tile_size)
     defines.update(dict(extra))
     return load_source("common.h", "covar.h", "sh.h", stage_file, defines=defines)
@@ -101,7 +113,7 @@ _fitted_groups: dict = {}  # (device type, stage file, kernel, variant) -> the g
 def strip_library(device: torch.device, stage_file: str, tile_size: int, extra: tuple, rows: int):
     """The library of a tile kernel whose groups cover `rows` rows of a tile (SPLAT_GROUP_ROWS where fewer than
     tile_size), with the variant defines `extra`."""
-    return library(device, stage_file, tile_size, extra + ((("SPLAT_GROUP_ROWS", rows),) if rows != tile_size else ()))
+    return library(device, stage_file, tile_size, extra + variants.strip_defines(tile_size, rows))
 
 
 def tile_library(device: torch.device, stage_file: str, kernel: str, tile_size: int, extra_for) -> tuple:
@@ -124,7 +136,7 @@ def tile_library(device: torch.device, stage_file: str, kernel: str, tile_size: 
             limit = build(rows).limits(kernel)["max_threads_per_threadgroup"]
             if limit is None or tile_size * rows <= limit:
                 break
-            fits = [r for r in range(1, rows) if tile_size % r == 0 and tile_size * r <= limit]
+            fits = [r for r in variants.strip_rows(tile_size) if r < rows and tile_size * r <= limit]
             if not fits:
                 rows = tile_size
                 break
@@ -164,17 +176,15 @@ def grid_1d(n: int) -> dict:
     return {"threads": (int(n),), "group_size": (GROUP_1D,), "fit_group": True}
 
 
-# Every library the backend compiles in normal use: stage file + variant defines. The rasterizer is
 def standard_variants() -> dict:
     """name -> (stage file, variant defines) of every library the backend compiles in normal use."""
     return variants.standard_variants()
 
 
 def all_sources() -> dict:
-    """name -> full assembled source of every standard library (for `xcrun metal` compile checks)."""
-    return {
-        name: stage_source(f, constants.TILE_SIZE, extra) for name, (f, extra) in variants.standard_variants().items()
-    }
+    """name -> full assembled source of every library the compile checks build (variants.checked_variants: what
+    `splat-metal-doctor --emit-metal` writes and the macOS workflow compiles with `xcrun metal`)."""
+    return {variants.variant_name(v): stage_source(*v) for v in variants.checked_variants()}
 
 
 def compile_all(device: torch.device):

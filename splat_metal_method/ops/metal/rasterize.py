@@ -10,6 +10,7 @@ from torch import Tensor
 
 from . import runtime, variants
 from .kernels import tile_library
+from .variants import MAX_CHANNELS
 
 # Gaussians of one tile composited per pass, at most. Pass p composites entries [p chunk, (p+1) chunk)
 # of every tile's list; a pass costs at most TILE_PIXELS x chunk gaussian-pixel evaluations per tile.
@@ -21,7 +22,6 @@ from .kernels import tile_library
 RASTER_CHUNK = 8192
 # The chunk of a plan whose single pass composites every tile's whole list (padded lists: plan_from_rows).
 WHOLE_TILE = 2**31 - 1
-MAX_CHANNELS = 64  # per-pixel accumulators live in registers; one library per channel count
 
 
 class Dispatch(NamedTuple):
@@ -273,11 +273,7 @@ def rasterize_to_pixels_fwd(
     bg = backgrounds.contiguous() if backgrounds is not None else opacities
 
     lib, rows = tile_library(
-        device,
-        "rasterize.metal",
-        "rasterize_fwd",
-        tile_size,
-        lambda _rows: (("SPLAT_CHANNELS", D),) + variants.pixel_order_defines(),
+        device, "rasterize.metal", "rasterize_fwd", tile_size, lambda _rows: variants.raster_defines(D)
     )  # rows: of a tile per group (kernels.py)
     inputs = (means2d.contiguous(), conics.contiguous(), colors.contiguous(), opacities.contiguous(), bg)
     offsets, flatten_ids = flat_offsets(isect_offsets), flatten_ids.contiguous()

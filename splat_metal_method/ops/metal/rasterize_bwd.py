@@ -8,10 +8,10 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import runtime, variants
-from .kernels import strip_library, tile_library
+from . import runtime
+from .kernels import tile_library
 from .rasterize import MAX_CHANNELS, RASTER_CHUNK, PassPlan, band, check_offsets, flat_offsets, plan_passes
-from .variants import bwd_batch, bwd_merge_defines
+from .variants import bwd_batch, bwd_defines  # noqa: F401 (bwd_batch: part of this module's API)
 
 # Bits of rasterize_bwd.metal's `flags` (SPLAT_BWD_*): what one launch reads.
 BWD_BACKGROUND, BWD_ABSGRAD, BWD_COMPOSITE, BWD_V_COLORS, BWD_V_ALPHAS = 1, 2, 4, 8, 16
@@ -25,8 +25,6 @@ BWD_BACKGROUND, BWD_ABSGRAD, BWD_COMPOSITE, BWD_V_COLORS, BWD_V_ALPHAS = 1, 2, 4
 
 # Positions of v_colors and flags in lib.rasterize_bwd's arguments (the launch in rasterize_to_pixels_bwd)
 _ARG_V_COLORS, _ARG_FLAGS = 15, 24
-# The buffers it writes: pix_T, pix_buf (between passes), then the gradients v_means2d .. v_means2d_abs
-_ARG_PIX_T, _ARG_V_ABS = 11, 17
 # simd reductions every simdgroup that has gaussians to walk performs first: simd_max of its last bin, its lanes'
 # rank (simd_prefix_exclusive_sum) and count (simd_sum), one component each
 SETUP_REDUCTIONS = 3
@@ -53,36 +51,6 @@ def active_groups(args, components: int, calls: int) -> int:
         raise ValueError(f"rasterize_bwd: {components} reduced components in {calls} calls are not "
                          f"{SETUP_REDUCTIONS} a simdgroup plus {per_group} in {calls_per_group} an active group")  # fmt: skip
     return groups
-
-
-def bwd_defines(tile_size: int, channels: int, rows: Optional[int], merge: bool, order: Optional[str] = None) -> tuple:
-    """The variant defines of rasterize_bwd.metal: channels, batch, the tile merge, the pixel order (variants)."""
-    base = bwd_merge_defines(tile_size, channels, rows) if merge else \
-        (("SPLAT_CHANNELS", channels), ("SPLAT_BWD_BATCH", bwd_batch(tile_size, channels, rows)))  # fmt: skip
-    return base + variants.pixel_order_defines(order)
-
-
-def block_order_groups(args, launch) -> Optional[int]:
-    """The active (gaussian, simdgroup) groups one rasterize_bwd launch has with its pixels in 8x4 blocks a
-    simdgroup (variants.PIXEL_ORDER "blocks", where the tile allows): msplat's order (its rasterizers run 8x8
-    threadgroups, so a simdgroup of 32 row-major threads is an 8x4 block), by whose groups the model's calibration
-    prices a per-pixel backward (peers.OursFromLedger). None when the launch runs in that order itself (its own
-    active groups are the count); else the launch run once more, by the block-order build of the kernel (no tile
-    merge: the groups are the same with it), on copies of the buffers it writes, its reductions counted as
-    active_groups counts them. Run before the launch itself (a later pass reads the pixel state the earlier pass
-    wrote). The emulator only: it counts reductions."""
-    if variants.PIXEL_ORDER == "blocks":
-        return None
-    tile_size, rows = (int(v) for v in launch["group_size"][:2])
-    channels = int(args[_ARG_V_COLORS].shape[-1])
-    extra = bwd_defines(tile_size, channels, rows, merge=False, order="blocks")
-    lib = strip_library(args[0].device, "rasterize_bwd.metal", tile_size, extra, rows).compiled
-    copies = [a.clone() if isinstance(a, Tensor) and _ARG_PIX_T <= i <= _ARG_V_ABS else a for i, a in enumerate(args)]
-    before = lib.work_counters()
-    lib.rasterize_bwd(*copies, **launch)
-    after = lib.work_counters()
-    return active_groups(args, after["simd_reductions"] - before["simd_reductions"],
-                         after["simd_reduction_ops"] - before["simd_reduction_ops"])  # fmt: skip
 
 
 def rasterize_to_pixels_bwd(

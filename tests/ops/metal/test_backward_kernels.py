@@ -567,3 +567,83 @@ def test_standard_variants_include_the_backward_libraries():
     for mode in ("RGB", "RGB+ED", "D"):
         public_grads("metal", "cpu", scene.kwargs(render_mode=mode, rasterize_mode="antialiased"))
     assert set(runtime._libraries) == before, "a training step compiled a library compile_all does not know"
+
+
+# --------------------------------------------------------------------------------------------------
+# the rasterizers' pixel order at every tile geometry (common.h raster_pixel_in_group)
+# --------------------------------------------------------------------------------------------------
+# (tile size, channels, cameras, chunk (None: one pass), threads the pipeline allows a group (None: a whole tile)).
+# A simdgroup takes an 8x4 block of pixels where the tile width is a multiple of 8 and the group's rows of 4 (16,
+# 24, 32 and the strips of 4 and 8 rows), a row-major run of 32 otherwise (8 wide: the same thing; 12, 5).
+TILE_GEOMETRIES = [
+    (16, 3, 1, None, None),  # 8 simdgroups: 2 x 4 blocks
+    (16, 4, 2, 7, None),
+    (16, 3, 1, None, 100),  # groups of 4 rows of a tile: 2 blocks of 8x4
+    (16, 3, 2, 7, 128),  # groups of 8 rows
+    (24, 3, 1, None, None),  # 3 x 6 blocks
+    (32, 3, 1, None, None),  # 4 x 8 blocks
+    (8, 3, 1, None, None),  # 8 wide: a block of 8x4 is 4 rows of 8
+    (12, 3, 1, 7, None),  # not a multiple of 8: row order (4.5 simdgroups)
+    (5, 4, 1, None, None),  # one partial simdgroup: row order
+]
+
+
+def limit_rasterizer_groups(monkeypatch, limit):
+    """This GPU's rasterizer pipelines allow `limit` threads a group (kernels.tile_library builds strips)."""
+    from splat_metal_method.ops.metal import kernels
+
+    real = runtime.pipeline_limits
+
+    def limits(kernel):
+        out = real(kernel)
+        if repr(kernel).startswith(("<emulated Metal kernel rasterize_fwd(", "<emulated Metal kernel rasterize_bwd(")):
+            out["max_threads_per_threadgroup"] = min(out["max_threads_per_threadgroup"] or limit, limit)
+        return out
+
+    monkeypatch.setattr(runtime, "pipeline_limits", limits)
+    monkeypatch.setattr(kernels, "_fitted_groups", {})
+
+
+def geometry_inputs(ts, D, C):
+    W, H = 3 * ts + 7, 2 * ts + 5  # non-square, partial tiles
+    return W, H, reference_inputs(C, W, H, 120, ts * 10 + D, D, False, ts=ts, scale_range=(0.05, 0.3))
+
+
+@pytest.mark.parametrize("ts,D,C,chunk,limit", TILE_GEOMETRIES)
+def test_rasterize_tile_geometries_match_reference(ts, D, C, chunk, limit, monkeypatch):
+    """Forward and every gradient (absgrad included) against the reference at each geometry of the pixel order."""
+    if limit:
+        limit_rasterizer_groups(monkeypatch, limit)
+    W, H, (means2d, conics, colors, opacities, offsets, flatten_ids, _) = geometry_inputs(ts, D, C)
+    want_c, want_a = ref.rasterize_to_pixels(means2d, conics, colors, opacities, W, H, ts, offsets, flatten_ids)
+    got_c, got_a, _, _ = rasterize_to_pixels_fwd(means2d, conics, colors, opacities, W, H, ts, offsets, flatten_ids,
+                                                 chunk=chunk)  # fmt: skip
+    assert want_a.max() > 0.5
+    torch.testing.assert_close(got_c, want_c, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_a, want_a, rtol=1e-4, atol=1e-5)
+    grads, absgrad, _ = check_rasterize_bwd(f"ts{ts}", "cpu", means2d, conics, colors, opacities, W, H, offsets,
+                                            flatten_ids, None, ts=ts, chunk=chunk)  # fmt: skip
+    assert grads[0].abs().sum() > 0 and absgrad.abs().sum() > 0
+
+
+def test_planted_pixel_order_bug_fails_the_reference_comparison(monkeypatch):
+    """An order that gives two threads of a block the same pixel (lane / 16 for lane / 8: rows 0-1 of each block
+    twice, rows 2-3 never) is caught by the forward's comparison with the reference."""
+    from splat_metal_method.ops.metal import kernels
+
+    right = kernels.stage_source
+
+    def planted(stage_file, tile_size=TS, extra=()):
+        src = right(stage_file, tile_size, extra)
+        if stage_file == "rasterize.metal":
+            old = "* 4 + lane / 8);"
+            assert src.count(old) == 1
+            src = src.replace(old, "* 4 + lane / 16);")
+        return src
+
+    monkeypatch.setattr(kernels, "stage_source", planted)
+    W, H, (means2d, conics, colors, opacities, offsets, flatten_ids, _) = geometry_inputs(16, 3, 1)
+    want_c, _ = ref.rasterize_to_pixels(means2d, conics, colors, opacities, W, H, 16, offsets, flatten_ids)
+    got_c, _, _, _ = rasterize_to_pixels_fwd(means2d, conics, colors, opacities, W, H, 16, offsets, flatten_ids)
+    with pytest.raises(AssertionError):  # what test_rasterize_tile_geometries_match_reference asserts
+        torch.testing.assert_close(got_c, want_c, rtol=1e-4, atol=1e-5)

@@ -96,6 +96,7 @@ def windowed(window: int):
 CONFIGS = [(BIN_WINDOW, 3, 32), (9, 3, 32), (9, 1, 64), (40, 5, 32)]
 
 
+@pytest.mark.planted_variants  # windows of 9 and 40 tiles
 @pytest.mark.parametrize("cut", [False, True])
 @pytest.mark.parametrize("window, per_thread, group", CONFIGS)
 def test_bins_and_atomics(window, per_thread, group, cut):
@@ -112,14 +113,40 @@ def test_bins_and_atomics(window, per_thread, group, cut):
         assert tg == capacity and device < capacity / 2
 
 
+@pytest.mark.planted_variants  # a window of 40 tiles held 9 at a time
+@pytest.mark.parametrize("cut", [False, True])
+def test_bins_counted_in_rounds_are_those_of_one_round(cut):
+    """A window of 40 tiles whose counters are held 9 at a time (SPLAT_BIN_ROUND: 5 rounds, the last of 4 tiles;
+    the default holds its 7,680 tiles in 2 rounds of 3,840): the same bins, ranks and atomics as one round."""
+    means2d, radii = scene()
+    lib = library(torch.device("cpu"), "isect.metal", extra=(("SPLAT_BIN_WINDOW", 40), ("SPLAT_BIN_ROUND", 9)))
+    diffs, work, capacity = run_bins(lib, means2d, radii, cut, 5, 32)
+    assert diffs == []
+    device, tg = isect.bin_count_atomics(means2d, radii, TS, TW, TH, capacity if cut else None, 5, 32, 40)
+    assert (work.device_atomics, work.threadgroup_atomics) == (device, tg) and 0 < tg < capacity
+    assert work.threadgroup_bytes == 9 * 4
+
+
+@pytest.mark.planted_variants
+def test_a_planted_single_round_is_caught():
+    """bin_count running its first round only (the tiles past the first 9 of the window never counted)."""
+    old = "for (long r0 = w0; r0 < w1; r0 += SPLAT_BIN_ROUND) {"
+    planted = planted_library("isect.metal", [(old, old.replace("r0 < w1", "r0 < w1 && r0 == w0"))],
+                              "isect planted: one round", (("SPLAT_BIN_WINDOW", 40), ("SPLAT_BIN_ROUND", 9)))  # fmt: skip
+    means2d, radii = scene()
+    diffs, _, _ = run_bins(planted, means2d, radii, False, 5, 32)
+    assert "bin lengths" in diffs
+
+
 PLANTS = {
-    "reservation base": ("atomic_fetch_add_explicit(&bins[w0 + i], c,", "atomic_fetch_add_explicit(&bins[w0 + i], 1,"),
-    "second pass skipped": ("slots[out] += atomic_load_explicit(&hist[t - w0], memory_order_relaxed);",
+    "reservation base": ("atomic_fetch_add_explicit(&bins[r0 + i], c,", "atomic_fetch_add_explicit(&bins[r0 + i], 1,"),
+    "second pass skipped": ("slots[out] += atomic_load_explicit(&hist[t - r0], memory_order_relaxed);",
                             "slots[out] += 0;"),
-    "reserved tile": ("atomic_fetch_add_explicit(&bins[w0 + i], c,", "atomic_fetch_add_explicit(&bins[w0 + i + 1], c,"),
+    "reserved tile": ("atomic_fetch_add_explicit(&bins[r0 + i], c,", "atomic_fetch_add_explicit(&bins[r0 + i + 1], c,"),
 }  # fmt: skip
 
 
+@pytest.mark.planted_variants
 @pytest.mark.parametrize("plant", sorted(PLANTS))
 def test_planted_histogram_bugs_are_caught(plant):
     planted = planted_library("isect.metal", [PLANTS[plant]], f"isect planted: {plant}", (("SPLAT_BIN_WINDOW", 40),))
@@ -128,6 +155,7 @@ def test_planted_histogram_bugs_are_caught(plant):
     assert diffs != []
 
 
+@pytest.mark.planted_variants  # a window of 9 tiles
 @pytest.mark.parametrize("window, per_thread", [(9, 16), (9, 1), (BIN_WINDOW, 1)])
 def test_padded_lists_stay_the_exact_lists(monkeypatch, window, per_thread):
     """isect_tiles_padded_fwd with a small window / one gaussian a thread: the exact lists entry for entry."""

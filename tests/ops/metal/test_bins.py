@@ -158,8 +158,8 @@ def test_two_cameras_share_one_bin_sort():
 PLANTS = {
     # msplat's bins: a tile keeps the first BIN_CAPACITY entries the atomics hand out, the rest are dropped
     "drop past the bin": [
-        ("              slots[out] += atomic_load_explicit(&hist[t - w0], memory_order_relaxed);",
-         "              slots[out] += atomic_load_explicit(&hist[t - w0], memory_order_relaxed);"
+        ("                slots[out] += atomic_load_explicit(&hist[t - r0], memory_order_relaxed);",
+         "                slots[out] += atomic_load_explicit(&hist[t - r0], memory_order_relaxed);"
          " if (slots[out] >= SPLAT_BIN_CAPACITY) { atomic_fetch_sub_explicit(&bins[t], 1, memory_order_relaxed); }"),
         ("      ranks[(t > 0 ? ends[t - 1] : 0) + slots[out]] = g;",
          "      if (slots[out] < SPLAT_BIN_CAPACITY) { ranks[(t > 0 ? ends[t - 1] : 0) + slots[out]] = g; }"),

@@ -31,9 +31,9 @@ SUITE = [  # the part of the kernel tests that also runs under ASan (the emulato
     "tests/ops/metal/test_loss_kernel.py::test_metal_loss_equals_reference",
     "tests/ops/metal/test_bin_histograms.py",  # the padded lists' bins: threadgroup histograms, windows, cut
     "tests/ops/metal/test_padded_isect.py::test_bands_planned_from_rows_seen_a_step_late",  # imports torch's triton
-    # the pixel orders: 8x4 blocks in strips of 4 rows, and in 32x32 tiles (and the ledger's block-order launches)
-    "tests/ops/metal/test_pixel_order.py::test_block_order_computes_what_the_row_order_does_with_fewer_groups[16-3-1-False-100]",
-    "tests/ops/metal/test_pixel_order.py::test_block_order_computes_what_the_row_order_does_with_fewer_groups[32-3-1-False-None]",
+    # the pixel order: 8x4 blocks in strips of 4 rows, and in 32x32 tiles
+    "tests/ops/metal/test_backward_kernels.py::test_rasterize_tile_geometries_match_reference[16-3-1-None-100]",
+    "tests/ops/metal/test_backward_kernels.py::test_rasterize_tile_geometries_match_reference[32-3-1-None-None]",
 ]
 
 
