@@ -42,7 +42,7 @@ def reduced_components(flags: int, channels: int) -> Tuple[int, int]:
 
 def active_groups(args, components: int, calls: int) -> int:
     """The active (gaussian, simdgroup) pairs of one rasterize_bwd launch with these arguments, from its counted
-    simd reductions as components and as calls (the step ledger's; peers.OursFromLedger scales the backward's
+    simd reductions as components and as calls (the step ledger's; benchmarks/step_model/peers.py OursFromLedger scales the backward's
     reductions and atomics by them): SETUP_REDUCTIONS of one component each per simdgroup that walks (how many
     depends on the tiles) and reduced_components per group solve for both. Raises if they do not: the kernel's
     reductions are not what reduced_components says."""
@@ -66,7 +66,7 @@ def block_order_groups(args, launch) -> Optional[int]:
     """The active (gaussian, simdgroup) groups one rasterize_bwd launch has with its pixels in 8x4 blocks a
     simdgroup (variants.PIXEL_ORDER "blocks", where the tile allows): msplat's order (its rasterizers run 8x8
     threadgroups, so a simdgroup of 32 row-major threads is an 8x4 block), by whose groups the model's calibration
-    prices a per-pixel backward (peers.OursFromLedger). None when the launch runs in that order itself (its own
+    prices a per-pixel backward (benchmarks/step_model/peers.py OursFromLedger). None when the launch runs in that order itself (its own
     active groups are the count); else the launch run once more, by the block-order build of the kernel (no tile
     merge: the groups are the same with it), on copies of the buffers it writes, its reductions counted as
     active_groups counts them. Run before the launch itself (a later pass reads the pixel state the earlier pass
