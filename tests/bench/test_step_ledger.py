@@ -64,6 +64,26 @@ def test_emulator_work_counters(threads):
     assert w.buffer_bytes == threads * 4 + 4
 
 
+def test_the_launch_observer_runs_counts_or_skips_a_launch():
+    """The runtime's one counting hook: an observer is given each launch and decides; one that does not launch
+    leaves the outputs unwritten (the benchmarks' count-only mode), while the runtime still counts the launch."""
+    from splat_metal_method.ops.metal import runtime
+
+    lib = runtime.get_library(SRC, "ledger_counters", "emulator")
+    x, acc = torch.ones(64), torch.zeros(1)
+    seen = []
+    previous = runtime.set_launch_observer(lambda name, kernel, args, launch: seen.append((name, launch["threads"])))
+    try:
+        runtime.reset_launch_counts()
+        lib.work(x, acc, threads=64, group_size=64)
+    finally:
+        assert runtime.set_launch_observer(previous) is not None
+    assert seen == [("work", 64)] and float(acc) == 0.0 and runtime.launch_counts() == {"work": 1}
+    with step_ledger.count("k") as led:  # the step ledger's observer runs it
+        lib.work(x, acc, threads=64, group_size=64)
+    assert float(acc) == 32 * 32 and led.kernels["work"].launches == 1  # 32 even lanes add a 32-lane sum
+
+
 def test_non_blocking_copy_to_the_host_is_not_a_sync():
     x = torch.arange(6.0)
     with step_ledger.count("t") as led:
