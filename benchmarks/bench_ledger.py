@@ -1,12 +1,13 @@
 """The step ledger as a table: host syncs, aten dispatches, our kernel launches and the work inside
 our kernels per steady training step, refine step, eval render and steady step after refine stop, for splat-metal and
 splat-metal-mcmc on the demo scene and a garden-points scene, then the modeled step time of garden
-at 1/4 and full resolution (a MODEL: splat_metal_method/bench/step_model.py).
+at 1/4 and full resolution (a MODEL: benchmarks/step_model/model.py).
 
     python benchmarks/bench_ledger.py                         # demo 96x64 + garden-points 20k at 162x105
     python benchmarks/bench_ledger.py --garden-points 50000 --garden-downscale 2 --per-kernel
 
-Counted under the MSL emulator on CPU tensors, as a Mac runs the step (splat_metal_method/bench/step_ledger.py).
+Counted under the MSL emulator on CPU tensors, as a Mac runs the step (splat_metal_method/bench/step_ledger.py, extended by
+benchmarks/step_model/ledger.py).
 garden_points.npz is found beside a clone (../shared/data/) or at $SPLAT_METAL_GARDEN_POINTS.
 """
 
@@ -19,10 +20,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from step_model import ledger as step_ledger  # noqa: E402
+from step_model import model as step_model  # noqa: E402
 
 from splat_metal_method.bench import scenes as bench_scenes  # noqa: E402
-from splat_metal_method.bench import step_ledger, step_model
 
 
 def main(argv=None) -> int:

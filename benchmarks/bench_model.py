@@ -1,4 +1,4 @@
-"""The calibrated step model (a MODEL, not a measurement: splat_metal_method/bench/peers.py): its
+"""The calibrated step model (a MODEL, not a measurement: benchmarks/step_model/peers.py): its
 constants, how well it reproduces each published Apple-GPU measurement of msplat, the Plinth-it fork and
 OpenSplat, the peers' design choices, and our step against msplat's on the same scenes, from step ledgers.
 
@@ -24,16 +24,15 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from splat_metal_method.bench import ledger_snapshots, peers  # noqa: E402
+from step_model import ledger, peers, results  # noqa: E402
 
 PHASES = ("steady", "post_refine")  # of the step ledger, that --write-ledger measures
 
 
 def write_ledgers(path: Path, phases=("steady",)) -> dict:
     from splat_metal_method.bench import scenes as bench_scenes
-    from splat_metal_method.bench import step_ledger
 
     work = Path(tempfile.mkdtemp(prefix="bench_model_"))
     data = {"demo 96x64": lambda: bench_scenes.demo(work / "demo", 96, 64),
@@ -45,7 +44,7 @@ def write_ledgers(path: Path, phases=("steady",)) -> dict:
         except FileNotFoundError as e:
             print(f"skipping {label}: {e}", flush=True)
             continue
-        leds = step_ledger.measure(scene, "splat-metal", "metal", work / "outputs", phases=tuple(phases))
+        leds = ledger.measure(scene, "splat-metal", "metal", work / "outputs", phases=tuple(phases))
         for phase, led in leds.items():
             key = label if phase == "steady" else f"{label} {phase}"
             out[key] = peers.ledger_dict(led)
@@ -68,11 +67,11 @@ def by_phase(ledgers: dict) -> dict:
 
 
 def report(after: dict | None, calib: peers.Calib, rms: float, after_label: str = "after") -> str:
-    runs = {"before": ledger_snapshots.BEFORE_ISSUE30}
+    runs = {"before": results.before_issue30()}
     for phase, ledgers in by_phase(after or {}).items():  # the steady ledgers first
         runs[after_label if phase == "steady" else f"{after_label}, {phase}"] = ledgers
     parts = [
-        "MODEL, not a measurement (splat_metal_method/bench/peers.py); `python benchmarks/bench_model.py`",
+        "MODEL, not a measurement (benchmarks/step_model/peers.py); `python benchmarks/bench_model.py`",
         "",
         "### Constants",
         "",

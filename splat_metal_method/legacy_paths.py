@@ -20,7 +20,10 @@ import types
 
 _PACKAGE = __name__.rpartition(".")[0]
 
-# old module (before the layout by role, commit 1f68a78) -> where it lives now
+# old module (before the layout by role, commit 1f68a78) -> where it lives now: the modules whose classes a saved
+# run's config.yml names (config, model, mcmc, trainer, reliability, datamanager, dataparser, ...) and those older
+# docs run with ``python -m`` (doctor, demo_scene). The old bench, bench_scenes, step_ledger and step_model are not
+# here: no run or config names them, and ``python -m splat_metal_method.bench`` finds today's bench package first.
 MOVED = {
     "config": "method.configs",
     "model": "method.model",
@@ -40,10 +43,6 @@ MOVED = {
     "kernel_checks": "verify.kernel_checks",
     "self_check": "verify.self_check",
     "doctor": "verify.doctor",
-    "bench": "bench.cli",
-    "bench_scenes": "bench.scenes",
-    "step_ledger": "bench.step_ledger",
-    "step_model": "bench.step_model",
     "ssim": "ops.ssim",
 }
 

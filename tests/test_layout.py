@@ -137,3 +137,20 @@ def test_every_folder_has_a_role_and_few_modules_stay_at_the_top():
     assert len(top) <= 4, top
     folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
     assert set(folders) <= {r for layer in LAYERS for r in layer}, folders
+
+
+# What the package (the wheel) holds under bench/: `splat-metal-bench` and what it runs. The step model, the peers'
+# calibration, stored figures, the scale ledger and the run beside msplat are benchmarks/step_model/, outside it.
+BENCH_MODULES = {"__init__", "__main__", "cli", "scenes", "step_ledger", "timing"}
+
+
+def test_the_package_holds_no_benchmark_code():
+    assert {p.stem for p in (PACKAGE / "bench").glob("*.py")} == BENCH_MODULES
+    wrong = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            wrong += [f"{name} imports {n}" for n in names if n.split(".")[0] in ("benchmarks", "step_model")]
+    assert wrong == [], wrong

@@ -49,3 +49,6 @@ def test_sdist_carries_license_and_what_the_tests_need(tmp_path):
         }
     assert needed <= names, sorted(needed - names)
     assert not any(n.startswith(("benchmarks/", ".ci/", ".github/")) for n in names)
+    # the package's bench/ is splat-metal-bench's (tests/test_layout.py BENCH_MODULES): the step model stays out
+    bench = {n.rsplit("/", 1)[1][:-3] for n in names if n.startswith("splat_metal_method/bench/") and n.endswith(".py")}
+    assert bench == {"__init__", "__main__", "cli", "scenes", "step_ledger", "timing"}, sorted(bench)

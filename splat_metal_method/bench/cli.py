@@ -4,8 +4,6 @@ into an issue.
     splat-metal-bench                 # on a Mac: the metal backend on mps; elsewhere cpu + emulated metal
     splat-metal-bench --quick         # small sizes, few steps (what the tests run on Linux)
     splat-metal-bench --out results/  # where bench.csv, memory.csv, memory.png and summary.txt go
-    splat-metal-bench --vs msplat [--data my_scene]  # side by side with msplat where it is installed
-                                                     # (msplat_bench.py: matched settings, one line)
     splat-metal-bench --vs tile-merge  # the metal backend with the backward's tile merge off, then on
                                        # (bwd_tile_merge): backward ms and atomics of each, one line
 
@@ -39,6 +37,9 @@ import torch
 
 from .timing import STAGES, _StageClock, timed_step  # noqa: F401 (re-exported: splat-metal-bench's timing)
 
+# --vs msplat (a benchmark against another project, outside the package now): what runs it
+MSPLAT_MOVED = ("splat-metal-bench --vs msplat is now `python benchmarks/bench_vs_msplat.py [--data SCENE] [--steps N] "
+                "[--sh-degree D] [--downscale F] [--num-downscales L]` in a clone of the repository")  # fmt: skip
 EMULATED_QUICK_STEPS = 3  # --quick on a machine without MPS: steps of the emulated Metal backend
 
 
@@ -307,13 +308,12 @@ def main(argv=None) -> int:
     ap.add_argument("--mem-every", type=int, default=None, help="memory sample every N steps (default steps/20)")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default ./splat-metal-bench-<time>)")
     ap.add_argument("--vs", choices=("msplat",) + tuple(AB_RUNS) + tuple(GONE_VS), default=None,
-                    help="msplat: train msplat beside us with matched settings (needs `pip install msplat`: macOS "
-                         "14+, Python 3.12+) and print one line; tile-merge: the metal backend with the backward's "
+                    help="msplat: moved (says what runs it now); tile-merge: the metal backend with the backward's "
                          "tile merge off, then on, and one line with the backward's ms and atomics of each")  # fmt: skip
-    ap.add_argument("--data", type=Path, default=None, help="--vs: a nerfstudio-format scene (default: the demo)")
-    ap.add_argument("--sh-degree", type=int, default=3, help="--vs: SH degree of both")
-    ap.add_argument("--downscale", type=int, default=1, help="--vs: image downscale factor of both")
-    ap.add_argument("--num-downscales", type=int, default=0, help="--vs: coarse-to-fine levels of both")
+    for name, kind in (("--data", Path), ("--sh-degree", int), ("--downscale", int), ("--num-downscales", int)):
+        ap.add_argument(
+            name, type=kind, default=None, help="--vs msplat's, moved: " + MSPLAT_MOVED.split(" is now ")[1]
+        )
     args = ap.parse_args(argv)
     if args.vs in GONE_VS:
         print(GONE_VS[args.vs], file=sys.stderr)
@@ -322,14 +322,8 @@ def main(argv=None) -> int:
     if device == "mps" and not torch.backends.mps.is_available():
         ap.error("--device mps: MPS is not available on this machine")
     if args.vs == "msplat":
-        from . import msplat_bench
-
-        out = args.out or Path(f"splat-metal-bench-{dt.datetime.now():%Y%m%d-%H%M%S}")
-        try:
-            return msplat_bench.main(args.data, args.steps or 2000, args.sh_degree, args.downscale,
-                                     args.num_downscales, device, out)  # fmt: skip
-        except SystemExit as e:  # msplat missing: the message is printed; a non-zero status
-            return int(e.code) if isinstance(e.code, int) else 2
+        print(MSPLAT_MOVED, file=sys.stderr)
+        return 2
     backends = args.backends or (["metal"] if device == "mps" else ["cpu", "metal"])
     steps = args.steps or (8 if args.quick else 200)
     if steps < 3:

@@ -1,9 +1,7 @@
 """The step ledger: what one training step (or render) of splat-metal asks of a Mac, counted on Linux.
 
 A real nerfstudio Trainer runs on CPU tensors with the Metal backend (its kernels under the MSL
-emulator) and, for one phase at a time (a steady training step, a refine step, an eval render, a steady step
-after refine stop),
-`count(...)` records:
+emulator), and ``with count(...) as ledger: <one step>`` records:
 
 - host syncs, counted as a Mac runs the step: on MPS every read of a device tensor on the host drains
   the command queue. Device-to-host reads are aten ``_local_scalar_dense`` (``.item()``, ``int()``,
@@ -19,17 +17,14 @@ after refine stop),
   allocations), split by the part of the step that issued them. A ``_foreach_*`` op counts once per
   tensor in its list: MPS has no foreach kernels (torch's native_functions.yaml gives MPS only
   ``_fused_adam(w)_``), so on a Mac torch's slow path runs the op tensor by tensor;
-- our kernel launches (runtime.launch_counts' seam) and, inside each kernel, the emulator's work
-  counters (msl_shim.h): simdgroup reductions (scalar components), shuffles/votes, device and
-  threadgroup atomics, threadgroup barriers; threadgroup memory per group as declared; and bytes
-  moved, estimated as the sizes of the buffers bound to each launch (each read or written once; twice
-  for those a kernel updates in place, READ_WRITE_ARGS), and, for the kernels whose launches touch a part
-  of what they bind (MOVED_BYTES: bin_sort's merge steps, scan_block_sums' unread input), the bytes each
-  launch reads and writes, from the kernel's code and the data it runs on (``moved_bytes``; the model
-  prefers it where present).
+- our kernel launches (seen through the runtime's launch observer, runtime.set_launch_observer) and, inside
+  each kernel, the emulator's work counters (msl_shim.h): simdgroup reductions (scalar components),
+  shuffles/votes, device and threadgroup atomics, threadgroup barriers; threadgroup memory per group as
+  declared; and the sizes of the buffers bound to each launch (each read or written once; twice for those a
+  kernel updates in place, READ_WRITE_ARGS).
 
-Used by benchmarks/bench_ledger.py (the table), tests/bench/test_step_ledger.py (budgets) and
-`splat-metal-bench` (host syncs per step).
+Used by `splat-metal-bench` (host syncs per step, the --vs runs' atomics) and the tests that hold a step's
+counts; benchmarks/step_model/ledger.py extends it (bytes moved, count-only mode, the phases of a run).
 """
 
 from __future__ import annotations
@@ -47,7 +42,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..ops.metal import adam, isect, prepare, rasterize_bwd, scan
+from ..ops.metal import adam, prepare, rasterize_bwd
 
 # aten ops whose output size depends on tensor values: the host must read the device to allocate.
 DATA_DEPENDENT_OPS = {
@@ -60,15 +55,6 @@ BOOL_INDEX_OPS = {"index.Tensor", "index_put", "index_put_", "_index_put_impl_"}
 READ_WRITE_ARGS: Dict[str, object] = {  # kernel -> argument indices, or a function of the arguments giving them
     "adam_step": adam.READ_WRITE_ARGS,
     "project_bwd": prepare.sh_adam_read_write_args,  # the parameters it steps and their moments (PROJECT_SH_ADAM, _ADAM_*)
-}
-# Kernels whose launches touch a part of the buffers they bind: kernel -> (function(args, extent) giving the bytes one
-# launch reads and writes ({bound buffer's shape: bytes}, as KernelWork.buffer_shapes) and the extent it counted from,
-# whether it needs an extent). The extent is the data the launch's work depends on: None when the kernels run (read
-# from the bound buffers), else a host model of it (count-only mode: count(..., extents={kernel: model})); without
-# one the launch's moved bytes are not counted (the model then takes its bound bytes).
-MOVED_BYTES = {
-    "bin_sort": (isect.bin_sort_moved_bytes, True),  # extent: the bins' lengths
-    "scan_block_sums": (scan.block_sums_moved_bytes, False),  # the launch's arguments say it all
 }
 # kernel -> function (arguments, counted simd reductions: components, calls) giving the launch's active groups
 ACTIVE_GROUPS = {"rasterize_bwd": rasterize_bwd.active_groups}
@@ -152,19 +138,12 @@ class KernelWork:
     )
     threadgroup_bytes: int = 0  # threadgroup memory one group declares
     buffer_bytes: int = 0  # sizes of the buffers bound to its launches (estimate of bytes moved)
-    # buffer_bytes by the bound buffer's shape ("3x1500x2" -> bytes), so a reader that knows the scene can
-    # tell per-gaussian, per-pixel and per-intersection buffers apart (scale_ledger.bytes_by_kind)
-    buffer_shapes: Dict[str, int] = field(default_factory=dict)
-    # bytes its launches read and wrote, counted from the kernel's code and data (MOVED_BYTES; 0 for the other
-    # kernels, whose bound bytes stand for it), and by buffer shape as buffer_shapes
-    moved_bytes: int = 0
-    moved_shapes: Dict[str, int] = field(default_factory=dict)
 
     def add(self, other: "KernelWork") -> None:
         for k in self.__dataclass_fields__:
             if k == "threadgroup_bytes":
                 self.threadgroup_bytes = max(self.threadgroup_bytes, other.threadgroup_bytes)
-            elif k in ("buffer_shapes", "moved_shapes"):
+            elif isinstance(getattr(self, k), dict):  # by buffer shape (benchmarks/step_model/ledger.py)
                 mine = getattr(self, k)
                 for shape, b in getattr(other, k).items():
                     mine[shape] = mine.get(shape, 0) + b
@@ -184,17 +163,9 @@ class Ledger:
     aten_views: int = 0
     aten_allocations: int = 0
     parts: collections.Counter = field(default_factory=collections.Counter)  # part of the step -> aten ops
-    # part of the step -> bytes the aten kernels (not views/allocations) read and wrote: each tensor
-    # argument and output once
-    part_bytes: collections.Counter = field(default_factory=collections.Counter)
     kernels: Dict[str, KernelWork] = field(default_factory=dict)
     # part of the step that called the op layer (step_part(skip_ops=True)) -> our kernel launches
     launch_parts: collections.Counter = field(default_factory=collections.Counter)
-    n_gaussians: int = 0
-    pixels: int = 0  # rendered pixels (all cameras)
-    intersections: int = 0  # tile intersections of the render(s)
-    # kernel -> the extent its moved bytes were counted from at its last launch (MOVED_BYTES: bin_sort's bin lengths)
-    extents: Dict[str, object] = field(default_factory=dict)
 
     @property
     def host_syncs(self) -> int:
@@ -218,26 +189,18 @@ class Ledger:
             total.add(k)
         return total
 
-    def summary(self) -> Dict[str, int]:
-        t = self.kernel_total()
-        return {
-            "host_syncs": self.host_syncs, "host_reads": len(self.host_reads), "host_writes": len(self.host_writes),
-            "aten_dispatches": self.aten_dispatches, "aten_kernels": self.aten_kernels,
-            "kernel_launches": self.kernel_launches, "simd_reductions": t.simd_reductions,
-            "simd_shuffles": t.simd_shuffles, "device_atomics": t.device_atomics,
-            "threadgroup_atomics": t.threadgroup_atomics, "barriers": t.barriers,
-            "buffer_bytes": t.buffer_bytes, "threadgroup_bytes_max": t.threadgroup_bytes,
-            "aten_bytes": sum(self.part_bytes.values()),
-        }  # fmt: skip
 
+class Counting:
+    """The shared state of the two torch modes and the runtime's launch observer of one `count`.
+    benchmarks/step_model/ledger.py extends it: ``run`` (count-only mode: launches counted, not run; the bytes a
+    launch moves) and ``record`` / ``aten_kernel`` (more per launch and per aten kernel)."""
 
-class _Counting:
-    """The shared state of the two torch modes and the launch observer of one `count`."""
+    work_type = KernelWork
 
-    def __init__(self, ledger: Ledger, host_tensors, extents=None):
+    def __init__(self, ledger: Ledger, host_tensors=()):
         self.ledger = ledger
-        self.extents = dict(extents or {})  # count-only mode: host models of what MOVED_BYTES reads (kernel -> extent)
-        self.paused = False  # the ledger's own reads (MOVED_BYTES in executed mode): not the step's
+        self.executes = True  # the kernels run (count-only mode, in benchmarks/step_model: they do not)
+        self.paused = False  # the ledger's own work (paused_call): not the step's
         # tensors that stay on the host on a Mac, by identity (id -> weak reference: a tensor's memory
         # can be reused by the next tensor, its Python object cannot while it lives)
         self.host = {id(t): weakref.ref(t) for t in host_tensors}
@@ -250,26 +213,33 @@ class _Counting:
         if isinstance(t, torch.Tensor):
             self.host[id(t)] = weakref.ref(t)
 
-    # -- kernels
-    def launch(self, name, kernel, args, launch):
-        from ..ops.metal import runtime
+    def paused_call(self, fn, *args):
+        """``fn(*args)``, not counted as the step's."""
+        self.paused = True
+        try:
+            return fn(*args)
+        finally:
+            self.paused = False
 
+    # -- kernels
+    def run(self, name, kernel, args, launch):
+        """Runs one launch of kernel ``name``; returns what it returns."""
+        return kernel(*args, **launch)
+
+    def record(self, name, kernel, args, launch, work: KernelWork) -> None:
+        """More of one launch's work, before it is added to the ledger (nothing here)."""
+
+    def aten_kernel(self, part: str, args, kwargs, out) -> None:
+        """One aten kernel (not a view or an allocation) of the step's ``part`` (nothing here)."""
+
+    def launch(self, name, kernel, args, launch):
+        """The runtime's launch observer (runtime.set_launch_observer): counts the launch and runs it (``run``)."""
         lib = getattr(kernel, "_lib", None)
         counters = getattr(lib, "work_counters", None)
         before = counters() if counters else {}
-        moved_bytes, needs_extent = MOVED_BYTES.get(name, (None, False))
-        extent = None if runtime.executing() else self.extents.get(name)
-        moved = None  # {shape: bytes} this launch reads and writes, where counted
-        if moved_bytes is not None and (runtime.executing() or extent is not None or not needs_extent):
-            self.paused = True
-            try:
-                moved, extent = moved_bytes(args, extent)  # before the launch: the data the launch works on
-            finally:
-                self.paused = False
-            self.ledger.extents[name] = extent
-        out = kernel(*args, **launch) if runtime.executing() else None  # count-only: counted, not run
+        out = self.run(name, kernel, args, launch)
         after = counters() if counters else {}
-        work = KernelWork(launches=1, threadgroup_bytes=int(getattr(kernel, "threadgroup_memory", 0) or 0))
+        work = self.work_type(launches=1, threadgroup_bytes=int(getattr(kernel, "threadgroup_memory", 0) or 0))
         for k, v in after.items():
             setattr(work, k, v - before[k])
         threads = launch.get("threads")
@@ -278,27 +248,29 @@ class _Counting:
         group = (group,) if isinstance(group, int) else tuple(group)
         work.threads = math.prod(int(t) for t in threads)
         work.threadgroups = math.prod(-(-int(t) // int(g)) for t, g in zip(threads, group))
-        if name in ACTIVE_GROUPS and runtime.executing():
+        if name in ACTIVE_GROUPS and self.executes:
             work.active_groups = ACTIVE_GROUPS[name](args, work.simd_reductions, work.simd_reduction_ops)
             work.block_order_groups = work.active_groups  # the launch runs in msplat's order (8x4 blocks) itself
-        seen, read_write = set(), READ_WRITE_ARGS.get(name, ())
-        read_write = read_write(args) if callable(read_write) else read_write
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor) and a.data_ptr() not in seen:
-                seen.add(a.data_ptr())
-                nbytes = a.numel() * a.element_size() * (2 if i in read_write else 1)
-                work.buffer_bytes += nbytes
-                shape = "x".join(str(d) for d in a.shape)
-                work.buffer_shapes[shape] = work.buffer_shapes.get(shape, 0) + nbytes
-        if moved is not None:
-            work.moved_shapes, work.moved_bytes = dict(moved), sum(moved.values())
-        self.ledger.kernels.setdefault(name, KernelWork()).add(work)
+        work.buffer_bytes = sum(nbytes for _, nbytes in bound_buffers(name, args))
+        self.record(name, kernel, args, launch, work)
+        self.ledger.kernels.setdefault(name, self.work_type()).add(work)
         self.ledger.launch_parts[step_part(skip_ops=True)] += 1
         return out
 
 
+def bound_buffers(name: str, args) -> List[Tuple[torch.Tensor, int]]:
+    """The distinct buffers one launch of kernel ``name`` binds, with the bytes each counts (READ_WRITE_ARGS: twice)."""
+    out, seen, read_write = [], set(), READ_WRITE_ARGS.get(name, ())
+    read_write = read_write(args) if callable(read_write) else read_write
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.data_ptr() not in seen:
+            seen.add(a.data_ptr())
+            out.append((a, a.numel() * a.element_size() * (2 if i in read_write else 1)))
+    return out
+
+
 class _AtenCounter(TorchDispatchMode):
-    def __init__(self, state: _Counting):
+    def __init__(self, state: Counting):
         super().__init__()
         self.s = state
 
@@ -320,11 +292,7 @@ class _AtenCounter(TorchDispatchMode):
         elif key in ALLOCATIONS:
             led.aten_allocations += 1
         else:
-            seen = {}
-            for t in tree_leaves((args, kwargs, out)):
-                if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                    seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
-            led.part_bytes[part] += sum(seen.values())
+            self.s.aten_kernel(part, args, kwargs, out)
         base = key.split(".", 1)[0]
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         on_host = bool(inputs) and all(self.s.is_host(t) for t in inputs)
@@ -356,7 +324,7 @@ def _non_blocking_to_host(args, kwargs) -> bool:
 
 
 class _TransferCounter(TorchFunctionMode):
-    def __init__(self, state: _Counting):
+    def __init__(self, state: Counting):
         super().__init__()
         self.s = state
 
@@ -387,12 +355,12 @@ class _TransferCounter(TorchFunctionMode):
 
 
 class count:
-    """Context manager: ``with count("steady", host_tensors) as ledger: <one step>``. ``extents``: in count-only
-    mode, host models of what MOVED_BYTES reads from the device when the kernels run (kernel -> extent)."""
+    """Context manager: ``with count("steady", host_tensors) as ledger: <one step>``; ``host_tensors``: tensors that
+    stay on the host on a Mac (host_resident)."""
 
-    def __init__(self, name: str, host_tensors=(), extents=None):
+    def __init__(self, name: str, host_tensors=()):
         self.ledger = Ledger(name)
-        self.state = _Counting(self.ledger, host_tensors, extents)
+        self.state = Counting(self.ledger, host_tensors)
 
     def __enter__(self) -> Ledger:
         from ..ops.metal import runtime
@@ -416,22 +384,6 @@ class count:
 # Driving a real Trainer
 # ------------------------------------------------------------------------------------------------
 METHODS = ("splat-metal", "splat-metal-mcmc")
-# Steps the phases run at (splatfacto's schedule): SH degree 3 from 3000, the opacity reset at 3000,
-# refine at 3200 (past warm-up, % 100 == 0, more than n_train + 100 past the reset); the steady step
-# 3101 is none of these. WARM_STEP runs first, uncounted: lazily built state (Adam moments, strategy
-# buffers, compiled kernels). LOGGED_STEP is a steady step nerfstudio writes out (step % steps_per_log == 0,
-# default 10): the model computes the train PSNR and the loss dict's constant scale_reg only then.
-WARM_STEP, STEADY_STEP, LOGGED_STEP, REFINE_STEP = 3099, 3101, 3110, 3200
-# "post_refine": a steady step once the strategy has stopped refining (splatfacto's stop_split_at, 15,000 of 30,000
-# steps; MCMC's 25,000): refine_stop_iter + POST_REFINE_OFFSET, after an uncounted one two steps before it. From
-# refine_stop_iter on, gsplat's DefaultStrategy reads no statistics, and the model computes none (no absgrad in
-# the rasterizer's backward, no densify_stats): half of a default run's steps are this one.
-POST_REFINE_OFFSET = STEADY_STEP - 3000
-
-
-def post_refine_step(model) -> int:
-    """The step the "post_refine" phase counts: ``POST_REFINE_OFFSET`` steps past the strategy's refine_stop_iter."""
-    return int(model.strategy.refine_stop_iter) + POST_REFINE_OFFSET
 
 
 def build_trainer(data: Path, method: str = "splat-metal", backend: str = "metal", output_dir: Path = Path("/tmp"),
@@ -497,101 +449,3 @@ def host_resident(trainer) -> list:
             if isinstance(step, torch.Tensor) and not on_device:
                 out.append(step)
     return out
-
-
-def _intersections(model) -> int:
-    """Tile intersections of the model's last render (rasterization's meta)."""
-    tiles = (getattr(model, "info", None) or {}).get("tiles_per_gauss")
-    return int(tiles.sum()) if isinstance(tiles, torch.Tensor) else 0
-
-
-def measure(data: Path, method: str = "splat-metal", backend: str = "metal", output_dir: Path = Path("/tmp"),
-            phases=("steady", "logged", "refine", "eval", "post_refine")) -> Dict[str, Ledger]:  # fmt: skip
-    """Ledgers of a steady training step, a logged one, a refine step, an eval render and a steady step after
-    refine stop (post_refine_step) of ``method``, in the order given (steps only move forward: post_refine last)."""
-    from nerfstudio.engine.callbacks import TrainingCallbackLocation  # noqa: F401 (before writer: import order)
-    from nerfstudio.utils import writer
-
-    from ..ops.metal.runtime import reset_launch_counts
-    from ..ops.workspace import workspace
-
-    writers = list(writer.EVENT_WRITERS)
-    trainer = build_trainer(data, method, backend, output_dir)
-    # as in a new process: scratch buffers grown by earlier renders in this one would hand out slices
-    # (a view each) where a fresh workspace hands out whole buffers
-    workspace().clear()
-    try:
-        model = trainer.pipeline.model
-        # one pass over the training cameras first: a steady step never reads a camera's size again
-        # (model.py caches it per camera), and one warm-up step would leave that read in the count
-        n_cameras = len(trainer.pipeline.datamanager.train_dataset.cameras)
-        for step in range(max(3001, WARM_STEP - n_cameras), WARM_STEP + 1):  # 3000 refines
-            train_step(trainer, step)
-        reset_launch_counts()
-        out: Dict[str, Ledger] = {}
-        for phase in phases:
-            n = len(model.means)
-            if phase == "eval":
-                camera, _ = trainer.pipeline.datamanager.next_eval_image(REFINE_STEP)
-                with count(phase, host_resident(trainer)) as ledger, torch.no_grad():
-                    model.eval()
-                    model.get_outputs_for_camera(camera)
-                ledger.pixels = int(camera.width.sum()) * int(camera.height.sum())
-            else:
-                step = {"steady": STEADY_STEP, "logged": LOGGED_STEP, "refine": REFINE_STEP}.get(phase)
-                if phase == "post_refine":
-                    step = post_refine_step(model)
-                    train_step(trainer, step - 2)  # uncounted, as WARM_STEP: the first step in a while
-                elif step is None:
-                    raise ValueError(f"[step_ledger] unknown phase {phase!r}")
-                camera_px = _train_pixels(trainer)
-                with count(phase, host_resident(trainer)) as ledger:
-                    train_step(trainer, step)
-                ledger.pixels = camera_px
-            ledger.n_gaussians = n
-            ledger.intersections = _intersections(model)
-            out[phase] = ledger
-        return out
-    finally:
-        writer.EVENT_WRITERS[:] = writers
-
-
-def _train_pixels(trainer) -> int:
-    cams = trainer.pipeline.datamanager.train_dataset.cameras
-    return int(cams.width[0]) * int(cams.height[0])
-
-
-# ------------------------------------------------------------------------------------------------
-# Printing
-# ------------------------------------------------------------------------------------------------
-COLUMNS = (("host syncs", "host_syncs"), ("reads", "host_reads"), ("writes", "host_writes"),
-           ("aten ops", "aten_dispatches"), ("aten kernels", "aten_kernels"),
-           ("our launches", "kernel_launches"), ("simd red.", "simd_reductions"), ("simd shuf.", "simd_shuffles"),
-           ("dev. atomics", "device_atomics"), ("barriers", "barriers"), ("buffer MB", "buffer_bytes"))  # fmt: skip
-
-
-def table(rows: Dict[str, Ledger]) -> str:
-    """A markdown table: one row per (label -> ledger)."""
-    head = "| phase | gaussians | " + " | ".join(c for c, _ in COLUMNS) + " |"
-    lines = [head, "|" + "---|" * (2 + len(COLUMNS))]
-    for label, led in rows.items():
-        s = led.summary()
-        cells = [f"{s[k] / 1e6:.1f}" if k == "buffer_bytes" else str(s[k]) for _, k in COLUMNS]
-        lines.append(f"| {label} | {led.n_gaussians} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def kernel_table(led: Ledger) -> str:
-    """Per-kernel work of one phase."""
-    keys = ("launches", "threadgroups", "simd_reductions", "simd_shuffles", "device_atomics", "threadgroup_atomics",
-            "barriers", "threadgroup_bytes", "buffer_bytes")  # fmt: skip
-    lines = ["| kernel | " + " | ".join(keys) + " |", "|" + "---|" * (1 + len(keys))]
-    for name, w in sorted(led.kernels.items()):
-        lines.append(f"| {name} | " + " | ".join(str(getattr(w, k)) for k in keys) + " |")
-    return "\n".join(lines)
-
-
-def sync_sites(led: Ledger) -> str:
-    """Each host sync of a phase with where it came from (grouped)."""
-    c = collections.Counter(f"{what} at {at}" for what, at in led.host_reads + led.host_writes)
-    return "\n".join(f"  {n} x {site}" for site, n in c.most_common())

@@ -47,20 +47,14 @@ Two mechanisms, each small:
   A failed write raises ``CheckpointWriteError`` after the temporary file is removed: the earlier
   checkpoints are untouched.
 
-Testing aids: ``SPLAT_METAL_INJECT_SAVE_ERROR=STEP[:ERRNO]`` makes the checkpoint write of every step
->= STEP fail half-way with that OSError (default ENOSPC, "No space left on device"), as a full disk
-does; tests use it where mounting a small filesystem needs root.
-``SPLAT_METAL_INJECT_NAN_AT_STEP=STEP[:PARAM[:ROWS]]`` sets the gradient of PARAM
-(default ``scales``; any optimizer group, e.g. ``camera_opt``) to NaN at STEP, in its first ROWS
-gaussians (default 3; all of it for non-gaussian groups), right before the optimizer step, as a real
-numerical blow-up would. It is meant for tests and for trying the two modes; never set it otherwise.
+Faults are planted for the tests by patching plain functions (tests/inject.py): ``checkpoint_write`` (a write
+that fails half-way, as a full disk does) and the guard's optimizers (NaN in a gradient); nothing here reads a
+variable for them.
 """
 
 from __future__ import annotations
 
-import errno
 import math
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,8 +67,6 @@ from nerfstudio.utils.rich_utils import CONSOLE
 from .files import PARTIAL_NAME, STOP_SIGNALS, atomic_path, remove_stale_partials, signals_interrupt  # noqa: F401 (re-exported)
 
 NONFINITE_MODES = ("recover", "stop")
-INJECT_NAN_ENV = "SPLAT_METAL_INJECT_NAN_AT_STEP"
-INJECT_SAVE_ERROR_ENV = "SPLAT_METAL_INJECT_SAVE_ERROR"
 
 
 class NonFiniteError(SystemExit):
@@ -100,15 +92,10 @@ class CheckpointWriteError(SystemExit):
         super().__init__(message if message.startswith("splat-metal: ") else f"splat-metal: {message}")
 
 
-def _injected_save_error(step: int) -> Optional[OSError]:
-    value = os.environ.get(INJECT_SAVE_ERROR_ENV)
-    if not value:
-        return None
-    at, _, name = value.partition(":")
-    code = getattr(errno, name or "ENOSPC", None)
-    if not at.isdigit() or not isinstance(code, int):
-        raise CheckpointWriteError(f"{INJECT_SAVE_ERROR_ENV}={value!r}: expected STEP[:ERRNO], e.g. 100:ENOSPC")
-    return OSError(code, os.strerror(code)) if step >= int(at) else None
+def checkpoint_write(state: dict, f, step: int) -> None:
+    """The one write of a checkpoint, of step ``step``, into the open file ``f``: torch.save (tests/inject.py replaces
+    it with one that fails half-way)."""
+    torch.save(state, f)
 
 
 def save_checkpoint_file(state: dict, target: Path, step: int, staging_dir: Optional[Path] = None) -> None:
@@ -117,11 +104,7 @@ def save_checkpoint_file(state: dict, target: Path, step: int, staging_dir: Opti
     try:
         with atomic_path(target, staging_dir) as tmp:
             with open(tmp, "wb") as f:
-                injected = _injected_save_error(step)
-                if injected is not None:
-                    f.write(b"\0" * 4096)  # part of a checkpoint, as a disk that fills up mid-write leaves
-                    raise injected
-                torch.save(state, f)
+                checkpoint_write(state, f, step)
     except (OSError, RuntimeError) as e:
         cause = _os_error(e)  # torch's writer turns the file's OSError into a RuntimeError (its context)
         if cause is None:
@@ -168,17 +151,6 @@ class NonFiniteReport:
         return f"step {self.step}{late}: non-finite values: " + "; ".join(parts)
 
 
-def _parse_injection(value: str) -> Tuple[int, str, int]:
-    bits = value.split(":")
-    try:
-        step = int(bits[0])
-        name = bits[1] if len(bits) > 1 and bits[1] else "scales"
-        rows = int(bits[2]) if len(bits) > 2 else 3
-    except ValueError:
-        raise NonFiniteError(f"{INJECT_NAN_ENV}={value!r}: expected STEP[:PARAM[:ROWS]], e.g. 100:scales:3") from None
-    return step, name, rows
-
-
 class NonFiniteGuard:
     """Checks a SplatfactoModel's parameters and gradients after every step (see the module doc).
 
@@ -198,9 +170,6 @@ class NonFiniteGuard:
         self.dropped = 0  # gaussians dropped so far (recover)
         self.reports: List[NonFiniteReport] = []
         self.pending: List[Tuple[int, torch.Tensor, object]] = []  # (step, flag on the host, event or None)
-        injection = os.environ.get(INJECT_NAN_ENV)
-        if injection:
-            self._install_injection(*_parse_injection(injection))
 
     def training_callbacks(self) -> List[TrainingCallback]:
         """Register after splatfacto's own (the strategy's step_post_backward) and the memory hooks."""
@@ -366,26 +335,6 @@ class NonFiniteGuard:
             highlight=False,
             soft_wrap=True,
         )
-
-    # ---- testing aid
-    def _install_injection(self, at_step: int, name: str, rows: int) -> None:
-        if name not in self.optimizers:
-            raise NonFiniteError(f"{INJECT_NAN_ENV}: no optimizer group {name!r}; groups: {sorted(self.optimizers)}")
-        gaussian = name in self.model.gauss_params
-
-        def hook(optimizer, args, kwargs):
-            if getattr(self.model, "step", None) != at_step:
-                return
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        if gaussian:
-                            p.grad[:rows] = float("nan")
-                        else:
-                            p.grad.fill_(float("nan"))
-            CONSOLE.print(f"splat-metal: {INJECT_NAN_ENV}: NaN injected into the gradient of {name} at step {at_step}")
-
-        self.optimizers[name].register_step_pre_hook(hook)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,8 +13,6 @@ this.
 
 from __future__ import annotations
 
-import os
-import time
 from collections import OrderedDict
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -23,7 +21,6 @@ from numpy.lib.stride_tricks import as_strided
 
 from .installed import version
 
-WRITE_PAUSE_ENV = "SPLAT_METAL_TEST_WRITE_PAUSE"
 BLOCK_ROWS = 1 << 16  # rows per write: the float32 block is a few MB, whatever N
 
 
@@ -53,7 +50,6 @@ def write_ply(
         "end_header\n",
     ]  # fmt: skip
     columns = [t.reshape(count) for t in map_to_tensors.values()]  # [N] each
-    pause = float(os.environ.get(WRITE_PAUSE_ENV) or 0)  # seconds after each block; unset outside tests
     if all(c.dtype.kind == "f" for c in columns):  # every column a float: blocks of a [rows, C] float32 array
         groups = _adjacent(columns)
         block = np.empty((min(count, BLOCK_ROWS), len(columns)), "<f4")
@@ -79,8 +75,12 @@ def write_ply(
             f.write(fill(start, rows))
             if progress is not None:
                 progress(rows)
-            if pause:  # test hook: time for a signal to land mid-write (tests/engine/test_reliability_cli.py)
-                time.sleep(pause)
+            block_written(rows)
+
+
+def block_written(rows: int) -> None:
+    """Called after each block of ``rows`` rows is written: nothing (tests/inject.py waits in it, so that a signal
+    lands mid-write)."""
 
 
 def _adjacent(columns: List[np.ndarray]) -> List[Tuple[int, int, np.ndarray]]:

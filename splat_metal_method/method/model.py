@@ -177,7 +177,7 @@ class SplatMetalModelConfig(SplatfactoModelConfig):
     gsplat's retained means2d gradient) after the strategy stops reading them. Off (the default): gsplat's
     DefaultStrategy reads them only while step < refine_stop_iter (--pipeline.model.stop-split-at), so from that
     step on a training step computes neither (2 of the rasterizer backward's 11 atomics per gaussian and
-    simdgroup, its [C, N, 2] buffer); the parameters are the same bits either way (docs/step-model.md)."""
+    simdgroup, its [C, N, 2] buffer); the parameters are the same bits either way (benchmarks/step_model/README.md)."""
     bwd_tile_merge: bool = False
     """Metal backend: the rasterizer's backward sums a gaussian's gradients over its tile before its device atomics
     (fewer atomics, smaller batches); off until a Mac measures it (splat-metal-bench --vs tile-merge)."""

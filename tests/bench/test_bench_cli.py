@@ -24,6 +24,19 @@ def test_console_script_is_declared():
     assert callable(bench.main)
 
 
+def test_vs_msplat_says_in_one_line_what_runs_it_now(tmp_path):
+    """--vs msplat moved to benchmarks/ (a run beside another project): the option says what replaced it, trains
+    nothing and writes nothing."""
+    from cli_helpers import cli_env
+
+    proc = subprocess.run([sys.executable, "-m", "splat_metal_method.bench.cli", "--vs", "msplat", "--data", "scene"],
+                          capture_output=True, text=True, timeout=300, env=cli_env(), cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "python benchmarks/bench_vs_msplat.py" in lines[0], proc.stderr
+    assert list(tmp_path.iterdir()) == [] and proc.stdout == ""
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     from cli_helpers import cli_env

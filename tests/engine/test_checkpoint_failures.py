@@ -1,7 +1,7 @@
 """A checkpoint that cannot be written or read, through the real commands:
 
-* a full disk while ``ns-train`` saves a checkpoint (SPLAT_METAL_INJECT_SAVE_ERROR, the documented
-  testing aid: the write fails half-way with ENOSPC, as a full disk makes it): one message naming the
+* a full disk while ``ns-train`` saves a checkpoint (planted by tests/inject.py around the real ns-train:
+  the write fails half-way with ENOSPC, as a full disk makes it): one message naming the
   file, saying the previous checkpoint is intact, and the command that resumes; exit 1, no traceback,
   no partial file; the previous checkpoint loads;
 * then Finder's .DS_Store and a truncated newer checkpoint in that run's nerfstudio_models:
@@ -16,11 +16,11 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import inject
 import pytest
 from bad_input_table import record
 from cli_helpers import cli_env, run_cli, run_dir, small_scene
 
-from splat_metal_method.engine.reliability import INJECT_SAVE_ERROR_ENV
 from splat_metal_method.engine.trainer import resume_command
 from splat_metal_method.patches.checkpoints import unreadable
 
@@ -32,10 +32,10 @@ QUIET = ["--vis", "tensorboard", "--steps-per-eval-image", "1000000", "--steps-p
 def test_full_disk_then_broken_and_stray_files(tmp_path):
     scene = small_scene(tmp_path / "data", 40, 30)  # non-square
     out = tmp_path / "outputs"
-    env = cli_env(tmp_path / "torch_home", {INJECT_SAVE_ERROR_ENV: "10"})
+    env = cli_env(tmp_path / "torch_home")
     args = ["splat-metal", "--data", scene, "--output-dir", out, "--timestamp", "run", "--max-num-iterations", 12,
             "--steps-per-save", 5, *QUIET]  # fmt: skip
-    result = run_cli("ns-train", *args, timeout=400, env=env)
+    result = run_cli(inject.command("save-error", 10, "ns-train"), *args, timeout=400, env=env)
     assert result.returncode == 1, result.tail()
     assert "Traceback" not in result.output, result.tail()
     run = run_dir(out, "run", scene=scene.name)
@@ -49,6 +49,7 @@ def test_full_disk_then_broken_and_stray_files(tmp_path):
     assert str(models / "step-000000010.ckpt") in lines[start] and "No space left on device" in lines[start]
     assert f"the previous checkpoint, {good}, is intact" in lines[start]
     argv = [str(a) for a in result.args]
+    argv = argv[argv.index("--") + 1 :]  # ns-train's own, as the process saw them
     assert lines[start + 1 :] == ["Resume with:", f"  {resume_command(argv, models, 12 - 6)}"]
     assert sorted(p.name for p in models.iterdir()) == [good.name] and unreadable(good) is None
     assert not [p for p in run.rglob("*") if ".partial-" in p.name]

@@ -1,6 +1,6 @@
 """Reliability through the real command lines, on CPU, where a user would meet each case:
 
-* NaN in a gradient (injected with SPLAT_METAL_INJECT_NAN_AT_STEP, the documented testing aid) with
+* NaN in a gradient (planted by tests/inject.py around the real ns-train) with
   ``--pipeline.model.nonfinite recover`` (default) and ``stop``;
 * Ctrl-C (SIGINT to the process group, as a terminal sends it) during ``ns-train`` with the viewer
   on, after a real headless Chromium connected, disconnected, reconnected and was killed several
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Dict, List
 
 import demo_runs
+import inject
 import psutil
 import pytest
 import torch
@@ -45,7 +46,6 @@ from cli_helpers import (
 )
 
 from splat_metal_method.data import demo_scene
-from splat_metal_method.engine.reliability import INJECT_NAN_ENV
 from splat_metal_method.engine.trainer import INTERRUPTED_EXIT_CODE
 
 pytestmark = pytest.mark.timeout(900)
@@ -72,10 +72,13 @@ def _parallel(*calls):
         return [f.result() for f in [pool.submit(c) for c in calls]]
 
 
-def _train(scene: Path, output_dir: Path, timestamp: str, *extra, env=None, timeout=420, **options) -> CliResult:
+def _train(scene: Path, output_dir: Path, timestamp: str, *extra, env=None, timeout=420, fault=None,
+           **options) -> CliResult:  # fmt: skip
+    """ns-train; ``fault``: (fault, spec) that tests/inject.py plants first."""
     args = ["splat-metal", *demo_args(**{**QUIET, **options}), "--data", scene, "--output-dir", output_dir,
             "--timestamp", timestamp, *extra]  # fmt: skip
-    return run_cli("ns-train", *args, timeout=timeout, env=env or cli_env(output_dir / "torch_home"))
+    command = "ns-train" if fault is None else inject.command(*fault, "ns-train")
+    return run_cli(command, *args, timeout=timeout, env=env or cli_env(output_dir / "torch_home"))
 
 
 def _run_dir(output_dir: Path, scene: Path, timestamp: str) -> Path:
@@ -114,8 +117,8 @@ def batch(tmp_path_factory):
     scene = demo_runs.demo_scene(tmp_path_factory)
     out = tmp_path_factory.mktemp("batch")
     tiny = _tiny_scene(out)
-    env = cli_env(out / "torch_home", extra={INJECT_NAN_ENV: f"{NAN_AT}:scales:{NAN_ROWS}"})
-    nan = dict(max_num_iterations=NAN_STEPS, steps_per_save=2, env=env)  # warmup 200: no densification
+    fault = ("nan-at-step", f"{NAN_AT}:scales:{NAN_ROWS}")
+    nan = dict(max_num_iterations=NAN_STEPS, steps_per_save=2, fault=fault)  # warmup 200: no densification
     # Densification (low threshold, so it certainly fires) at steps 60 and 90 is inside the 100 steps.
     det = dict(max_num_iterations=DET_STEPS, steps_per_save=10**6, logging__steps_per_log=1,
                pipeline__model__warmup_length=30, pipeline__model__refine_every=30,
@@ -369,9 +372,10 @@ def _interrupt_export(config: Path, out_dir: Path, sig: int):
     target.write_bytes(old)
     log = open(out_dir.parent / f"{out_dir.name}.log", "w+")
     proc = subprocess.Popen(
-        [executable("ns-export"), "gaussian-splat", "--load-config", str(config), "--output-dir", str(out_dir)],
+        inject.command("write-pause", 30, "ns-export", "gaussian-splat", "--load-config", config, "--output-dir",
+                       out_dir),
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        env={**cli_env(config.parent / "torch_home"), "SPLAT_METAL_TEST_WRITE_PAUSE": "30"},
+        env=cli_env(config.parent / "torch_home"),
     )  # fmt: skip  # the block writer takes milliseconds: it waits after its block for the signal to land
     try:
         # Writing has begun when the target changed or another file in the folder has grown past a header.

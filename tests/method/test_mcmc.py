@@ -215,9 +215,10 @@ def test_trains_on_every_backend_relocating_and_growing_within_the_cap(tiny_scen
 
 
 def test_nan_guard_drops_gaussians_and_keeps_the_binomial_table(tiny_scene, monkeypatch):
+    from inject import plant_nan
     from pipelines import train_step
 
-    monkeypatch.setenv("SPLAT_METAL_INJECT_NAN_AT_STEP", "4:means:51")  # 51 rows: the table's size
+    plant_nan(monkeypatch.setattr, 4, "means", 51)  # 51 rows: the table's size
     pipeline, optimizers, callbacks = mcmc_pipeline(tiny_scene, 7, 1700)
     for step in range(7):
         train_step(pipeline, optimizers, callbacks, step)

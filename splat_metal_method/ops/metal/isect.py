@@ -249,7 +249,7 @@ class IntersectionCapacities:
                device="cpu", tile_size: int = 16, longest: Optional[int] = None) -> None:  # fmt: skip
         """Sets one tile grid's state to what renders of `count` intersections of C x `n_gaussians` would have
         taught it (`rows`: their count per tile row, [C, tile_height]; `longest`: the entries of the longest
-        tile), as if the device had said so (bench/scale_ledger.py's count-only mode, where no kernel runs)."""
+        tile), as if the device had said so (the benchmarks' count-only mode, benchmarks/step_model/scale_ledger.py)."""
         key = _grid_key(torch.device(device), C, tile_size, tile_width, tile_height)
         total = int(C) * int(n_gaussians)
         state = self._grids[key] = _Capacity(self, 0, count / max(total, 1))
@@ -376,8 +376,7 @@ def isect_tiles_padded_fwd(
         event.record()
     else:  # CPU tensors: the "copies" are the buffers themselves, which later calls overwrite
         count, row_starts = count.tolist(), row_starts.tolist()
-    if runtime.executing():  # in count-only mode (bench/scale_ledger.py) the device says nothing
-        state.pending.append((total, cap, count, row_starts, event))
+    state.pending.append((total, cap, count, row_starts, event))
     return tiles_per_gauss, isect_ids, flatten_ids, offsets
 
 
@@ -398,7 +397,7 @@ def bin_count_atomics(means2d: Tensor, radii: Tensor, tile_size: int, tile_width
     of a tile in its group's window is one threadgroup atomic; each distinct (group, tile in the window) one device
     atomic (the reservation); each entry of a tile past the window one device atomic. What the step ledger counts
     from the emulator's execution (tests/ops/metal/test_bin_histograms.py: equal), and what the scale ledger's
-    count-only mode, where no kernel runs, records for bin_count (bench/scale_ledger.py)."""
+    count-only mode, where no kernel runs, records for bin_count (benchmarks/step_model/scale_ledger.py)."""
     from .. import reference
 
     C, N = radii.shape
@@ -440,7 +439,7 @@ def merge_steps(longest: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# What a bin_sort launch reads and writes (the ledgers' count of its bytes: bench/step_ledger.py MOVED_BYTES).
+# What a bin_sort launch reads and writes (the ledgers' count of its bytes: benchmarks/step_model/ledger.py MOVED_BYTES).
 #
 # bin_sort binds every buffer whole at each launch, but a launch of steps [step_lo, step_hi) touches only the
 # entries of the tiles those steps work on. Read off isect.metal bin_sort, by role (argument index, element bytes):
@@ -512,7 +511,7 @@ def bin_lengths(ends: Tensor, n_bins: int) -> list:
 
 def bin_sort_moved_bytes(args, lengths=None) -> Tuple[Dict[str, int], list]:
     """Bytes one bin_sort launch (its arguments `args`, as isect_tiles_padded_fwd binds them) reads and writes,
-    keyed by the shape of the buffer whose size they grow with ("x"-joined, as step_ledger.KernelWork.buffer_shapes:
+    keyed by the shape of the buffer whose size they grow with ("x"-joined, as benchmarks/step_model/ledger.py ModelWork.buffer_shapes:
     the per-entry traffic, depth gathers included, under the capacity's shape, the per-tile under that of `ends`),
     and the bins' lengths it was counted from: `lengths` (count-only: a host model of the bins), else read from
     the bound `ends` (executed: the kernels ran, ends holds the real bins)."""

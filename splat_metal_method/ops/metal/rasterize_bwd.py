@@ -40,7 +40,7 @@ def reduced_components(flags: int, channels: int) -> Tuple[int, int]:
 
 def active_groups(args, components: int, calls: int) -> int:
     """The active (gaussian, simdgroup) pairs of one rasterize_bwd launch with these arguments, from its counted
-    simd reductions as components and as calls (the step ledger's; peers.OursFromLedger scales the backward's
+    simd reductions as components and as calls (the step ledger's; benchmarks/step_model/peers.py OursFromLedger scales the backward's
     reductions and atomics by them): SETUP_REDUCTIONS of one component each per simdgroup that walks (how many
     depends on the tiles) and reduced_components per group solve for both. Raises if they do not: the kernel's
     reductions are not what reduced_components says."""

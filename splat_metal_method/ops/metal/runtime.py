@@ -134,32 +134,9 @@ def host_read(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# Count-only mode (bench/scale_ledger.py): launches are checked and counted (ledgers, command buffers)
-# but not run, so a step at millions of gaussians can be counted on a small machine. The host learns
-# nothing from the device then (isect.py keeps no pending count): kernel outputs are left unwritten.
-_executing = True
-
-
-def executing() -> bool:
-    """False inside count_only(): kernels are counted, not run."""
-    return _executing
-
-
-class count_only:
-    """Context: kernel launches are counted (launch_counts, command_buffers, a launch observer) but not run."""
-
-    def __enter__(self):
-        global _executing
-        self._previous, _executing = _executing, False
-        return self
-
-    def __exit__(self, *exc):
-        global _executing
-        _executing = self._previous
-
-
-# Called instead of a plain launch while set: observer(name, kernel, args, launch) must launch
-# kernel(*args, **launch) itself (the step ledger measures around it). None: launch directly.
+# The one hook for counting: while set, observer(name, kernel, args, launch) is called instead of a plain launch
+# and decides what happens to it (the step ledger counts around kernel(*args, **launch); the benchmarks' count-only
+# mode counts and skips it). None: launch directly.
 _launch_observer = None
 
 
@@ -292,9 +269,9 @@ class _CountingLibrary:
                 check_group_size(_name, launch.get("group_size"), limits)
                 _launches[_name] += 1
                 _current.launches[_name] += 1
-                if _launch_observer is not None:  # it launches (or, in count-only mode, does not) itself
+                if _launch_observer is not None:  # it runs (or skips) the launch itself
                     return _launch_observer(_name, _kernel, args, launch)
-                return _kernel(*args, **launch) if _executing else None
+                return _kernel(*args, **launch)
 
             self._kernels[name] = fn
         return fn

@@ -78,9 +78,9 @@ def prefix_sum(values: Tensor, inclusive: bool = False, out: Optional[Tensor] = 
 
 def block_sums_moved_bytes(args, lengths=None):
     """Bytes one scan_block_sums launch (its arguments as prefix_sum binds them) reads and writes, keyed by the
-    bound buffer's shape (as step_ledger.KernelWork.buffer_shapes): the `n` values of its one input (in32, or in64
+    bound buffer's shape (as benchmarks/step_model/ledger.py ModelWork.buffer_shapes): the `n` values of its one input (in32, or in64
     when wide) read, the block totals written. The other input is bound but never read: prefix_sum binds `out`
-    there (8 bytes a value for an int32 scan), which the bound-buffer count charged. (bench/step_ledger.MOVED_BYTES)"""
+    there (8 bytes a value for an int32 scan), which the bound-buffer count charged. (benchmarks/step_model/ledger.py MOVED_BYTES)"""
     in32, in64, block_sums, n, wide = args[:5]
     values = in64 if int(wide) else in32
     out: dict = {}

@@ -1,5 +1,5 @@
 """What a bin_sort launch writes (ops/metal/isect.py bin_sort_access: the entries the ledgers count as moved,
-bench/step_ledger.py MOVED_BYTES) held to the kernel itself.
+benchmarks/step_model/ledger.py MOVED_BYTES) held to the kernel itself.
 
 bin_sort runs under the emulator on the bins of a real intersection pass (a tile of 5,000+ entries: two merge
 steps; one of ~3,000: one; short ones; a capacity past the list: padding), one launch per step and then all the

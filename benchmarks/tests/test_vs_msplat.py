@@ -1,4 +1,4 @@
-"""`splat-metal-bench --vs msplat`: the matched settings (one function, both projects' terms), the clear
+"""benchmarks/bench_vs_msplat.py (was `splat-metal-bench --vs msplat`): the matched settings (one function, both projects' terms), the clear
 refusal where msplat cannot be installed (here), the wiring with a stand-in msplat module, and our side
 trained by nerfstudio's real Trainer with those settings."""
 
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from step_model import vs_msplat as msplat_bench
 
-from splat_metal_method.bench import msplat_bench
+BENCHMARKS = Path(__file__).resolve().parents[1]
 
 # msplat 1.1.3's TrainingConfig fields (python/msplat/_core.pyi)
 MSPLAT_CONFIG_FIELDS = {
@@ -84,7 +85,7 @@ def test_without_msplat_the_option_says_so_and_fails():
 
     if importlib.util.find_spec("msplat") is not None:
         pytest.skip("msplat is installed here")
-    proc = subprocess.run([sys.executable, "-m", "splat_metal_method.bench.cli", "--vs", "msplat"],
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_vs_msplat.py")],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     for needed in ("msplat", "macOS 14+", "Python 3.12+", "pip install msplat"):
@@ -124,7 +125,7 @@ def test_the_line_with_a_stand_in_msplat(monkeypatch, tmp_path):
     assert calls["config"] == msplat_bench.msplat_config_kwargs(m)
     assert calls["dataset"] == (str((tmp_path / "scene").resolve()), msplat_bench.msplat_dataset_kwargs(m))
     line = (tmp_path / "out" / "vs_msplat.txt").read_text().strip()
-    assert "\n" not in line and line.startswith("splat-metal-bench --vs msplat | scene | mps | 40 steps")
+    assert "\n" not in line and line.startswith("bench_vs_msplat | scene | mps | 40 steps")
     assert calls["synced"]  # the loop's wall time drains msplat's queue first
     assert "ours: 4.00 ms/step (wall 4.50), 900 gaussians, PSNR 22.00 dB" in line
     assert "msplat: 5.00 ms/step (wall " in line and "1040 gaussians, PSNR 21.50 dB" in line

@@ -1,5 +1,5 @@
-"""The calibrated step model (bench/peers.py, benchmarks/bench_model.py): the fit reproduces the published
-points within the ratios docs/step-model.md reports, the stored constants are the fit's, the peers'
+"""The calibrated step model (benchmarks/step_model/peers.py, benchmarks/bench_model.py): the fit reproduces the published
+points within the ratios benchmarks/step_model/README.md reports, the stored constants are the fit's, the peers'
 design choices move the modeled time the way their authors measured, and ours / msplat follows the
 ledger counts it is given. No training: stored ledgers."""
 
@@ -13,12 +13,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from step_model import peers, results
 
-from splat_metal_method.bench import ledger_snapshots, peers
+BEFORE_ISSUE30 = results.before_issue30()
 
 REPO = Path(__file__).resolve().parents[2]
 M4 = "M4 Max"
-# modeled / measured of each fitted point, as docs/step-model.md reports them (+-0.02)
+# modeled / measured of each fitted point, as benchmarks/step_model/README.md reports them (+-0.02)
 REPORTED = {
     "msplat 1.1.3 garden 7K, full res": 1.15, "msplat 1.1.3 garden 30K, full res": 1.06,
     "msplat 1.0 garden 7K": 0.95, "msplat 1.0 garden 30K": 0.83, "msplat 0.1 full res": 1.07,
@@ -97,7 +98,7 @@ def test_msplat_one_encoder_step_overlaps_and_its_fusions_pay():
 
 
 def test_ours_over_msplat_follows_the_ledger_counts():
-    before = ledger_snapshots.BEFORE_ISSUE30
+    before = BEFORE_ISSUE30
     assert before["demo 96x64"]["host_syncs"] == 1 and before["demo 96x64"]["aten_dispatches"] == 176
     assert (
         before["garden-points 20k 1/4"]["host_syncs"] == 2 and before["garden-points 20k 1/4"]["aten_dispatches"] == 193
@@ -123,7 +124,7 @@ def test_fewer_backward_atomics_per_group_model_a_faster_backward():
     """The tile merge and a step without absgrad issue fewer atomics for the same active groups (the same simd
     reductions): the backward must model faster. Counting groups from the atomics made it slower: the fewer
     atomics read as fewer groups, and the scene's groups scaled the reductions up by as much."""
-    led = peers.ledger_dict(ledger_snapshots.BEFORE_ISSUE30["garden-points 20k 1/4"])
+    led = peers.ledger_dict(BEFORE_ISSUE30["garden-points 20k 1/4"])
     merged = copy.deepcopy(led)
     merged["kernels"]["rasterize_bwd"]["device_atomics"] = led["kernels"]["rasterize_bwd"]["device_atomics"] * 9 // 11
     for scene in peers.COMPARE_SCENES:
@@ -135,7 +136,8 @@ def test_fewer_backward_atomics_per_group_model_a_faster_backward():
 
 
 def test_ledger_dict_round_trips_a_ledger():
-    from splat_metal_method.bench.step_ledger import KernelWork, Ledger
+    from step_model.ledger import ModelLedger as Ledger
+    from step_model.ledger import ModelWork as KernelWork
 
     led = Ledger("steady", n_gaussians=10, pixels=20, intersections=30)
     led.kernels["rasterize_bwd"] = KernelWork(launches=1, device_atomics=22)
@@ -152,7 +154,7 @@ def _in_repo(path: Path) -> Path:
 
 def test_bench_model_prints_the_tables(tmp_path):
     script = _in_repo(REPO / "benchmarks" / "bench_model.py")
-    after = copy.deepcopy(ledger_snapshots.BEFORE_ISSUE30)
+    after = copy.deepcopy(BEFORE_ISSUE30)
     for led in after.values():
         led["host_syncs"] = 0
     path = tmp_path / "after.json"
@@ -178,8 +180,8 @@ def test_bench_model_prints_the_tables(tmp_path):
 
 
 def test_levers_say_where_cutting_pays():
-    led = ledger_snapshots.BEFORE_ISSUE30["garden-points 20k 1/4"]
-    rates = peers.aten_rates(ledger_snapshots.BEFORE_ISSUE30)
+    led = BEFORE_ISSUE30["garden-points 20k 1/4"]
+    rates = peers.aten_rates(BEFORE_ISSUE30)
     assert rates["optimizer"][1] == pytest.approx(0, abs=1) and rates["optimizer"][0] > 500  # grows with gaussians
     for scene in peers.COMPARE_SCENES:
         lv = peers.ours_levers(led, scene, rates=rates)
@@ -201,7 +203,7 @@ def test_kernels_grow_with_what_they_walk():
 
 
 def test_doc_shows_the_calibration_it_reports():
-    doc = _in_repo(REPO / "docs" / "step-model.md").read_text()
+    doc = _in_repo(REPO / "benchmarks" / "step_model" / "README.md").read_text()
     assert "python benchmarks/bench_model.py" in doc
     rows = {line.split(" | ")[0].lstrip("| "): line for line in doc.splitlines() if line.startswith("| ")}
     for p in peers.points():
@@ -246,7 +248,7 @@ def test_bins_with_one_atomic_an_entry_cut_the_intersect_term():
     """The stored ledgers of two atomics an entry (bin_count + bin_fill, issue38_merged) and one (oneatomic):
     the modeled intersect term falls at every scene and the terms printed (step_model --terms) add up to the
     step's GPU time."""
-    from splat_metal_method.bench import step_model
+    from step_model import model as step_model
 
     def rows(tag):
         step = json.loads((RESULTS / f"ledger_after_{tag}.json").read_text())["garden-points 20k 1/4"]
@@ -292,7 +294,7 @@ def test_threadgroup_atomics_are_priced_and_their_cost_is_a_sensitivity():
     """bin_count's threadgroup histograms (isect.metal): its threadgroup atomics are priced at
     CALIBRATED.tg_atomic_cycles (an ASSUMPTION: a quarter of a device atomic), and the sensitivity table shows the
     step with them at the full device cost; at_scale takes bin_count's atomics from the scale ledger."""
-    from splat_metal_method.bench import step_model
+    from step_model import model as step_model
 
     c = peers.CALIBRATED
     assert c.tg_atomic_cycles == pytest.approx(c.atomic_cycles / peers.TG_ATOMIC_SHARE)
@@ -328,7 +330,7 @@ def test_threadgroup_histograms_cut_the_intersect_term_under_the_assumption_only
     tile histograms): the scale ledgers record bin_count's atomics from the host model (one device atomic per group
     and tile touched, one threadgroup atomic an entry), and the modeled intersect term falls at every scene with
     threadgroup atomics at a quarter of a device atomic (CALIBRATED), but not with them at the full device cost."""
-    from splat_metal_method.bench import step_model
+    from step_model import model as step_model
 
     def terms(tag, ledger, c):
         step = json.loads((RESULTS / f"ledger_after_{ledger}.json").read_text())["garden-points 20k 1/4"]
@@ -354,10 +356,10 @@ def test_threadgroup_histograms_cut_the_intersect_term_under_the_assumption_only
 
 
 def test_step_model_cli_prints_each_sensitivity(capsys):
-    """`python -m splat_metal_method.bench.step_model` on stored ledgers: msplat's modeled ms grow with its binning
+    """`python benchmarks/bench_step_model.py` on stored ledgers: msplat's modeled ms grow with its binning
     atomics priced (--msplat-binning-atomics), ours with threadgroup atomics at the device cost
     (--tg-atomics-at-device-cost); the calibrated run is neither."""
-    from splat_metal_method.bench import step_model
+    from step_model import model as step_model
 
     files = [str(RESULTS / f"scale_after_binhist_{image}.json") for image in ("1024", "1297")]
     base = ["--step", str(RESULTS / "ledger_after_binhist.json"), "--before", *files, "--after", *files]

@@ -9,7 +9,7 @@ What it adds up (each term cited or marked as an assumption in COSTS / DEVICES):
   ``launch_us`` (the Metal-shader figure of the same issue: torch.mps.compile_shader kernels are
   dispatched the same way).
 - GPU, per kernel: the larger of memory time (bytes of its bound buffers, or those its launches move where
-  the ledger counts them, step_ledger.MOVED_BYTES, / DRAM bandwidth) and the
+  the ledger counts them, ledger.MOVED_BYTES, / DRAM bandwidth) and the
   time of the counted SIMD work: simdgroup reductions at 14.54 cycles (SUM<F32>) and shuffles at
   2.04 cycles per simdgroup instruction, four schedulers per core (philipturner/metal-benchmarks,
   M1 "Intra-simd communication" table and ALU layout); device atomics at ATOMIC_CYCLES and barriers at
@@ -19,10 +19,10 @@ What it adds up (each term cited or marked as an assumption in COSTS / DEVICES):
 - Host syncs: with at least one per step the CPU waits for the GPU, so CPU and GPU time add up; with
   none they overlap and the step takes the larger of the two. No fixed latency per sync is added.
 
-Calibrated against the peers (issue 30): bench/peers.py expresses msplat's, the Plinth-it fork's and
+Calibrated against the peers (issue 30): peers.py expresses msplat's, the Plinth-it fork's and
 OpenSplat's steps from their source, fits the unknown costs to their published Apple-GPU measurements
 and models our step from a ledger on the same scenes; ``table`` appends its ours / msplat rows, and
-benchmarks/bench_model.py prints the whole calibration (docs/step-model.md).
+benchmarks/bench_model.py prints the whole calibration (benchmarks/step_model/README.md).
 
 Extrapolation: a kernel's counts scale with gaussians (projection, SH), intersections (tile
 intersection and rasterization) or both (the radix sort runs over depths and intersections);
@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
-from .step_ledger import Ledger
+from .ledger import Ledger
 
 # Apple GPUs: cores, clock (GHz), DRAM bandwidth (GB/s)
 DEVICES: Dict[str, Dict[str, float]] = {
@@ -119,7 +119,7 @@ def model_step(ledger: Ledger, target: Scene, device: str) -> Modeled:
         simd_cycles = (w.simd_reductions * SIMD_SUM_CYCLES + w.simd_shuffles * SHUFFLE_CYCLES) / SCHEDULERS_PER_CORE
         other_cycles = w.device_atomics * ATOMIC_CYCLES + w.barriers * BARRIER_CYCLES
         alu_s = r * (simd_cycles + other_cycles) / (d["cores"] * core_hz)
-        mem_s = r * (w.moved_bytes or w.buffer_bytes) / bandwidth  # moved where counted (step_ledger.MOVED_BYTES)
+        mem_s = r * (w.moved_bytes or w.buffer_bytes) / bandwidth  # moved where counted (ledger.MOVED_BYTES)
         kernels_s += max(alu_s, mem_s)
     aten_s = 0.0
     for part, nbytes in ledger.part_bytes.items():
@@ -134,7 +134,7 @@ def model_step(ledger: Ledger, target: Scene, device: str) -> Modeled:
 def table(ledger: Ledger, label: str) -> str:
     """Markdown: modeled ms per step for garden at both sizes on M1 and M4 Max, beside msplat."""
     lines = [
-        f"MODEL, not a measurement (splat_metal_method/bench/step_model.py), from the {label} ledger "
+        f"MODEL, not a measurement (benchmarks/step_model/model.py), from the {label} ledger "
         f"({ledger.n_gaussians} gaussians, {ledger.intersections} intersections, {ledger.host_syncs} host syncs, "
         f"{ledger.aten_kernels} aten kernels, {ledger.kernel_launches} launches per step):",
         "",
@@ -154,10 +154,10 @@ def table(ledger: Ledger, label: str) -> str:
 
 
 def calibrated_table(ledger: Ledger) -> str:
-    """Markdown: the calibrated model's (bench/peers.py) ours / msplat for ``ledger`` on issue 30's scenes."""
+    """Markdown: the calibrated model's (peers.py) ours / msplat for ``ledger`` on issue 30's scenes."""
     from . import peers
 
-    lines = ["Calibrated on the peers' measurements (bench/peers.py; M4 Max; `python benchmarks/bench_model.py`):", "",
+    lines = ["Calibrated on the peers' measurements (peers.py; M4 Max; `python benchmarks/bench_model.py`):", "",
              "| scene | ours modeled ms | msplat modeled ms | ours / msplat |", "|---|---|---|---|"]  # fmt: skip
     for (scene, _), (ours, ref) in peers.compare({"ledger": peers.ledger_dict(ledger)}).items():
         lines.append(f"| {scene} | {ours:.1f} | {ref:.1f} | {ours / ref:.2f} |")
@@ -169,7 +169,7 @@ def calibrated_table(ledger: Ledger) -> str:
 # ------------------------------------------------------------------------------------------------
 # The calibrated model (peers.OursFromLedger) takes a 20k step ledger's launch and aten counts as they are
 # and scales its kernels' bytes by gaussians or intersections. At 1.5M gaussians the step that ran before
-# issue 36 issued 4,112 launches and 71,094 aten ops per render (bench/scale_ledger.py), which that
+# issue 36 issued 4,112 launches and 71,094 aten ops per render (scale_ledger.py), which that
 # reading could not see. ``at_scale`` corrects a step ledger with the scale ledger of the same tree:
 # - launches of the render's kernels (projection to loss, forward and backward): the scale ledger's at the
 #   target size; the rest of the step's (train.metal) the step ledger's;
@@ -195,7 +195,7 @@ MSPLAT_TILE_CAP = 2048
 
 def at_scale(step: dict, scale: dict, base20k: dict) -> dict:
     """``step`` (a peers.ledger_dict of a 20k step ledger) with launch counts, aten kernels and kernel bytes
-    from ``scale`` (a scale-ledger row of the target size, bench/scale_ledger.py as_dict), relative to
+    from ``scale`` (a scale-ledger row of the target size, scale_ledger.py as_dict), relative to
     ``base20k`` (the scale-ledger row at 20k gaussians, same image, of the tree ``step`` was measured on)."""
     import copy
 
@@ -225,7 +225,7 @@ def at_scale(step: dict, scale: dict, base20k: dict) -> dict:
                     for kind, b in sw["bytes_by_kind"].items()
                 }
                 w["buffer_bytes"] = sum(w["bytes_by_kind"].values())
-            # what its launches read and wrote (step_ledger.MOVED_BYTES: bin_sort, scan_block_sums), alike
+            # what its launches read and wrote (ledger.MOVED_BYTES: bin_sort, scan_block_sums), alike
             w.pop("moved_bytes", None), w.pop("moved_by_kind", None)
             if "moved_by_kind" in sw:
                 kinds = {"G": "n_gaussians", "P": "pixels", "M": "intersections"}
@@ -236,7 +236,7 @@ def at_scale(step: dict, scale: dict, base20k: dict) -> dict:
                 w["moved_bytes"] = sw["moved_bytes"] * f
             w["threads"] = sw.get("threads", 0) * f
             for k in ("device_atomics", "threadgroup_atomics"):  # where the scale ledger counted them (bin_count:
-                if k in sw:  # its host model, bench/scale_ledger.expected_bin_atomics), theirs at the target size
+                if k in sw:  # its host model, scale_ledger.expected_bin_atomics), theirs at the target size
                     w[k] = sw[k] * f
     out["part_bytes"] = dict(step["part_bytes"])
     if "optimizer" in out["part_bytes"]:
@@ -244,7 +244,7 @@ def at_scale(step: dict, scale: dict, base20k: dict) -> dict:
     return out
 
 
-MSPLAT_BYTES_PER_GAUSSIAN = 2100  # bench/peers.py MSPLAT: msplat 1.1.3's bytes a gaussian a step, from its source
+MSPLAT_BYTES_PER_GAUSSIAN = 2100  # peers.py MSPLAT: msplat 1.1.3's bytes a gaussian a step, from its source
 
 
 def bytes_per_gaussian(step: dict, scale: dict) -> Dict[str, float]:
@@ -334,7 +334,7 @@ def scale_terms_table(step: dict, rows: dict, c=None) -> str:
 
 
 def main(argv=None) -> None:
-    """python -m splat_metal_method.bench.step_model --step STEP.json --before A.json [..] --after B.json [..]"""
+    """python benchmarks/bench_step_model.py --step STEP.json --before A.json [..] --after B.json [..]"""
     import argparse
     import json
 
@@ -367,7 +367,7 @@ def main(argv=None) -> None:
         return out
 
     step = json.loads(open(args.step).read())[args.label]
-    print("MODEL, not a measurement (bench/step_model.py at_scale, calibrated as bench/peers.py), M4 Max; "
+    print("MODEL, not a measurement (model.py at_scale, calibrated as peers.py), M4 Max; "
           f"ours from the {args.label} step ledger with the render's counts of the scale ledger:\n")  # fmt: skip
     msplat = peers.MSPLAT_BINNING_ATOMICS if args.msplat_binning_atomics else peers.MSPLAT
     print(scale_compare_table(step, load(args.before), load(args.after), c, msplat))

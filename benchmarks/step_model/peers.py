@@ -297,7 +297,7 @@ class NativeDesign:
 MSPLAT = NativeDesign("msplat 1.1.3", dispatches=17, syncs=0.01, bytes_per_gaussian=2100,
                       bytes_per_intersection=136, bytes_per_pixel=120, sums_per_group=9, atomics_per_group=9)  # fmt: skip
 # The same with its binning's device atomics priced at the fitted atomic cost (the sensitivity table's row; not
-# the calibrated design: refit with it, the published msplat 1.1.3 times fit worse, see docs/step-model.md)
+# the calibrated design: refit with it, the published msplat 1.1.3 times fit worse, see benchmarks/step_model/README.md)
 MSPLAT_BINNING_ATOMICS = replace(MSPLAT, name="msplat 1.1.3, binning atomics priced", binning_atomics=1.0)
 # msplat v1.0 / v0.1 (CHANGELOG v1.1.3 lists what it removed): the SH gradient round trip (~600 MB/iter at
 # 1.5M gaussians = 400 B each), an SSIM intermediate (~130 MB/iter at 1297x840 = 120 B a pixel), the
@@ -322,7 +322,7 @@ OPENSPLAT = NativeDesign("OpenSplat (PR #76)", dispatches=8, aten_ops=250, syncs
 
 
 # ------------------------------------------------------------------------------------------------
-# Our step, from a stored or measured ledger (step_ledger.Ledger or its dict form)
+# Our step, from a stored or measured ledger (ledger.ModelLedger or its dict form)
 # ------------------------------------------------------------------------------------------------
 # What each of our kernels' counts grow with, by name prefix: the tile intersection, sort and rasterize
 # kernels with intersections, the loss with pixels, everything else (projection, SH, covariances,
@@ -347,7 +347,7 @@ PIXEL_PARTS = ("model, loss, camera opt",)
 
 
 def ledger_dict(led, shapes: bool = False) -> dict:
-    """A step_ledger.Ledger as the plain dict stored in ledger_snapshots.py (also accepts that dict); with
+    """A ledger.ModelLedger as the plain dict stored in benchmarks/results/ledger_*.json (also accepts that dict); with
     ``shapes``, each kernel's bound bytes by buffer shape too (KernelWork.buffer_shapes)."""
     if isinstance(led, dict):
         return led
@@ -442,7 +442,7 @@ class OursFromLedger:
             r = ratio[kernel_grows(name)]
             stage = next((k for k, pre in groups.items() if name.startswith(pre)), name)
             threads_steps = w.get("threads", 0) / SIMDGROUP * r
-            # the bytes its launches read and wrote where the ledger counted them (step_ledger.MOVED_BYTES), else the
+            # the bytes its launches read and wrote where the ledger counted them (ledger.MOVED_BYTES), else the
             # bound buffers'; scaled by what each buffer holds where the ledger says it
             by_kind = w.get("moved_by_kind") or (None if w.get("moved_bytes") else w.get("bytes_by_kind"))
             nbytes = w.get("moved_bytes") or w.get("buffer_bytes", 0)

@@ -1,9 +1,9 @@
-"""The scale ledger (splat_metal_method/bench/scale_ledger.py): one steady training render of the Metal
+"""The scale ledger (benchmarks/step_model/scale_ledger.py): one steady training render of the Metal
 backend counted at the sizes people train, held to budgets at every size.
 
 - Count-only (kernels counted, not run) equals executed (the kernels under the emulator) at small sizes:
   the same launches, aten dispatches, host syncs, command buffers and bytes (bound, and moved: bin_sort's
-  counted from the bins' lengths, step_ledger.MOVED_BYTES) when seeded with what the executed renders taught
+  counted from the bins' lengths, ledger.MOVED_BYTES) when seeded with what the executed renders taught
   and the bins they filled; the host model of the intersections (reference projection + tile bounds)
   gives the count the kernels produce and bins within a few entries of theirs.
 - Budgets (issue 36): dispatches do not grow with the scene. Launches + aten dispatches at 3M gaussians
@@ -14,8 +14,7 @@ backend counted at the sizes people train, held to budgets at every size.
 from __future__ import annotations
 
 import pytest
-
-from splat_metal_method.bench import scale_ledger
+from step_model import scale_ledger
 
 # non-square, wider and taller; the last with a tile of ~2,100 entries, past a bin (isect.metal bin_sort:
 # one merge dispatch, planned from the longest tile: the executed render's, or the host model's)
@@ -120,7 +119,7 @@ def test_dispatches_do_not_grow_with_the_scene(rows):
 def test_step_model_takes_the_render_counts_from_the_scale_ledger():
     """bench/step_model.at_scale: the render's launches from the scale ledger, aten kernels grown by the
     scale ledger's growth over its 20k render, the rasterizer's bytes one launch's, Adam's as accesses."""
-    from splat_metal_method.bench import step_model
+    from step_model import model as step_model
 
     step = {"aten_kernels": 28, "n_gaussians": 20_000, "intersections": 1_000, "pixels": 100,
             "part_bytes": {"optimizer": 400, "model, loss, camera opt": 10},
@@ -142,7 +141,8 @@ def test_step_model_takes_the_render_counts_from_the_scale_ledger():
 def test_rasterize_bytes_are_split_by_what_the_buffers_hold():
     """Issue 36 part 4: the scale ledger tells a kernel's per-gaussian, per-pixel and per-intersection
     buffers apart (scale_ledger.bytes_by_kind), and the model scales each part by its own count."""
-    from splat_metal_method.bench import peers, step_model
+    from step_model import model as step_model
+    from step_model import peers
 
     row = scale_ledger.measure(600, 120, 78)  # non-square, count-only
     d = scale_ledger.as_dict(row)
@@ -168,10 +168,11 @@ def test_rasterize_bytes_are_split_by_what_the_buffers_hold():
 
 
 def test_the_model_prices_moved_bytes_where_counted_and_bound_bytes_elsewhere():
-    """step_ledger.MOVED_BYTES (bin_sort, scan_block_sums): a row with what a kernel's launches moved is priced by
+    """ledger.MOVED_BYTES (bin_sort, scan_block_sums): a row with what a kernel's launches moved is priced by
     that (at_scale carries it, scaled by what each part holds; peers prefers it); a row without (ledger files
     written before it) is priced by its bound bytes as before."""
-    from splat_metal_method.bench import peers, step_model
+    from step_model import model as step_model
+    from step_model import peers
 
     step = {"aten_kernels": 28, "n_gaussians": 20_000, "intersections": 1_000, "pixels": 100, "part_bytes": {},
             "host_syncs": 0, "kernels": {"bin_sort": {"launches": 1, "buffer_bytes": 10, "moved_bytes": 5}}}  # fmt: skip

@@ -1,6 +1,6 @@
 """The scale ledger: one steady training render of the Metal backend counted at the sizes people train.
 
-The step ledger (step_ledger.py) runs a real nerfstudio Trainer on the demo scene; nobody trains at that
+The step ledger (splat_metal_method/bench/step_ledger.py, ledger.py) runs a real nerfstudio Trainer on the demo scene; nobody trains at that
 size. Garden at full resolution ends 7K steps with ~1.5M gaussians and 30K with ~3.5M, and at those sizes
 the dispatch plan of the Metal step is not the demo's. This ledger counts, at 0.5-3M gaussians and the
 image sizes of garden at full and at 0.8 resolution, the part of a steady training step that depends on
@@ -12,22 +12,22 @@ project_bwd's PROJECT_SH_ADAM and PROJECT_ADAM_*). The rest of the step (the str
 optimizer) is counted by the step ledger and issues the same dispatches at any scene size (one densify_stats
 kernel).
 
-Counted as step_ledger.count counts (as a Mac runs it): our kernel launches and the bytes of the buffers
-bound to each (and, for bin_sort and scan_block_sums, the bytes each launch moves: step_ledger.MOVED_BYTES; in
+Counted as ledger.count counts (as a Mac runs it): our kernel launches and the bytes of the buffers
+bound to each (and, for bin_sort and scan_block_sums, the bytes each launch moves: ledger.MOVED_BYTES; in
 count-only mode bin_sort's from the host model's bins, the intersections of each tile), aten dispatches and the bytes each aten kernel reads and writes, host syncs, and the
 command buffers the runtime's ledger closes (runtime.command_buffers()).
 
-Count-only mode (the default; ``execute=False``): the kernels are counted, not run (runtime.count_only),
+Count-only mode (the default; ``execute=False``): the kernels are counted, not run (ledger.count_only: the runtime's launch observer skips them),
 so 3M gaussians count in seconds on a small machine; aten ops still run, on real tensors. The host then
 learns nothing from the device, so the model's capacities (what two training renders would have taught
 it: the intersection count and where the intersections lie) are seeded from a host model of the scene:
 the reference projection (ops/reference.py) and its tile bounds, the kernels' own rectangle math.
-tests/bench/test_scale_ledger.py proves count-only equals executed (the kernels under the emulator) at
+benchmarks/tests/test_scale_ledger.py proves count-only equals executed (the kernels under the emulator) at
 small sizes, and holds the counts to budgets at every size. The one count of atomics count-only mode records is
 bin_count's (device and threadgroup, expected_bin_atomics: the host's count of what its threadgroup histograms
 issue, which does not grow linearly with the intersections); the other kernels' atomics are the step ledger's.
 
-    python -m splat_metal_method.bench.scale_ledger            # the table at 0.5M, 1.5M, 3M (and 20k)
+    python benchmarks/bench_scale_ledger.py            # the table at 0.5M, 1.5M, 3M (and 20k)
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from . import step_ledger
+from .ledger import ModelLedger, count, count_only
 
 IMAGES: Tuple[Tuple[int, int], ...] = ((1297, 840), (1024, 664))  # garden full resolution, and 0.8 of it
 SIZES: Tuple[int, ...] = (20_000, 500_000, 1_500_000, 3_000_000)
@@ -110,7 +110,7 @@ def expected_intersections(
     tile [tile_height, tile_width] (the bins' lengths, which bin_sort's moved bytes are counted from).
     Scenes of more than `sample` gaussians (drawn independently) are modelled from their first `sample`,
     scaled (a relative error ~1/sqrt(sample) of the count, 0.2% at 200k)."""
-    from ..ops import reference
+    from splat_metal_method.ops import reference
 
     n = scene.means.shape[0]
     k = min(n, sample)
@@ -148,8 +148,8 @@ def expected_bin_atomics(scene: Scene, width: int, height: int, sample: int = MO
     entry of a tile past its window), so not linear in the intersections: counted here at the scene's size, not
     scaled from a small one. Scenes of more than `sample` gaussians are modelled from their first whole runs of
     a group within `sample` (the gaussians are drawn independently: each run alike), scaled by gaussians."""
-    from ..ops import reference
-    from ..ops.metal.isect import BIN_COUNT_ITEMS, GROUP_1D, bin_count_atomics
+    from splat_metal_method.ops import reference
+    from splat_metal_method.ops.metal.isect import BIN_COUNT_ITEMS, GROUP_1D, bin_count_atomics
 
     n = scene.means.shape[0]
     run = GROUP_1D * BIN_COUNT_ITEMS
@@ -181,9 +181,9 @@ def render_step(scene: Scene, width: int, height: int, capacities, gt: torch.Ten
     """One steady training render as the model runs it (its camera already on the device, `cam`):
     rasterization with the composite fused in, fused loss, backward (with ``sh_opts``, sh_optimizers(scene),
     the SH coefficients' Adam step in it, armed as GaussianOptimizers arms it)."""
-    from ..ops.loss import l1_ssim_loss
-    from ..ops.metal import adam
-    from ..ops.metal.fused import rasterization_metal
+    from splat_metal_method.ops.loss import l1_ssim_loss
+    from splat_metal_method.ops.metal import adam
+    from splat_metal_method.ops.metal.fused import rasterization_metal
 
     for p in scene.params():
         p.grad = None
@@ -209,7 +209,7 @@ class ScaleRow:
     width: int
     height: int
     intersections: int
-    ledger: step_ledger.Ledger
+    ledger: ModelLedger
     command_buffers: int
     mode: str  # "count-only" or "executed"
     capacities: object = None  # the renderer's IntersectionCapacities after the counted render
@@ -226,6 +226,13 @@ class ScaleRow:
         }  # fmt: skip
 
 
+def forget_pending(capacities) -> None:
+    """Count-only mode: the intersection counts a render sent to the host are of kernels that did not run (unwritten
+    buffers); the capacities keep what they were seeded with, as if the device had said nothing."""
+    for state in capacities._grids.values():
+        state.pending.clear()
+
+
 def measure(n: int, width: int, height: int, execute: bool = False, seed: int = 0,
             seed_from=None, bins: Optional[list] = None) -> ScaleRow:  # fmt: skip
     """Counts one steady render step of `n` gaussians at width x height (see the module docstring).
@@ -236,9 +243,9 @@ def measure(n: int, width: int, height: int, execute: bool = False, seed: int = 
     the scene, or ``seed_from``: an IntersectionCapacities of an executed run), one uncounted render warms
     the workspace as it would be warm, then the counted one; bin_sort's moved bytes are counted from the host
     model's bins (the intersections of each tile), or ``bins`` (an executed row's bin_lengths)."""
-    from ..ops import IntersectionCapacities
-    from ..ops.metal import runtime
-    from ..ops.workspace import workspace
+    from splat_metal_method.ops import IntersectionCapacities
+    from splat_metal_method.ops.metal import runtime
+    from splat_metal_method.ops.workspace import workspace
 
     scene = make_scene(n, seed)
     gt = torch.rand(height, width, 3, generator=torch.Generator().manual_seed(seed + 1))
@@ -258,14 +265,18 @@ def measure(n: int, width: int, height: int, execute: bool = False, seed: int = 
                 M = model_m
                 th, tw = math.ceil(height / TILE), math.ceil(width / TILE)
                 capacities.expect(tw, th, 1, n, M, rows, tile_size=TILE, longest=longest)
-    mode = contextlib.nullcontext() if execute else runtime.count_only()
+    mode = contextlib.nullcontext() if execute else count_only()
     with mode:
         for _ in range(2 if execute else 1):
             render_step(scene, width, height, capacities, gt, background, cam, sh_opts)
+            if not execute:
+                forget_pending(capacities)
         runtime.reset_command_buffers()
         extents = None if execute else {"bin_sort": bins}
-        with step_ledger.count(f"{n} gaussians {width}x{height}", extents=extents) as ledger:
+        with count(f"{n} gaussians {width}x{height}", extents=extents, execute=execute) as ledger:
             render_step(scene, width, height, capacities, gt, background, cam, sh_opts)
+        if not execute:
+            forget_pending(capacities)
         n_buffers = len([b for b in runtime.command_buffers() if b.launches or b.work])
     ledger.n_gaussians, ledger.pixels = n, width * height
     if execute:
@@ -326,7 +337,7 @@ def key(n: int, width: int, height: int) -> str:
 
 
 def bytes_by_kind(buffer_shapes: Dict[str, int], n: int, width: int, height: int) -> Dict[str, int]:
-    """A kernel's bound bytes (step_ledger.KernelWork.buffer_shapes) by what each buffer holds: "G" per
+    """A kernel's bound bytes (ledger.ModelWork.buffer_shapes) by what each buffer holds: "G" per
     gaussian (a dimension of n), "P" per pixel (the image's or the tile grid's two dimensions), "M" the
     rest: intersection lists, bins and the few scalars beside them."""
     th, tw = math.ceil(height / TILE), math.ceil(width / TILE)
@@ -351,7 +362,7 @@ def as_dict(row: ScaleRow) -> dict:
     for work in out["kernels"].values():
         shapes = work.pop("buffer_shapes", {})
         work["bytes_by_kind"] = bytes_by_kind(shapes, row.n_gaussians, row.width, row.height)
-        if "moved_shapes" in work:  # what its launches read and wrote (step_ledger.MOVED_BYTES), split alike
+        if "moved_shapes" in work:  # what its launches read and wrote (ledger.MOVED_BYTES), split alike
             work["moved_by_kind"] = bytes_by_kind(work.pop("moved_shapes"), row.n_gaussians, row.width, row.height)
     return out
 

@@ -1,9 +1,9 @@
-"""`splat-metal-bench --vs msplat`: train splat-metal and msplat (rayanht/msplat, pure Metal) on the same
+"""benchmarks/bench_vs_msplat.py (was `splat-metal-bench --vs msplat`): train splat-metal and msplat (rayanht/msplat, pure Metal) on the same
 nerfstudio-format scene with matched settings and print one line to paste into an issue: ms per step
 (median of the steady steps), gaussians, held-out PSNR (every 8th image) and the ratio.
 
-    splat-metal-bench --vs msplat                          # the demo scene
-    splat-metal-bench --vs msplat --data my_scene --steps 7000
+    python benchmarks/bench_vs_msplat.py                          # the demo scene
+    python benchmarks/bench_vs_msplat.py --data my_scene --steps 7000
 
 msplat runs only where ``import msplat`` works (its wheels: macOS 14+ on Apple Silicon, Python 3.12+;
 ``pip install msplat``); elsewhere the command says so and exits with status 2. Our side is nerfstudio's
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 MSPLAT_REQUIREMENT = (
-    "--vs msplat needs msplat, which is not installed here (`import msplat` failed: {error}). "
+    "benchmarks/bench_vs_msplat.py needs msplat, which is not installed here (`import msplat` failed: {error}). "
     "msplat's wheels are for macOS 14+ on Apple Silicon with Python 3.12+: `pip install msplat` there."
 )
 FULL_SCHEDULE_STEPS = 7000  # from here on both projects' default densification schedule is used unchanged
@@ -179,8 +179,8 @@ def run_ours(data: Path, m: Matched, device: str, backend: str, work: Path) -> R
     from nerfstudio.engine.callbacks import TrainingCallbackLocation  # noqa: F401 (before writer: import order)
     from nerfstudio.utils import writer
 
-    from . import step_ledger
-    from .timing import timed_step
+    from splat_metal_method.bench import step_ledger
+    from splat_metal_method.bench.timing import timed_step
 
     writers = list(writer.EVENT_WRITERS)
     t0 = time.perf_counter()
@@ -200,7 +200,7 @@ def run_ours(data: Path, m: Matched, device: str, backend: str, work: Path) -> R
 
 def summary_line(scene: str, m: Matched, ours: Result, theirs: Optional[Result], device: str) -> str:
     parts = [
-        f"splat-metal-bench --vs msplat | {scene} | {device} | {m.steps} steps, SH {m.sh_degree}, downscale "
+        f"bench_vs_msplat | {scene} | {device} | {m.steps} steps, SH {m.sh_degree}, downscale "
         f"{m.downscale} (+{m.num_downscales} coarse levels), eval every {m.eval_every}th image, refine every "
         f"{m.refine_every} from {m.warmup_length} to {m.stop_split_at}"
     ]
@@ -222,7 +222,7 @@ def main(data: Optional[Path], steps: int, sh_degree: int, downscale: int, num_d
     import_msplat()  # before any training: say what is missing at once
     work = Path(tempfile.mkdtemp(prefix="splat_metal_vs_msplat_"))
     if data is None:
-        from . import scenes as bench_scenes
+        from splat_metal_method.bench import scenes as bench_scenes
 
         data, scene = bench_scenes.demo(work / "demo192", 192, 128, views=24), "demo 192x128"
     else:
@@ -237,3 +237,27 @@ def main(data: Optional[Path], steps: int, sh_degree: int, downscale: int, num_d
     (out / "vs_msplat.txt").write_text(line + "\n")
     print(f"\nPaste into an issue:\n{line}")
     return 0
+
+
+def cli(argv=None) -> int:
+    """benchmarks/bench_vs_msplat.py: the options `splat-metal-bench --vs msplat` had."""
+    import argparse
+    import datetime as dt
+
+    import torch
+
+    ap = argparse.ArgumentParser(prog="bench_vs_msplat.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", type=Path, default=None, help="a nerfstudio-format scene (default: the demo)")
+    ap.add_argument("--steps", type=int, default=2000, help="training steps of both")
+    ap.add_argument("--sh-degree", type=int, default=3, help="SH degree of both")
+    ap.add_argument("--downscale", type=int, default=1, help="image downscale factor of both")
+    ap.add_argument("--num-downscales", type=int, default=0, help="coarse-to-fine levels of both")
+    ap.add_argument("--device", choices=("auto", "mps", "cpu"), default="auto")
+    ap.add_argument("--out", type=Path, default=None, help="output directory (default ./splat-metal-vs-msplat-<time>)")
+    args = ap.parse_args(argv)
+    device = args.device if args.device != "auto" else ("mps" if torch.backends.mps.is_available() else "cpu")
+    out = args.out or Path(f"splat-metal-vs-msplat-{dt.datetime.now():%Y%m%d-%H%M%S}")
+    try:
+        return main(args.data, args.steps, args.sh_degree, args.downscale, args.num_downscales, device, out)
+    except SystemExit as e:  # msplat missing: the message is printed; a non-zero status
+        return int(e.code) if isinstance(e.code, int) else 2
