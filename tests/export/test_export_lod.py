@@ -18,8 +18,18 @@ from pathlib import Path
 import demo_runs
 import numpy as np
 import pytest
+import torch
 from playcanvas_viewer import splat_transform
-from test_export_playcanvas import _assert_same_values, _ply_values
+from test_export_formats import _psnr, _reference_model
+from test_export_playcanvas import (
+    VIEW_HEIGHT,
+    VIEW_WIDTH,
+    _assert_same_values,
+    _eval_cameras,
+    _ply_values,
+    viewer,  # noqa: F401 (the fixture)
+    viewer_camera,
+)
 
 from splat_metal_method.export import lod_file
 from splat_metal_method.export.cli import ExportSplats
@@ -27,6 +37,9 @@ from splat_metal_method.export.gaussians import ExportGaussians
 from splat_metal_method.export.sog_file import read_sog
 
 pytestmark = pytest.mark.timeout(900)
+
+VIEW_FIRST_FOV = 60.0  # the held-out camera's, as test_export_playcanvas.py's viewer test places it
+LOD_VS_SOG_PSNR = 40.0  # the viewer's settled lod frame against its .sog frame (the same gaussians)
 
 
 def _gaussians(n: int, seed: int = 0, spread: float = 1.0, sh_degree: int = 3) -> ExportGaussians:
@@ -256,3 +269,74 @@ def test_bad_level_count_says_so(tmp_path_factory, tmp_path):
                      lod_levels=0).main()  # fmt: skip
     assert "--lod-levels 0: give 1 or more" in str(e.value.code)
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# In Chromium: SuperSplat's viewer (the PlayCanvas engine's octree streamer) streams the folder.
+
+# Recorded by the page at the viewer's window.firstFrame hook: the bytes of every response so far
+# (Resource Timing's encodedBodySize: what came over the wire for each file, the server sends no
+# compression) and which files they were.
+_FIRST_FRAME_HOOK = """
+window.firstFrame = () => {
+    window.__firstFrame = performance.getEntriesByType('resource').map(e => [e.name, e.encodedBodySize]);
+};
+"""
+
+
+def _served(entries, folder_name: str) -> dict:
+    """{path inside the folder: bytes} of the resource entries under it (the last load of each)."""
+    out = {}
+    for url, size in entries:
+        if f"/{folder_name}/" in url:
+            out[url.split(f"/{folder_name}/", 1)[1]] = size
+    return out
+
+
+def test_supersplat_viewer_streams_the_coarsest_level_first(tmp_path_factory, viewer):  # noqa: F811 (the imported fixture)
+    """SuperSplat's viewer opens lod-meta.json as the PlayCanvas engine streams it: its first frame
+    is drawn from the coarsest level (the viewer clamps the engine's LOD range to it until the
+    first reveal), after a fraction of the folder's bytes; once streaming has settled the frame at a
+    held-out camera is the .sog's frame (the finest level is the .sog)."""
+    config = demo_runs.sh3_run(tmp_path_factory)
+    ExportSplats(load_config=config, output_dir=viewer.folder, format=("sog", "lod")).main()
+    pipeline, _, _ = demo_runs.load_pipeline(config)
+    model = _reference_model(pipeline)
+    camera = _eval_cameras(pipeline)[0]
+    position, target, _ = viewer_camera(camera)
+    background = model._get_background_color().tolist()
+    driver = viewer.browser.driver
+    hook = driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": _FIRST_FRAME_HOOK})
+    try:
+        lod_frame = viewer.capture("splat.lod/lod-meta.json", position, target, VIEW_FIRST_FOV, VIEW_WIDTH,
+                                   VIEW_HEIGHT, background)  # fmt: skip
+        first = _served(driver.execute_script("return window.__firstFrame || null") or [], "splat.lod")
+        settled = _served(
+            driver.execute_script(
+                "return performance.getEntriesByType('resource').map(e => [e.name, e.encodedBodySize])"
+            ),
+            "splat.lod",
+        )
+    finally:
+        driver.execute_cdp_cmd("Page.removeScriptToEvaluateOnNewDocument", {"identifier": hook["identifier"]})
+    sog_frame = viewer.capture("splat.sog", position, target, VIEW_FIRST_FOV, VIEW_WIDTH, VIEW_HEIGHT, background)
+
+    folder = viewer.folder / "splat.lod"
+    meta = json.loads((folder / "lod-meta.json").read_text())
+    total = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    coarsest = str(meta["lodLevels"] - 1)
+    first_chunks = {k.split("/")[0] for k in first if k != "lod-meta.json"}
+    fraction = sum(first.values()) / total
+    psnr = _psnr([torch.from_numpy(lod_frame)], [torch.from_numpy(sog_frame)])
+    print(f"first frame after {sum(first.values()):,} of {total:,} bytes ({fraction:.1%}): {sorted(first)}; "
+          f"settled: {sorted(settled)}; settled frame vs the .sog's {psnr:.1f} dB")  # fmt: skip
+    assert first, "the page recorded no first frame"
+    assert "lod-meta.json" in first and first_chunks == {f"{coarsest}_0"}, f"first frame from {sorted(first)}"
+    assert fraction < 0.5, f"the first frame needed {fraction:.0%} of the folder"
+    assert all(size > 0 for size in first.values())
+    assert "0_0/meta.json" in settled, f"the finest level never streamed in: {sorted(settled)}"
+    blank = _psnr(
+        [torch.ones_like(torch.from_numpy(sog_frame)) * torch.tensor(background)], [torch.from_numpy(sog_frame)]
+    )
+    assert blank < LOD_VS_SOG_PSNR - 15, f"the .sog's frame is {blank:.1f} dB from the background alone: no teeth"
+    assert psnr >= LOD_VS_SOG_PSNR, f"the settled lod frame is {psnr:.1f} dB off the .sog's (< {LOD_VS_SOG_PSNR})"
