@@ -320,4 +320,7 @@ def atomic_folder(target: Path) -> Iterator[Path]:
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        elif old.exists():  # a file of that name was there before
+            old.unlink()

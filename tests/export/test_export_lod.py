@@ -340,3 +340,13 @@ def test_supersplat_viewer_streams_the_coarsest_level_first(tmp_path_factory, vi
     )
     assert blank < LOD_VS_SOG_PSNR - 15, f"the .sog's frame is {blank:.1f} dB from the background alone: no teeth"
     assert psnr >= LOD_VS_SOG_PSNR, f"the settled lod frame is {psnr:.1f} dB off the .sog's (< {LOD_VS_SOG_PSNR})"
+
+
+def test_a_file_named_like_the_folder_is_replaced(tmp_path):
+    g = _gaussians(500)
+    target = tmp_path / "splat.lod"
+    target.write_bytes(b"not a folder")
+    with lod_file.atomic_folder(target) as tmp:
+        lod_file.write_lod(g, tmp, levels=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["splat.lod"]
+    assert json.loads((target / "lod-meta.json").read_text())["counts"] == [500, 125]
