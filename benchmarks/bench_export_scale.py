@@ -14,9 +14,13 @@ Per format, each in its own process as a user runs it:
 - ours: `splat-metal-export --format F` (wall seconds of the whole command, the seconds it reports
   for the file itself, peak RSS); `.ply` also through `ns-export gaussian-splat`;
 - splat-transform 2.7.1 (`.npm-tools`, `-g cpu`; `.spz` version 3 as ours) converting our `.ply` to
-  the same format (wall seconds, peak RSS); it writes no `.splat`. Its `.sog` on the CPU is killed
+  the same format (wall seconds, peak RSS); it writes no `.splat`. For `lod` (ours: `--format lod`,
+  4 levels) it gets our `.ply` as level 0 and, as levels 1-3, the same `.ply` decimated (`-F`, its
+  pairwise merge) to 25%, 6.25% and 1.5625%, into `lod-meta.json`; `glb` is timed where this
+  checkout's command writes it. Its `.sog` on the CPU is killed
   after --st-timeout seconds (hours at 100k: a single-threaded kd-tree k-means).
-- decoded error (lossy formats, ours and theirs, each file decoded by our readers, which the tests
+- decoded error (lossy formats, ours and theirs, each file decoded by our readers (a lod folder: its
+  finest level, every level-0 chunk), which the tests
   check against splat-transform's and Niantic's): every decoded gaussian matched to the model's by
   position; SH = RMS error of SH bands 1-3 relative to their RMS (the measure of
   tests/export/test_export_playcanvas.py), colour = RMS error of the DC colour (0.5 + C0 dc).
@@ -48,9 +52,17 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "export")]
+sys.path.insert(0, str(REPO))
+from splat_metal_method.export.cli import FORMATS as EXPORT_FORMATS  # noqa: E402
+
 SPLAT_TRANSFORM = REPO / ".npm-tools" / "node_modules" / ".bin" / "splat-transform"
-FORMATS = ("ply", "splat", "spz", "compressed-ply", "sog")
+# every format the command writes (glb where this checkout's command has it), lod last
+FORMATS = tuple(f for f in ("ply", "splat", "spz", "compressed-ply", "sog", "glb", "lod") if f in EXPORT_FORMATS)
 EXT = {"compressed-ply": "compressed.ply"}
+ST_OUTPUT = {"lod": "lod-meta.json"}  # splat-transform's output name, in theirs_N/splat.lod/ (else splat.EXT)
+# splat-transform's levels for the same folder: our .ply tagged level 0, then decimated to the counts
+# our levels have (--lod-levels 4: a quarter each), each tagged with its level
+ST_LOD_INPUT = ["-l", "0", *[a for lv in (1, 2, 3) for a in ("{ply}", "-F", f"{100 / 4**lv:g}%", "-l", str(lv))]]
 SH_SCALE = np.array([0.12] * 3 + [0.06] * 5 + [0.03] * 7)  # per coefficient of bands 1-3
 
 
@@ -136,8 +148,23 @@ def median(runs):
     return float(np.median([r[0] for r in runs])), float(np.median([r[1] for r in runs])), runs[-1][2]
 
 
-def decoded(path: Path) -> dict:
-    """means [N, 3], DC colour rgb [N, 3] and SH bands 1-3 [N, 45] channel-major (None for .splat)."""
+def size_of(path: Path) -> int:
+    """Bytes of a file, or of every file in a folder (lod)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def same_bytes(a: Path, b: Path) -> bool:
+    if a.is_dir():
+        files = sorted(f.relative_to(a) for f in a.rglob("*") if f.is_file())
+        return files == sorted(f.relative_to(b) for f in b.rglob("*") if f.is_file()) and all(
+            (a / f).read_bytes() == (b / f).read_bytes() for f in files
+        )
+    return a.read_bytes() == b.read_bytes()
+
+
+def decoded(path: Path) -> Optional[dict]:
+    """means [N, 3], DC colour rgb [N, 3] and SH bands 1-3 [N, 45] channel-major (None for .splat);
+    of a lod folder, its finest level (level 0's chunks); None for a format without a reader here."""
     from export_readers import read_splat, read_spz
 
     from splat_metal_method.export.compressed_ply_file import read_compressed_ply
@@ -145,6 +172,17 @@ def decoded(path: Path) -> dict:
     from splat_metal_method.export.sog_file import read_sog
 
     name = path.name
+    if path.is_dir() or name.endswith("lod-meta.json"):  # a lod folder: level 0 is the model
+        import json
+
+        meta_path = path / "lod-meta.json" if path.is_dir() else path
+        meta = json.loads(meta_path.read_text())
+        chunks = [read_sog(meta_path.parent / f) for f in meta["filenames"] if f.startswith("0_")]
+        d = {k: np.concatenate([c[k] for c in chunks]) for k in ("means", "sh_dc", "sh_rest")}
+        return {"means": d["means"], "rgb": 0.5 + SH_C0 * d["sh_dc"], "sh": d["sh_rest"].reshape(len(d["means"]), -1),
+                "order": False}  # fmt: skip
+    if not name.endswith((".splat", ".spz", ".sog", ".compressed.ply")):
+        return None
     if name.endswith(".splat"):
         d = read_splat(path)
         return {"means": d["means"], "rgb": d["rgba"][:, :3], "sh": None, "order": False}
@@ -214,6 +252,7 @@ def main() -> None:
             command = [executable("splat-metal-export"), "--load-config", run, "--output-dir", exports, "--format", fmt]
             walls = {"before": [], "ours": [], "st": []}  # --repeat runs, in turn, each a (wall, rss, output)
             theirs = args.out / f"theirs_{n}" / name
+            theirs_output = theirs / ST_OUTPUT[fmt] if fmt in ST_OUTPUT else theirs
             st = fmt != "splat" and not args.no_splat_transform
             for _ in range(args.repeat):
                 if args.baseline is not None:
@@ -221,10 +260,12 @@ def main() -> None:
                     (exports / name).rename(exports / f"baseline.{EXT.get(fmt, fmt)}")
                 walls["ours"].append(timed(command, args.out, 3600, code=REPO))  # this checkout's code
                 if st and not (walls["st"] and walls["st"][0][0] is None):  # not again once killed
-                    theirs.parent.mkdir(exist_ok=True)
+                    theirs_output.parent.mkdir(parents=True, exist_ok=True)
                     extra = ["--spz-version", "3"] if fmt == "spz" else []
-                    walls["st"].append(timed([SPLAT_TRANSFORM, "-w", "-q", "-g", "cpu", *extra, exports / "splat.ply",
-                                              theirs], args.out, args.st_timeout))  # fmt: skip
+                    ply = str(exports / "splat.ply")
+                    levels = [a.format(ply=ply) for a in ST_LOD_INPUT] if fmt == "lod" else []
+                    walls["st"].append(timed([SPLAT_TRANSFORM, "-w", "-q", "-g", "cpu", *extra, ply, *levels,
+                                              theirs_output], args.out, args.st_timeout))  # fmt: skip
             before = median(walls["before"]) if walls["before"] else None
             wall, rss, out = median(walls["ours"])
             line = next(x for x in out.splitlines() if name in x and " bytes " in x)
@@ -232,11 +273,11 @@ def main() -> None:
             load = float(out.split("loaded in ")[1].split(" s)")[0])
             row = {"gaussians": n, "format": fmt, "checkpoint_mb": round(ckpt.stat().st_size / 2**20),
                    "ours_s": round(wall, 2), "ours_load_s": round(load, 1), "ours_write_s": round(own, 1),
-                   "ours_rss_mb": round(rss), "bytes": (exports / name).stat().st_size}  # fmt: skip
+                   "ours_rss_mb": round(rss), "bytes": size_of(exports / name)}  # fmt: skip
             if before is not None:
-                same = (exports / f"baseline.{EXT.get(fmt, fmt)}").read_bytes() == (exports / name).read_bytes()
+                same = same_bytes(exports / f"baseline.{EXT.get(fmt, fmt)}", exports / name)
                 row.update(baseline_s=round(before[0], 2), baseline_rss_mb=round(before[1]), baseline_same_bytes=same)
-            if fmt != "ply":
+            if fmt != "ply" and decoded(exports / name) is not None:
                 sh, colour = errors(model, decoded(exports / name))
                 row.update(ours_sh_err=sh, ours_colour_err=colour)
             if fmt == "ply":
@@ -252,8 +293,8 @@ def main() -> None:
                     row["ratio"] = round(row["ours_s"] / wall, 2)
                     if before is not None:
                         row["baseline_ratio"] = round(row["baseline_s"] / wall, 2)
-                    if fmt != "ply":
-                        sh, colour = errors(model, decoded(theirs), sh=fmt != "spz")
+                    if fmt != "ply" and decoded(theirs_output) is not None:
+                        sh, colour = errors(model, decoded(theirs_output), sh=fmt != "spz")
                         row.update(st_sh_err=sh, st_colour_err=colour)
             rows.append(row)
             print(row, flush=True)

@@ -94,6 +94,7 @@ SLOW_TESTS = {
     "tests/export/test_export_glb.py::test_decoded_renders_as_the_model",
     "tests/export/test_export_glb.py::test_interrupted_glb_writes_nothing",
     "tests/export/test_export_glb.py::test_playcanvas_engine_draws_it_as_the_ply",
+    "tests/export/test_export_lod.py::test_supersplat_viewer_streams_the_coarsest_level_first",
     "tests/export/test_export_playcanvas.py::test_decoded_files_render_close_to_the_model",
     "tests/export/test_export_playcanvas.py::test_supersplat_viewer_renders_both_close_to_the_model",
     "tests/export/test_export_roundtrip.py::test_sh0_round_trip_reproduces_render",

@@ -16,6 +16,8 @@ over the same columns, written a block at a time: ply_file.py), plus, for a run 
 draw it with the mip filter (as every other format but .splat records it: gaussians.py); ``.splat``, ``.spz``, ``.sog`` and ``.compressed.ply`` are described in
 splat_file.py, spz_file.py, sog_file.py and compressed_ply_file.py (the .sog's SH palette is k-means
 on the device the run trains on: playcanvas.py).
+``--format lod`` writes a folder, NAME.lod (lod_file.py: lod-meta.json and its SOG chunks), renamed into
+place at the end as the files are.
 Every requested file is first written to a hidden temporary file in the output folder; only when
 all are complete are they renamed into place (engine/files.atomic_path), so a failure or Ctrl-C
 leaves no partial file and the files already there untouched: SIGTERM and SIGHUP (``kill``, a closed
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Literal, Optional, Sequence, Tuple, get_args
 
-Format = Literal["ply", "splat", "spz", "sog", "compressed-ply", "glb"]
+Format = Literal["ply", "splat", "spz", "sog", "compressed-ply", "glb", "lod"]
 FORMATS = get_args(Format)
 EXTENSIONS = {"compressed-ply": "compressed.ply"}  # file name = output_name + "." + this (else the format)
 PROG = "splat-metal-export"
@@ -64,7 +66,8 @@ class ExportSplats:
     gaussian, no view-dependent colour), spz (Niantic's compressed format, keeps SH; --spz-version), sog
     (PlayCanvas/SuperSplat's WebP bundle, SH from a palette), compressed-ply (PlayCanvas's chunked
     .compressed.ply, SH at 8 bits), glb (binary glTF 2.0 with KHR_gaussian_splatting, in glTF's y-up axes,
-    SH bands 1-3)."""
+    SH bands 1-3), lod (a folder NAME.lod: lod-meta.json and SOG chunks of --lod-levels levels of detail,
+    which the PlayCanvas engine streams; lod_file.py)."""
     output_name: str = "splat"
     """File name without extension: splat.ply (ns-export's name), splat.splat, splat.spz, splat.sog,
     splat.compressed.ply."""
@@ -72,6 +75,8 @@ class ExportSplats:
     """Version of the .spz: 3 (gzip; every SPZ reader opens it, Spark included) or 4 (Niantic's
     current layout, one ZSTD stream per attribute; Niantic's library and splat-transform read it,
     Spark 2.2 does not)."""
+    lod_levels: int = 4
+    """Levels of detail in --format lod: the model, then each level a quarter of the one before."""
     obb_center: Optional[Tuple[float, float, float]] = None
     """Center of an oriented box to crop to (as ns-export gaussian-splat)."""
     obb_rotation: Optional[Tuple[float, float, float]] = None
@@ -88,6 +93,8 @@ class ExportSplats:
         if any(p is not None for p in obb_parts) and not all(p is not None for p in obb_parts):
             raise ExportError("a crop needs all three of --obb-center, --obb-rotation and --obb-scale")
         _check_output_name(self.output_name)
+        if "lod" in formats and self.lod_levels < 1:
+            raise ExportError(f"--lod-levels {self.lod_levels}: give 1 or more (1 = the model alone).")
         targets = [self.output_dir / f"{self.output_name}.{EXTENSIONS.get(fmt, fmt)}" for fmt in formats]
         _check_config_file(self.load_config)
         _prepare_output_dir(self.output_dir, targets)
@@ -120,8 +127,13 @@ class ExportSplats:
             )
 
         sizes = _write_all(
-            g, formats, targets, device=model.device if "sog" in formats else None, spz_version=self.spz_version
-        )  # torch for .sog only
+            g,
+            formats,
+            targets,
+            device=model.device if {"sog", "lod"} & set(formats) else None,
+            spz_version=self.spz_version,
+            lod_levels=self.lod_levels,
+        )  # torch for .sog and lod only
 
         say = _Summary()
         say(
@@ -208,7 +220,7 @@ def _prepare_output_dir(out: Path, targets: List[Path]) -> None:
     if stale:
         print(f"{PROG}: removed {len(stale)} partial file(s) that an interrupted export left in {out}.")
     for target in targets:
-        if target.is_dir():
+        if target.is_dir() and target.suffix != ".lod":  # lod: a folder, replaced at the end
             raise ExportError(f"{target} is a folder; remove it or choose another --output-name.")
 
 
@@ -254,10 +266,13 @@ def _check_checkpoints(config_path: Path, ckpt_dir: Path) -> None:
         )
 
 
-def _write_all(g, formats: List[str], targets: List[Path], device=None, spz_version: int = 3) -> dict:
+def _write_all(
+    g, formats: List[str], targets: List[Path], device=None, spz_version: int = 3, lod_levels: int = 4
+) -> dict:
     """Writes every format to a temporary file, then renames them all into place.
     Returns {format: (bytes, note, seconds)}."""
     from ..engine.files import atomic_path
+    from .lod_file import atomic_folder
     from .progress import export_progress
 
     sizes = {}
@@ -265,9 +280,9 @@ def _write_all(g, formats: List[str], targets: List[Path], device=None, spz_vers
         with contextlib.ExitStack() as stack:
             bar = stack.enter_context(export_progress())
             for fmt, target in zip(formats, targets):
-                tmp = stack.enter_context(atomic_path(target))
+                tmp = stack.enter_context(atomic_folder(target) if fmt == "lod" else atomic_path(target))
                 started = time.perf_counter()
-                size, note = _write_one(g, fmt, tmp, device, bar(target.name), spz_version)
+                size, note = _write_one(g, fmt, tmp, device, bar(target.name), spz_version, lod_levels)
                 sizes[fmt] = (size, note, time.perf_counter() - started)
     except KeyboardInterrupt:
         raise ExportError("interrupted; nothing was written (files already there are untouched).") from None
@@ -280,7 +295,18 @@ def _write_all(g, formats: List[str], targets: List[Path], device=None, spz_vers
     return sizes
 
 
-def _write_one(g, fmt: str, path: Path, device=None, report=None, spz_version: int = 3) -> Tuple[int, str]:
+def _write_one(g, fmt: str, path: Path, device=None, report=None, spz_version: int = 3,
+               lod_levels: int = 4) -> Tuple[int, str]:  # fmt: skip
+    if fmt == "lod":
+        from .lod_file import write_lod
+        from .playcanvas import kmeans_device
+
+        lod = write_lod(g, path, kmeans_device(device), report, lod_levels)
+        dropped = (
+            f", SH band {g.sh_degree} dropped (the format stores bands 1-3)" if g.sh_degree > lod.sh_degree else ""
+        )
+        counts = " / ".join(f"{c:,}" for c in lod.counts)
+        return lod.bytes, f", {len(lod.counts)} levels of {counts} gaussians in {lod.files} chunks{dropped}"
     if fmt == "glb":
         from .gltf_file import write_glb
 

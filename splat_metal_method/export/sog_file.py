@@ -88,12 +88,29 @@ def _u8(x: np.ndarray) -> np.ndarray:
 
 
 def encode_sog(g: ExportGaussians, device=None, generator: str = "splat-metal", report=None) -> SogEncoding:
-    """``report(step, done, total)``: progress (progress.py)."""
+    """The .sog archive of ``g`` in Morton order. ``report(step, done, total)``: progress (progress.py)."""
+    meta, encoded, degree, palette = sog_files(g, morton_order(g.means), device, generator, report)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for name, blob in encoded.items():
+            info = zipfile.ZipInfo(name, ZIP_TIME)
+            info.compress_type = zipfile.ZIP_STORED
+            info.external_attr = 0o644 << 16
+            z.writestr(info, blob)
+    return SogEncoding(
+        buf.getvalue(), meta, degree, palette, {k: len(v) for k, v in encoded.items() if k != "meta.json"}
+    )
+
+
+def sog_files(g: ExportGaussians, order: np.ndarray, device=None, generator: str = "splat-metal", report=None):
+    """The files of a SOG with gaussian ``order[i]`` of ``g`` as texel i: (meta, {name: bytes} with
+    meta.json first, stored SH degree, SH palette entries). A .sog bundles them in a zip; an
+    unbundled SOG (splat-transform's ``meta.json`` output, a level-of-detail chunk: lod_file.py) is
+    the same files in a folder."""
     report = or_none(report)
     n = g.count
     a = ply_arrays(g)
     degree = a["sh_degree"]
-    order = morton_order(g.means)
     width, height = texture_size(n)
 
     def image(rgba_rows: np.ndarray) -> np.ndarray:  # [N, 4] in file order -> [H, W, 4]
@@ -160,18 +177,11 @@ def encode_sog(g: ExportGaussians, device=None, generator: str = "splat-metal", 
         meta["shN"] = {"count": palette, "bands": degree, "codebook": [float(v) for v in sh_book],
                        "files": ["shN_centroids.webp", "shN_labels.webp"]}  # fmt: skip
 
-    encoded = {}
+    encoded = {"meta.json": json.dumps(meta, separators=(",", ":")).encode()}
     for i, (name, img) in enumerate(images.items()):
         report("WebP images", i, len(images))
         encoded[name] = _webp(img)
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
-        for name, blob in [("meta.json", json.dumps(meta, separators=(",", ":")).encode()), *encoded.items()]:
-            info = zipfile.ZipInfo(name, ZIP_TIME)
-            info.compress_type = zipfile.ZIP_STORED
-            info.external_attr = 0o644 << 16
-            z.writestr(info, blob)
-    return SogEncoding(buf.getvalue(), meta, degree, palette, {k: len(v) for k, v in encoded.items()})
+    return meta, encoded, degree, palette
 
 
 # ---------------------------------------------------------------------------------------------
