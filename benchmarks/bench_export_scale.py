@@ -10,14 +10,15 @@ N(1, 2), DC ~ N(0, 0.8), and SH bands 1-3 as a trained scene has them: a few tho
 "materials" (Laplace, per band scale 0.12 / 0.06 / 0.03, the three colour channels alike) times a
 per-gaussian gain, plus a per-gaussian Laplace part at 0.3 of that scale; fixed seed.
 
-Per format, each in its own process as a user runs it:
+Per format, each in its own process as a user runs it (our `.ply` is written first, untimed, as
+splat-transform's input where --formats leaves `ply` out):
 - ours: `splat-metal-export --format F` (wall seconds of the whole command, the seconds it reports
   for the file itself, peak RSS); `.ply` also through `ns-export gaussian-splat`;
 - splat-transform 2.7.1 (`.npm-tools`, `-g cpu`; `.spz` version 3 as ours) converting our `.ply` to
-  the same format (wall seconds, peak RSS); it writes no `.splat`. For `lod` (ours: `--format lod`,
+  the same format (wall seconds, peak RSS); it writes no `.splat`, and `.glb` with its
+  KHR_gaussian_splatting writer. For `lod` (ours: `--format lod`,
   4 levels) it gets our `.ply` as level 0 and, as levels 1-3, the same `.ply` decimated (`-F`, its
-  pairwise merge) to 25%, 6.25% and 1.5625%, into `lod-meta.json`; `glb` is timed where this
-  checkout's command writes it. Its `.sog` on the CPU is killed
+  pairwise merge) to 25%, 6.25% and 1.5625%, into `lod-meta.json`. Its `.sog` on the CPU is killed
   after --st-timeout seconds (hours at 100k: a single-threaded kd-tree k-means).
 - decoded error (lossy formats, ours and theirs, each file decoded by our readers (a lod folder: its
   finest level, every level-0 chunk), which the tests
@@ -56,7 +57,7 @@ sys.path.insert(0, str(REPO))
 from splat_metal_method.export.cli import FORMATS as EXPORT_FORMATS  # noqa: E402
 
 SPLAT_TRANSFORM = REPO / ".npm-tools" / "node_modules" / ".bin" / "splat-transform"
-# every format the command writes (glb where this checkout's command has it), lod last
+# every format the command writes, lod last
 FORMATS = tuple(f for f in ("ply", "splat", "spz", "compressed-ply", "sog", "glb", "lod") if f in EXPORT_FORMATS)
 EXT = {"compressed-ply": "compressed.ply"}
 ST_OUTPUT = {"lod": "lod-meta.json"}  # splat-transform's output name, in theirs_N/splat.lod/ (else splat.EXT)
@@ -230,7 +231,7 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="also time the command with the splat_metal_method of this "
                         "folder (e.g. `git archive <commit> splat_metal_method | tar -x -C DIR`), right before ours")  # fmt: skip
     args = parser.parse_args()
-    from cli_helpers import executable
+    from cli_helpers import cli_env, executable
 
     args.out.mkdir(parents=True, exist_ok=True)
     config = base_run(args.out)
@@ -247,6 +248,9 @@ def main() -> None:
         exports = args.out / f"exports_{n}"
         shutil.rmtree(exports, ignore_errors=True)
         exports.mkdir()
+        if "ply" not in args.formats and not args.no_splat_transform:  # splat-transform's input, untimed
+            subprocess.run([executable("splat-metal-export"), "--load-config", run, "--output-dir", exports, "--format",
+                            "ply"], check=True, cwd=args.out, env=cli_env(), stdout=subprocess.DEVNULL)  # fmt: skip
         for fmt in args.formats:
             name = f"splat.{EXT.get(fmt, fmt)}"
             command = [executable("splat-metal-export"), "--load-config", run, "--output-dir", exports, "--format", fmt]

@@ -149,6 +149,8 @@ SLOW_TESTS = {
     "tests/test_previous_layout.py::test_ns_eval_reads_an_old_run",
     "tests/test_previous_layout.py::test_ns_export_and_splat_metal_export_read_an_old_run",
     "tests/test_previous_layout.py::test_ns_train_resumes_an_old_run_with_load_dir",
+    "tests/verify/test_doctor.py::test_all_variants_compile_with_apples_compiler_on_mps",
+    "tests/verify/test_doctor.py::test_all_variants_linux_checks_pass",
     "tests/verify/test_self_check.py::test_ns_train_checks_metal_kernels_first_and_falls_back_on_a_wrong_one",
     "tests/viewer/test_opening_view.py::test_browser_opens_on_the_first_training_camera",
     "tests/viewer/test_opening_view.py::test_ns_viewer_opens_on_the_first_training_camera",

@@ -2,6 +2,7 @@
 
     splat-metal-doctor            # MPS on a Mac, the MSL emulator elsewhere, gsplat on CUDA
     splat-metal-doctor --device cpu --size 64x40
+    splat-metal-doctor --all-variants   # every library the compile checks build, not only the standard ones
 
 Prints torch, OS and device facts and the backend "auto" would choose, compiles every kernel,
 runs each stage forward and backward on a random non-square scene against the pure-PyTorch
@@ -15,7 +16,8 @@ import argparse
 import os
 import platform
 import sys
-from typing import Dict, Sequence
+import time
+from typing import Callable, Dict, Sequence, Tuple
 
 import torch
 
@@ -136,6 +138,67 @@ def _print_table(checks: Sequence[Check]) -> None:
     Console().print(table)
 
 
+def compile_on_mps(variant) -> None:
+    """Compiles one library with torch.mps.compile_shader as the backend does (kernels.library) and builds each of
+    its kernels' pipelines (what a first launch would build)."""
+    from ..ops.metal import kernels
+
+    lib = kernels.library(torch.device("mps"), *variant)
+    for kernel in dir(lib):
+        lib.limits(kernel)
+
+
+def check_on_linux(variant) -> None:
+    """The Linux compile checks of one library, as the emulator runs them before it builds one (at its MSL 3.2):
+    the MSL-subset parser and clang's address-space check."""
+    from ..ops.metal import kernels, variants
+    from ..ops.metal.emulator.address_spaces import check_address_spaces
+    from ..ops.metal.emulator.msl_subset import check_msl_subset
+    from ..ops.metal.emulator.parse import parse_kernels, strip_comments
+
+    name, source = variants.variant_name(variant), kernels.stage_source(*variant)
+    found, tg_decls = parse_kernels(source)
+    check_msl_subset(source, strip_comments(source), found, name)
+    check_address_spaces(source, tg_decls, name)
+
+
+def check_every_variant(check: Callable) -> Tuple[int, Dict[str, str], float]:
+    """Runs `check` on every library of variants.checked_variants (what the Linux checks and the macOS workflow
+    compile). Returns (libraries, failures as library name -> the compiler's message, seconds)."""
+    from ..ops.metal import variants
+
+    start, count, failures = time.perf_counter(), 0, {}
+    for variant in variants.checked_variants():
+        count += 1
+        try:
+            check(variant)
+        except Exception as e:  # a compile error: reported by name, the rest still compiled
+            failures[variants.variant_name(variant)] = f"{type(e).__name__}: {e}"
+    return count, failures, time.perf_counter() - start
+
+
+def all_variants(device: torch.device) -> int:
+    """--all-variants: every checked library compiled with Apple's compiler on MPS; elsewhere the Linux checks."""
+    from ..ops.metal.emulator.address_spaces import clang
+
+    if device.type == "mps":
+        how, check = "compiled with torch.mps.compile_shader", compile_on_mps
+    elif clang() is not None:
+        print("--all-variants: compiling with Apple's compiler needs a Mac with MPS; running the Linux checks "
+              "instead (the MSL-subset parser and clang's address-space check) on the same libraries")  # fmt: skip
+        how, check = "checked (MSL subset, address spaces)", check_on_linux
+    else:
+        print("--all-variants: compiling with Apple's compiler needs a Mac with MPS, and the Linux checks need "
+              "clang++ (scripts/setup.sh installs it); nothing checked", file=sys.stderr)  # fmt: skip
+        return 2
+    count, failures, seconds = check_every_variant(check)
+    for name, message in failures.items():
+        print(f"FAILED {name}: {message}")
+    print(f"{count - len(failures)}/{count} libraries of checked_variants {how} in {seconds:.1f} s"
+          + (f": {len(failures)} FAILED, please report" if failures else ""))  # fmt: skip
+    return 1 if failures else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="splat-metal-doctor", description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["auto", "mps", "cuda", "cpu"], default="auto")
@@ -145,6 +208,13 @@ def main(argv=None) -> int:
         metavar="DIR",
         help="write each assembled kernel library the compile checks build to DIR/*.metal, and the -std level of "
         "each MSL version torch compiles at to DIR/std_levels.txt, and exit (for compile checks with `xcrun metal`)",
+    )
+    parser.add_argument(
+        "--all-variants",
+        action="store_true",
+        help="compile every library of the compile checks (ops/metal/variants.py checked_variants: every stage, tile "
+        "size, strip, channel count and option on its axis) instead of checking the standard ones against the "
+        "reference; on a Mac with torch.mps.compile_shader, elsewhere with the Linux checks; exits 1 on a failure",
     )
     args = parser.parse_args(argv)
     if args.emit_metal:
@@ -165,8 +235,14 @@ def main(argv=None) -> int:
 
         args.device = best_device().type
     device = torch.device(args.device)
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        print("--device mps: this machine has no usable MPS device (torch sees no Apple GPU); leave the option "
+              "out to check the best device here, or use --device cpu", file=sys.stderr)  # fmt: skip
+        return 2
     for key, value in facts(device).items():
         print(f"{key:>28}: {value}")
+    if args.all_variants:
+        return all_variants(device)
 
     from rich.progress import Progress
 
