@@ -101,7 +101,7 @@ def group_threads(kernel: str, tile_size: int = constants.TILE_SIZE) -> int:
 # a kernel argument of sh.metal / sh_bwd.metal / project_bwd.metal, not a define: one library serves all five.
 MSL_VERSIONS = (300, 310, 320, 400)
 MSL_STD = {300: "metal3.0", 310: "metal3.1", 320: "metal3.2", 400: "metal4.0"}  # Apple's compiler's -std of each
-MAX_TILE_SIZE = 32  # ops/stages.py's: one thread per pixel of a tile, at most 1024 a group
+MAX_TILE_SIZE = 32  # ops/contract.py's: one thread per pixel of a tile, at most 1024 a group
 MAX_CHANNELS = 64  # per-pixel accumulators live in registers; one rasterizer library per channel count
 
 # The stages built once, without variant defines, at constants.TILE_SIZE.

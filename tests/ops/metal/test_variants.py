@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from splat_metal_method.ops import constants, stages
+from splat_metal_method.ops import constants, contract
 from splat_metal_method.ops.metal import kernels, rasterize, runtime, variants
 from splat_metal_method.ops.metal.emulator import library as emulator_library
 from splat_metal_method.ops.metal.emulator.address_spaces import check_address_spaces, clang, standin_text
@@ -25,7 +25,7 @@ def test_the_enumeration_spans_every_axis_the_op_accepts():
     tile merge on and off, project_bwd at every group size it can shrink to; no library twice."""
     every = list(variants.library_variants())
     assert len(every) == len(set(every))
-    assert variants.MAX_TILE_SIZE == stages.MAX_TILE_SIZE and rasterize.MAX_CHANNELS == variants.MAX_CHANNELS
+    assert variants.MAX_TILE_SIZE == contract.MAX_TILE_SIZE and rasterize.MAX_CHANNELS == variants.MAX_CHANNELS
     files = {v.stage_file for v in every}
     assert files == {p.name for p in runtime.KERNEL_DIR.glob("*.metal")}
     raster = {(v.tile_size, dict(v.defines).get("SPLAT_GROUP_ROWS", v.tile_size), dict(v.defines)["SPLAT_CHANNELS"],
