@@ -36,6 +36,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from ..sh_basis import sh_basis_terms
 from .gaussians import SH_C0, ExportGaussians
 from .progress import Report, or_none
 
@@ -55,16 +56,12 @@ def sh_rotation(degree: int, rotation: np.ndarray) -> np.ndarray:
     """[2l+1, 2l+1] A such that coefficients c of band ``degree`` ([2l+1] per channel) become A c
     when the scene is turned by ``rotation`` R ([3, 3]): Y_l(R^T d) = Y_l(d) A for every direction d
     (row vectors of the band's 2l+1 basis functions), so sum_k c_k Y_k(R^T d) = sum_j (A c)_j Y_j(d);
-    solved on 64 directions with gsplat's basis (ops/reference.sh_bases), exact to float64 rounding."""
-    import torch
-
-    from ..ops.reference import sh_bases
-
-    start, stop = degree * degree, (degree + 1) ** 2
+    solved on 64 directions with gsplat's basis (sh_basis.py, as ops/reference.sh_bases evaluates it),
+    exact to float64 rounding; numpy only, so a glb export never imports torch."""
     dirs = np.random.default_rng(0).normal(size=(64, 3))
     dirs /= np.linalg.norm(dirs, axis=1, keepdims=True)  # [S, 3]
-    here = sh_bases(degree, torch.from_numpy(dirs)).numpy()[:, start:stop]  # [S, 2l+1]
-    back = sh_bases(degree, torch.from_numpy(dirs @ rotation)).numpy()[:, start:stop]  # Y_l(R^T d): rows d^T R
+    here = np.stack(sh_basis_terms(degree, *dirs.T), axis=-1)[:, degree * degree - 1 :]  # [S, 2l+1]
+    back = np.stack(sh_basis_terms(degree, *(dirs @ rotation).T), axis=-1)[:, degree * degree - 1 :]  # Y_l(R^T d)
     return np.linalg.lstsq(here, back, rcond=None)[0]
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from ..sh_basis import SH_C0, sh_basis_terms
 from .constants import ALPHA_MAX, ALPHA_MIN, SH_MAX_DEGREE, TRANSMITTANCE_MIN
 from .contract import absgrad_buffer, stage, with_background
 
@@ -146,49 +147,13 @@ def _project_pairs(means, quats, scales, viewmats, Ks, width, height, eps2d, nea
     )
 
 
-# Real spherical-harmonics constants (Sloan 2013 evaluation order, as gsplat and 3DGS; ops/metal/sh.h is the
-# kernels' copy, expression for expression).
-_SH_C0 = 0.2820947917738781
-_SH_C1 = 0.48860251190292
-
-
 def sh_bases(degree: int, dirs: Tensor) -> Tensor:  # dirs [..., 3] unit -> [..., (degree+1)^2]
-    """gsplat 1.4's _eval_sh_bases_fast((degree+1)^2, dirs) for degree 0..4, in its operation order."""
+    """gsplat 1.4's _eval_sh_bases_fast((degree+1)^2, dirs) for degree 0..4, in its operation order (the
+    polynomials: sh_basis.py, shared with the torch-free export)."""
     if not 0 <= degree <= SH_MAX_DEGREE:
         raise ValueError(f"[spherical_harmonics] degree must be 0..{SH_MAX_DEGREE}, got {degree}")
     x, y, z = dirs.unbind(-1)
-    out = [torch.full_like(x, _SH_C0)]
-    if degree >= 1:
-        out += [-_SH_C1 * y, _SH_C1 * z, -_SH_C1 * x]
-    if degree >= 2:
-        z2 = z * z
-        fc1, fs1 = x * x - y * y, 2 * x * y
-        tmp_b = -1.092548430592079 * z
-        out += [
-            0.5462742152960395 * fs1, tmp_b * y, 0.9461746957575601 * z2 - 0.3153915652525201,
-            tmp_b * x, 0.5462742152960395 * fc1,
-        ]  # fmt: skip
-    if degree >= 3:
-        tmp_c = -2.285228997322329 * z2 + 0.4570457994644658
-        tmp_b = 1.445305721320277 * z
-        fc2, fs2 = x * fc1 - y * fs1, x * fs1 + y * fc1
-        out += [
-            -0.5900435899266435 * fs2, tmp_b * fs1, tmp_c * y,
-            z * (1.865881662950577 * z2 - 1.119528997770346),
-            tmp_c * x, tmp_b * fc1, -0.5900435899266435 * fc2,
-        ]  # fmt: skip
-    if degree >= 4:
-        tmp_d = z * (-4.683325804901025 * z2 + 2.007139630671868)
-        tmp_c = 3.31161143515146 * z2 - 0.47308734787878
-        tmp_b = -1.770130769779931 * z
-        fc3, fs3 = x * fc2 - y * fs2, x * fs2 + y * fc2
-        out += [
-            0.6258357354491763 * fs3, tmp_b * fs2, tmp_c * fs1, tmp_d * y,
-            1.984313483298443 * z2 * (1.865881662950577 * z2 - 1.119528997770346)
-            - 1.006230589874905 * (0.9461746957575601 * z2 - 0.3153915652525201),
-            tmp_d * x, tmp_c * fc1, tmp_b * fc2, 0.6258357354491763 * fc3,
-        ]  # fmt: skip
-    return torch.stack(out, dim=-1)
+    return torch.stack([torch.full_like(x, SH_C0), *sh_basis_terms(degree, x, y, z)], dim=-1)
 
 
 @stage

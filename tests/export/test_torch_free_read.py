@@ -1,6 +1,6 @@
 """`splat-metal-export` reads a checkpoint's tensors without torch (export/torch_zip.py): the same values
 torch.load gives, the same bytes in every format as the torch path, torch never imported for .ply, .splat,
-.spz and .compressed.ply of an SH degree > 0 run, and what the reader cannot read goes to torch.load.
+.spz, .compressed.ply and .glb (its SH turned into glTF's axes) of an SH degree > 0 run, and what the reader cannot read goes to torch.load.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from cli_helpers import cli_env
 from splat_metal_method.export import cli, torch_zip
 
 pytestmark = pytest.mark.timeout(600)
-FAST_FORMATS = ("ply", "splat", "spz", "compressed-ply")
+FAST_FORMATS = ("ply", "splat", "spz", "compressed-ply", "glb")
 
 
 def _checkpoint(config):
