@@ -76,6 +76,7 @@ SLOW_TESTS = {
     "tests/engine/test_distributed_cli.py::test_a_hung_rank_is_a_timeout_not_a_hang",
     "tests/engine/test_distributed_cli.py::test_a_killed_rank_stops_the_others_with_a_message_naming_it",
     "tests/engine/test_distributed_cli.py::test_export_of_a_distributed_run_is_the_gathered_model",
+    "tests/engine/test_interrupted_exports.py::test_a_sigkilled_lod_export_leaves_a_folder_the_next_export_removes",
     "tests/engine/test_distributed_cli.py::test_mcmc_on_two_processes_keeps_cap_max_resumes_bit_identical_and_exports",
     "tests/engine/test_distributed_cli.py::test_ranks_started_with_other_options_are_refused_before_anything_is_written",
     "tests/engine/test_distributed_cli.py::test_two_processes_past_refine_stop_end_with_the_bits_of_a_run_computing_the_statistics",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -67,15 +68,51 @@ def _alive(pid: int) -> bool:
     return True
 
 
+PARTIAL_FOLDER_MARK = ".splat-metal-partial"  # the file that says a partial folder is atomic_folder's
+
+
+@contextlib.contextmanager
+def atomic_folder(target: Path) -> Iterator[Path]:
+    """Yields a hidden temporary folder beside ``target`` (``.NAME.partial-PID``, atomic_path's name,
+    holding the mark file PARTIAL_FOLDER_MARK, so that remove_stale_partials knows it for ours); when
+    the block succeeds it takes ``target``'s place (an earlier folder or file there is moved aside
+    first and removed after) and loses the mark; on any exception it is removed and ``target`` is
+    untouched."""
+    target = Path(target)
+    tmp = target.parent / f".{target.name}.partial-{os.getpid()}"
+    old = target.parent / f".{target.name}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    (tmp / PARTIAL_FOLDER_MARK).write_bytes(b"")
+    try:
+        yield tmp
+        if target.exists():
+            os.replace(target, old)
+        os.replace(tmp, target)
+        (target / PARTIAL_FOLDER_MARK).unlink()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        elif old.exists():  # a file of that name was there before
+            old.unlink()
+
+
 def remove_stale_partials(folder: Path) -> List[Path]:
-    """Removes the hidden ``.NAME.partial-PID`` files (atomic_path's) in ``folder`` whose process is
-    gone: what a SIGKILLed or crashed writer left. A live process's file is left alone. Returns the
+    """Removes what a SIGKILLed or crashed writer left in ``folder``: the hidden ``.NAME.partial-PID``
+    files (atomic_path's) and folders (atomic_folder's: only one holding its mark file, never another
+    folder of a matching name) whose process is gone. A live process's are left alone. Returns the
     removed paths."""
     removed = []
     for p in Path(folder).iterdir() if Path(folder).is_dir() else []:
         m = PARTIAL_NAME.fullmatch(p.name)
-        if m and p.is_file() and int(m.group("pid")) != os.getpid() and not _alive(int(m.group("pid"))):
+        if not m or int(m.group("pid")) == os.getpid() or _alive(int(m.group("pid"))):
+            continue
+        if p.is_file() and not p.is_symlink():
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
                 removed.append(p)
+        elif p.is_dir() and not p.is_symlink() and (p / PARTIAL_FOLDER_MARK).is_file():
+            shutil.rmtree(p)
+            removed.append(p)
     return removed

@@ -271,8 +271,7 @@ def _write_all(
 ) -> dict:
     """Writes every format to a temporary file, then renames them all into place.
     Returns {format: (bytes, note, seconds)}."""
-    from ..engine.files import atomic_path
-    from .lod_file import atomic_folder
+    from ..engine.files import atomic_folder, atomic_path
     from .progress import export_progress
 
     sizes = {}

@@ -26,13 +26,10 @@ the end: an interrupted export leaves no partial folder, and an earlier one stay
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
-import shutil
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -274,7 +271,7 @@ def write_lod(
     generator: str = "splat-metal",
 ) -> LodWritten:
     """Writes the level-of-detail folder into ``folder`` (created; the caller renames it into place:
-    atomic_folder). ``device``: where the chunks' SH palettes are clustered (sog_file)."""
+    engine/files.atomic_folder). ``device``: where the chunks' SH palettes are clustered (sog_file)."""
     report = or_none(report)
     report("levels", 0, levels)
     lods = build_levels(g, levels)
@@ -302,25 +299,3 @@ def write_lod(
             level_bytes[level] += len(blob)
     total = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     return LodWritten(total, chunking.counts, level_bytes, len(names), degree)
-
-
-@contextlib.contextmanager
-def atomic_folder(target: Path) -> Iterator[Path]:
-    """Yields a hidden temporary folder beside ``target`` (``.NAME.partial-PID``, atomic_path's
-    name); when the block succeeds it takes ``target``'s place (an earlier folder there is moved
-    aside first and removed after); on any exception it is removed and ``target`` is untouched."""
-    target = Path(target)
-    tmp = target.parent / f".{target.name}.partial-{os.getpid()}"
-    old = target.parent / f".{target.name}.old-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        yield tmp
-        if target.exists():
-            os.replace(target, old)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        elif old.exists():  # a file of that name was there before
-            old.unlink()

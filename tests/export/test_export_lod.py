@@ -31,6 +31,7 @@ from test_export_playcanvas import (
     viewer_camera,
 )
 
+from splat_metal_method.engine.files import atomic_folder
 from splat_metal_method.export import lod_file
 from splat_metal_method.export.cli import ExportSplats
 from splat_metal_method.export.gaussians import ExportGaussians
@@ -346,7 +347,7 @@ def test_a_file_named_like_the_folder_is_replaced(tmp_path):
     g = _gaussians(500)
     target = tmp_path / "splat.lod"
     target.write_bytes(b"not a folder")
-    with lod_file.atomic_folder(target) as tmp:
+    with atomic_folder(target) as tmp:
         lod_file.write_lod(g, tmp, levels=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["splat.lod"]
     assert json.loads((target / "lod-meta.json").read_text())["counts"] == [500, 125]
