@@ -7,18 +7,25 @@
 - splat-transform (PlayCanvas's converter) reads every chunk back (an unbundled SOG, its
   ``meta.json`` input), each level's chunks holding the count lod-meta.json gives, and the finest
   level decodes to the values splat-transform decodes from our .sog of the same model;
-- an interrupted export leaves no folder and no partial one, an earlier folder untouched.
+- an interrupted export leaves no folder and no partial one, an earlier folder untouched; a SIGKILLed
+  one leaves its hidden ``.NAME.partial-PID`` folder, which the next export removes (only a folder
+  holding atomic_folder's mark: a user's folder of a matching name stays).
 """
 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import demo_runs
 import numpy as np
 import pytest
 import torch
+from cli_helpers import cli_env
 from playcanvas_viewer import splat_transform
 from test_export_formats import _psnr, _reference_model
 from test_export_playcanvas import (
@@ -30,8 +37,9 @@ from test_export_playcanvas import (
     viewer,  # noqa: F401 (the fixture)
     viewer_camera,
 )
+from test_export_roundtrip import _copy_run_with_checkpoint
 
-from splat_metal_method.engine.files import atomic_folder
+from splat_metal_method.engine.files import PARTIAL_FOLDER_MARK, atomic_folder
 from splat_metal_method.export import lod_file
 from splat_metal_method.export.cli import ExportSplats
 from splat_metal_method.export.gaussians import ExportGaussians
@@ -351,3 +359,69 @@ def test_a_file_named_like_the_folder_is_replaced(tmp_path):
         lod_file.write_lod(g, tmp, levels=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["splat.lod"]
     assert json.loads((target / "lod-meta.json").read_text())["counts"] == [500, 125]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+LOD_GAUSSIANS = 20_000  # enough that the level-0 chunk's encoding takes a while: the kill lands mid-write
+
+
+def _wait_for(predicate, proc, timeout: float = 300) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the export exited ({proc.returncode}) before it was mid-write"
+        assert time.monotonic() < end, "timed out waiting for the export to be mid-write"
+        time.sleep(0.02)
+
+
+def test_a_sigkilled_lod_export_leaves_a_folder_the_next_export_removes(tmp_path_factory, tmp_path):
+    gen = torch.Generator().manual_seed(3)
+
+    def edit(params):  # LOD_GAUSSIANS drawn from the run's, all above the opacity cut
+        rows = torch.randint(params["means"].shape[0], (LOD_GAUSSIANS,), generator=gen)
+        for key in params:
+            params[key] = params[key][rows]
+        params["means"] = params["means"] + 0.05 * torch.randn(params["means"].shape, generator=gen)
+        params["opacities"] = torch.full_like(params["opacities"], 2.0)
+
+    config = _copy_run_with_checkpoint(demo_runs.sh3_run(tmp_path_factory), tmp_path / "run", edit)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    users = out / f".photos.partial-{_dead_pid()}"  # a user's folder named like ours, its "pid" gone: not ours
+    users.mkdir()
+    (users / "a.jpg").write_bytes(b"jpeg")
+    code = (
+        "import sys\nfrom splat_metal_method.export.cli import entrypoint\n"
+        f"sys.argv = ['splat-metal-export', '--load-config', {str(config)!r}, '--output-dir', {str(out)!r}, "
+        "'--format', 'lod', '--lod-levels', '2']\nentrypoint()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], env=cli_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    partial = out / f".splat.lod.partial-{proc.pid}"
+    try:
+        _wait_for(lambda: (partial / "lod-meta.json").is_file(), proc)  # the levels are made; chunks being written
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "splat.lod").exists() and (partial / PARTIAL_FOLDER_MARK).is_file()  # killed mid-write
+    meta = json.loads((partial / "lod-meta.json").read_text())
+    assert not all((partial / name).is_file() for name in meta["filenames"]), "the export had finished"
+
+    written = ExportSplats(load_config=config, output_dir=out, format=("lod",), lod_levels=2).main()
+    assert written == [out / "splat.lod"]
+    assert not partial.exists(), "the SIGKILLed export's partial folder is still there"
+    assert sorted(p.name for p in out.iterdir()) == sorted(["notes.txt", users.name, "splat.lod"])
+    assert (out / "notes.txt").read_text() == "mine" and (users / "a.jpg").read_bytes() == b"jpeg"
+    meta = json.loads((out / "splat.lod" / "lod-meta.json").read_text())  # the finished folder is complete
+    assert sum(meta["counts"]) == meta["count"] and meta["counts"][0] == LOD_GAUSSIANS
+    chunks = {p.relative_to(out / "splat.lod").as_posix() for p in (out / "splat.lod").rglob("meta.json")}
+    assert chunks == set(meta["filenames"]) and not (out / "splat.lod" / PARTIAL_FOLDER_MARK).exists()
