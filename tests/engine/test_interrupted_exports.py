@@ -4,7 +4,8 @@
   does: no temporary file left, the files already there untouched, one line, exit 1;
 * the hidden ``.NAME.partial-PID`` files a SIGKILLed export left are removed by the next export into
   that folder, those of a process that still runs are not;
-* the same for a SIGKILLed ``--format lod``'s hidden folder (tests/export/test_export_lod.py);
+* the same for a SIGKILLed ``--format lod``'s hidden folder (tests/export/test_export_lod.py kills a real one), only
+  a folder holding atomic_folder's mark, never a user's folder of a matching name;
 * ``--output-name`` cannot leave ``--output-dir``.
 Real signals (os.kill of this process) are sent at a chosen moment of a real export of a trained run.
 """
@@ -21,6 +22,7 @@ import demo_runs
 import pytest
 from bad_input_table import record
 
+from splat_metal_method.engine.files import PARTIAL_FOLDER_MARK, atomic_folder
 from splat_metal_method.engine.reliability import atomic_path, remove_stale_partials, signals_interrupt
 from splat_metal_method.export import cli
 
@@ -93,6 +95,38 @@ def test_stale_partial_files_are_removed_by_the_next_export(tmp_path_factory, tm
         sleeper.kill()
         sleeper.wait()
     assert remove_stale_partials(out) == [alive]  # its process is gone now
+
+
+def test_stale_partial_folders_only_with_the_mark_and_a_dead_writer(tmp_path):
+    """A folder is removed only if it is atomic_folder's (the name and its mark) and its process is gone."""
+    dead = _dead_pid()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        with atomic_folder(tmp_path / "live.lod") as live:  # this process's own partial folder, while writing
+            (live / "lod-meta.json").write_text("{}")
+            folders = {
+                "ours, dead": (tmp_path / f".splat.lod.partial-{dead}", True),
+                "ours, its writer alive": (tmp_path / f".other.lod.partial-{sleeper.pid}", True),
+                "a user's, named like ours": (tmp_path / f".photos.partial-{dead}", False),
+                "ours, misnamed": (tmp_path / f"splat.lod.partial-{dead}", True),
+            }
+            for path, marked in folders.values():
+                (path / "0_0").mkdir(parents=True)
+                (path / "0_0" / "meta.json").write_text("{}")
+                if marked:
+                    (path / PARTIAL_FOLDER_MARK).write_bytes(b"")
+            link = tmp_path / f".link.lod.partial-{dead}"
+            link.symlink_to(folders["a user's, named like ours"][0])
+            assert remove_stale_partials(tmp_path) == [folders["ours, dead"][0]]
+            assert [name for name, (path, _) in folders.items() if not path.exists()] == ["ours, dead"]
+            assert live.is_dir() and link.is_symlink()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert (tmp_path / "live.lod" / "lod-meta.json").is_file() and not (
+        tmp_path / "live.lod" / PARTIAL_FOLDER_MARK
+    ).exists()
+    assert remove_stale_partials(tmp_path) == [folders["ours, its writer alive"][0]]  # its process is gone now
 
 
 @pytest.mark.parametrize("name", ["../x", "sub/x", "..", "", "/tmp/x"])
