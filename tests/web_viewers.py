@@ -153,14 +153,16 @@ CESIUM_PAGE = """<!doctype html>
 // window.cesiumOpen(url): a CesiumWidget without globe, imagery or sky (nothing from the network)
 // opens the 3D Tiles tileset at url, looks at its bounding sphere, and reports what happened:
 // {loaded: tiles loaded, failed: [each tile's error message], splats: whether the content is
-// Cesium's Gaussian splat content, image: a data URL of the frame}
+// Cesium's Gaussian splat content, renderError: the error that stopped rendering (or null),
+// image: a data URL of the frame}
 window.cesiumOpen = async (url) => {
   const widget = new Cesium.CesiumWidget("view", {
     globe: false, baseLayer: false, skyBox: false, skyAtmosphere: false, shadows: false,
     contextOptions: {requestWebgl1: false, webgl: {preserveDrawingBuffer: true, antialias: false}},
   });
   widget.scene.backgroundColor = Cesium.Color.BLACK;
-  const report = {loaded: 0, failed: [], splats: false};
+  const report = {loaded: 0, failed: [], splats: false, renderError: null};
+  widget.scene.renderError.addEventListener((scene, e) => { report.renderError = String(e && e.message ? e.message : e); });
   try {
     const tileset = await Cesium.Cesium3DTileset.fromUrl(url);
     tileset.tileLoad.addEventListener((tile) => {
@@ -174,7 +176,7 @@ window.cesiumOpen = async (url) => {
     while (report.loaded + report.failed.length === 0 && performance.now() - start < 60000) {
       await new Promise(r => setTimeout(r, 100));
     }
-    for (let i = 0; i < 30; i++) {  // frames for the content to be built and drawn
+    for (let i = 0; i < 30 && !report.renderError; i++) {  // frames for the content to be built and drawn
       widget.scene.render();
       await new Promise(r => setTimeout(r, 100));
     }
