@@ -41,6 +41,34 @@ def require(*paths: Path) -> None:
         pytest.skip(reason)
 
 
+def chromium_site(tmp_path: Path):
+    """Headless Chromium (tests/browser.py) and a playcanvas_viewer.LocalSite in tmp_path/site for it;
+    skips (fails on CI) without Debian's chromium and chromedriver. The caller closes both."""
+    import browser as test_browser
+    from playcanvas_viewer import LocalSite
+
+    if not all(os.path.exists(p) for p in (test_browser.CHROMIUM, test_browser.CHROMEDRIVER)):
+        reason = "chromium / chromedriver missing: scripts/setup.sh installs them"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    browser = test_browser.Browser(tmp_path / "chromium-profile")
+    return browser, LocalSite(tmp_path / "site", browser)
+
+
+def _load_page(site, page: str, ready: str, what: str) -> None:
+    """Opens site/page and waits (60 s at most) until the JavaScript expression ``ready`` is true."""
+    driver = site.browser.driver
+    driver.set_script_timeout(120)
+    driver.get(site.url + page)
+    deadline = time.monotonic() + 60
+    while not driver.execute_script(f"return {ready}"):
+        if time.monotonic() > deadline:
+            logs = "\n".join(str(e) for e in driver.get_log("browser"))[-3000:]
+            pytest.fail(f"{what} did not load in 60 s\n{logs}")
+        time.sleep(0.25)
+
+
 def package_version(name: str) -> str:
     return json.loads((TOOLS / name / "package.json").read_text())["version"]
 
@@ -111,19 +139,12 @@ class SparkPage:
 
     def __init__(self, site):
         require(SPARK / "dist" / "spark.module.js", THREE / "build" / "three.module.js")
-        self.site, driver = site, site.browser.driver
+        self.site = site
         for name, target in (("three", THREE), ("spark", SPARK)):
             if not (site.folder / name).exists():
                 (site.folder / name).symlink_to(target)
         (site.folder / "spark.html").write_text(SPARK_PAGE)
-        driver.set_script_timeout(120)
-        driver.get(site.url + "spark.html")
-        deadline = time.monotonic() + 60
-        while not driver.execute_script("return window.sparkReady === true"):
-            if time.monotonic() > deadline:
-                logs = "\n".join(str(e) for e in driver.get_log("browser"))[-3000:]
-                pytest.fail(f"Spark's module did not load in 60 s\n{logs}")
-            time.sleep(0.25)
+        _load_page(site, "spark.html", "window.sparkReady === true", "Spark's module")
 
     def render(self, name: str, c2w: np.ndarray, fov_y: float, width: int, height: int, background):
         """(number of splats Spark loaded, RGB float [H, W, 3]) of folder/name seen by a camera with
@@ -209,19 +230,12 @@ class CesiumPage:
 
     def __init__(self, site, width: int = 256, height: int = 192):
         require(CESIUM / "Cesium.js")
-        self.site, driver = site, site.browser.driver
+        self.site = site
         if not (site.folder / "cesium").exists():
             (site.folder / "cesium").symlink_to(CESIUM)
         page = CESIUM_PAGE.replace("WIDTH", str(width)).replace("HEIGHT", str(height))
         (site.folder / "cesium.html").write_text(page)
-        driver.set_script_timeout(120)
-        driver.get(site.url + "cesium.html")
-        deadline = time.monotonic() + 60
-        while not driver.execute_script("return window.cesiumReady === true && typeof Cesium === 'object'"):
-            if time.monotonic() > deadline:
-                logs = "\\n".join(str(e) for e in driver.get_log("browser"))[-3000:]
-                pytest.fail(f"CesiumJS did not load in 60 s\\n{logs}")
-            time.sleep(0.25)
+        _load_page(site, "cesium.html", "window.cesiumReady === true && typeof Cesium === 'object'", "CesiumJS")
 
     def open(self, tileset: str) -> dict:
         """cesiumOpen's report, the frame as RGB float [H, W, 3] under "image"."""

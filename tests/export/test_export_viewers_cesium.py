@@ -18,14 +18,11 @@ KHR_gaussian_splatting_compression_spz_2, and reads the attributes SPZ decoding 
 from __future__ import annotations
 
 import json
-import os
 
-import numpy as np
 import pytest
-from playcanvas_viewer import LocalSite
-from web_viewers import CesiumPage, package_version, tileset_json
+from test_export_spz_v4 import _gaussians
+from web_viewers import CesiumPage, chromium_site, package_version, tileset_json
 
-from splat_metal_method.export.gaussians import ExportGaussians
 from splat_metal_method.export.gltf_file import write_glb
 
 pytestmark = pytest.mark.timeout(600)
@@ -35,22 +32,8 @@ SPZ_2 = "KHR_gaussian_splatting_compression_spz_2"
 
 @pytest.fixture
 def cesium(tmp_path):
-    import browser as test_browser  # Chromium helpers (tests/browser.py)
-
-    if not all(os.path.exists(p) for p in (test_browser.CHROMIUM, test_browser.CHROMEDRIVER)):
-        reason = "chromium / chromedriver missing: scripts/setup.sh installs them"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    browser = test_browser.Browser(tmp_path / "chromium-profile")
-    site = LocalSite(tmp_path / "site", browser)
-    rng = np.random.default_rng(0)
-    n = 200
-    f = lambda a: np.asarray(a, np.float32)  # noqa: E731
-    g = ExportGaussians(means=f(rng.normal(size=(n, 3))), log_scales=f(np.full((n, 3), -2.5)),
-                        quats=f(rng.normal(size=(n, 4))), opacity_logits=f(np.full(n, 2.0)),
-                        sh_dc=f(rng.normal(size=(n, 3))), sh_rest=f(0.1 * rng.normal(size=(n, 15, 3))), sh_degree=3,
-                        antialiased=False, n_model=n, n_cropped=0, n_nonfinite=0, n_low_opacity=0)  # fmt: skip
+    browser, site = chromium_site(tmp_path)
+    g = _gaussians(200, 3, antialiased=False)
     write_glb(g, site.folder / "splat.glb")
     yield CesiumPage(site)
     site.close()

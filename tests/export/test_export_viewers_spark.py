@@ -11,19 +11,17 @@ files in headless Chromium (SwiftShader WebGL 2) and draws them as the model doe
 from __future__ import annotations
 
 import math
-import os
 
 import demo_runs
 import numpy as np
 import pytest
 import torch
-from playcanvas_viewer import LocalSite
 from test_export_formats import _psnr, _reference_model
 from test_export_playcanvas import _eval_cameras
-from web_viewers import SparkPage, package_version
+from test_export_spz_v4 import _gaussians
+from web_viewers import SparkPage, chromium_site, package_version
 
 from splat_metal_method.export.cli import ExportSplats
-from splat_metal_method.export.gaussians import ExportGaussians
 from splat_metal_method.export.spz_file import encode_spz
 
 pytestmark = pytest.mark.timeout(900)
@@ -37,15 +35,7 @@ SPARK_PSNR = 40.0
 
 @pytest.fixture
 def spark(tmp_path):
-    import browser as test_browser  # Chromium helpers (tests/browser.py)
-
-    if not all(os.path.exists(p) for p in (test_browser.CHROMIUM, test_browser.CHROMEDRIVER)):
-        reason = "chromium / chromedriver missing: scripts/setup.sh installs them"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    browser = test_browser.Browser(tmp_path / "chromium-profile")
-    site = LocalSite(tmp_path / "site", browser)
+    browser, site = chromium_site(tmp_path)
     yield SparkPage(site)
     site.close()
     browser.quit()
@@ -69,13 +59,8 @@ def test_version_4_spz_is_refused(spark):
     """Spark 2.2 takes an .spz for gzip; version 4 (ZSTD streams after a plain header) is refused,
     version 3 of the same gaussians loads (fast: 100 gaussians)."""
     assert package_version("@sparkjsdev/spark") == "2.2.0"
-    rng = np.random.default_rng(0)
     n = 100
-    f = lambda a: np.asarray(a, np.float32)  # noqa: E731
-    g = ExportGaussians(means=f(rng.normal(size=(n, 3))), log_scales=f(np.full((n, 3), -3)),
-                        quats=f(rng.normal(size=(n, 4))), opacity_logits=f(np.zeros(n)),
-                        sh_dc=f(rng.normal(size=(n, 3))), sh_rest=f(np.zeros((n, 3, 3))), sh_degree=1,
-                        antialiased=False, n_model=n, n_cropped=0, n_nonfinite=0, n_low_opacity=0)  # fmt: skip
+    g = _gaussians(n, 1, antialiased=False)
     for version in (3, 4):
         (spark.site.folder / f"v{version}.spz").write_bytes(encode_spz(g, version).data)
     c2w = np.eye(4)

@@ -24,11 +24,11 @@ import yaml
 from export_readers import read_splat, read_spz
 from test_export_playcanvas import _assert_same_values, _ply_values
 from test_export_roundtrip import read_splat_ply
+from test_export_spz_v4 import _gaussians
 from web_viewers import package_version, splat_transform3, splat_transform3_info
 
 from splat_metal_method.export.cli import ExportSplats
 from splat_metal_method.export.compressed_ply_file import read_compressed_ply
-from splat_metal_method.export.gaussians import ExportGaussians
 from splat_metal_method.export.gltf_file import write_glb
 from splat_metal_method.export.sog_file import read_sog
 
@@ -159,13 +159,7 @@ def test_keeps_the_render_mode_in_the_ply_it_writes(exports):
 
 def test_glb_is_not_an_input(tmp_path):
     """splat-transform 3.10 writes .glb but does not read it (fast: a 10-gaussian file)."""
-    rng = np.random.default_rng(0)
-    n = 10
-    f = lambda a: np.asarray(a, np.float32)  # noqa: E731
-    g = ExportGaussians(means=f(rng.normal(size=(n, 3))), log_scales=f(np.full((n, 3), -3)),
-                        quats=f(rng.normal(size=(n, 4))), opacity_logits=f(np.zeros(n)),
-                        sh_dc=f(rng.normal(size=(n, 3))), sh_rest=f(np.zeros((n, 0, 3))), sh_degree=0,
-                        antialiased=False, n_model=n, n_cropped=0, n_nonfinite=0, n_low_opacity=0)  # fmt: skip
+    g = _gaussians(10, 0, antialiased=False)
     write_glb(g, tmp_path / "splat.glb")
     proc = splat_transform3("-q", tmp_path / "splat.glb", tmp_path / "out.ply", check=False)
     assert proc.returncode != 0 and "Unsupported input file type" in proc.stdout, proc.stdout
