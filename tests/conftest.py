@@ -101,6 +101,7 @@ SLOW_TESTS = {
     "tests/export/test_export_roundtrip.py::test_sh3_ply_layout_plyfile_and_open3d",
     "tests/export/test_palette.py::test_bounded_kmeans_no_worse_than_exact[34000-32768-None]",
     "tests/export/test_export_viewers_cesium.py::test_declared_as_it_is_cesium_takes_it_for_a_model_it_cannot_draw",
+    "tests/export/test_export_viewers_cesium.py::test_control_the_same_gaussians_spz_compressed_are_drawn",
     "tests/export/test_export_viewers_spark.py::test_spark_renders_our_files_close_to_the_model",
     "tests/export/test_export_viewers_splat_transform3.py::test_decodes_sog_and_compressed_ply_as_our_readers[compressed]",
     "tests/export/test_export_viewers_splat_transform3.py::test_decodes_sog_and_compressed_ply_as_our_readers[sog]",

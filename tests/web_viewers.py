@@ -188,7 +188,7 @@ window.cesiumOpen = async (url) => {
     const tileset = await Cesium.Cesium3DTileset.fromUrl(url);
     tileset.tileLoad.addEventListener((tile) => {
       report.loaded += 1;
-      report.splats = tile.content && tile.content.constructor.name === "GaussianSplat3DTileContent";
+      report.splats = !!tile.content && "sphericalHarmonicsDegree" in tile.content;  // its splat content
     });
     tileset.tileFailed.addEventListener((e) => report.failed.push(e.message));
     widget.scene.primitives.add(tileset);
