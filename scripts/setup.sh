@@ -89,3 +89,18 @@ if command -v npm >/dev/null 2>&1 && [ "$(cat .npm-tools/.installed 2>/dev/null)
   (cd .npm-tools && npm install --no-audit --no-fund --loglevel=error $NPM_TOOLS >/dev/null) \
     && echo "$NPM_TOOLS" > .npm-tools/.installed
 fi
+
+# Newer viewers (tests/export/test_export_viewers_*.py, tests/web_viewers.py), into .npm-tools-node22
+# (gitignored) beside the tools above: splat-transform 3.x, which needs Node >= 22 (npm's `node`
+# package puts a Node 22 binary in .npm-tools-node22/node_modules/.bin, used for it alone) and has
+# the same package name as 2.7.1; Spark with the three.js it runs on; CesiumJS (3D Tiles).
+# Pinned; about 20 s and 640 MB (CesiumJS is most of it) the first time, nothing when in place.
+NODE22_TOOLS="node@22.23.3 @playcanvas/splat-transform@3.10.2 @sparkjsdev/spark@2.2.0 three@0.187.0 cesium@1.145.0"
+if command -v npm >/dev/null 2>&1 && [ "$(cat .npm-tools-node22/.installed 2>/dev/null)" != "$NODE22_TOOLS" ]; then
+  echo "[setup] npm install $NODE22_TOOLS (into .npm-tools-node22)"
+  mkdir -p .npm-tools-node22
+  [ -f .npm-tools-node22/package.json ] || echo '{"private": true}' > .npm-tools-node22/package.json
+  # shellcheck disable=SC2086
+  (cd .npm-tools-node22 && npm install --no-audit --no-fund --loglevel=error $NODE22_TOOLS >/dev/null) \
+    && echo "$NODE22_TOOLS" > .npm-tools-node22/.installed
+fi
