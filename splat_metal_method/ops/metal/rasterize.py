@@ -85,9 +85,9 @@ def _window(p: int, chunk: int, capacity: int, grid: Tuple[int, int, int], tile_
             per_dispatch: int) -> list:  # fmt: skip
     """The dispatches of window (p, chunk) of padded lists: entries [p chunk, (p + 1) chunk) of every tile's list
     (from the back in the backward pass). Each dispatch's work is a bound that holds at ANY list lengths: a band
-    of tiles composites at most chunk entries a tile, and at most capacity chunk / ((p + 1) chunk) in all (a tile
-    composites min(chunk, len - p chunk) <= len chunk / ((p + 1) chunk) of its window, and the lists hold at most
-    `capacity` entries): one dispatch over everything when that fits, else bands of rows that do."""
+    of tiles composites at most chunk entries a tile, and at most capacity / (p + 1) in all (a tile composites
+    min(chunk, len - p chunk) <= len / (p + 1) of its window, and the lists hold at most `capacity` entries):
+    one dispatch over everything when that fits, else bands of rows that do."""
     C, tile_height, tile_width = grid
     most = capacity // (p + 1)  # entries, at most, in this window over every tile
     if min(C * tile_height * tile_width * chunk, most) <= per_dispatch:
