@@ -182,14 +182,6 @@ class _Capacity:
             starts = starts if isinstance(starts, list) else starts.tolist()  # a host tensor: no device read
             self.observe_rows(total, [b - a for a, b in zip(starts[:-1], starts[1:])])
 
-    def row_estimate(self, total: int, n_rows: int) -> list:
-        """Intersections per tile row expected at this call's C*N `total` (with HEADROOM): the latest rows the
-        device reported, scaled by the gaussians since; without any yet, the count spread evenly."""
-        if self.rows is None or len(self.rows) != n_rows:
-            return [math.ceil(self.per_item * total * HEADROOM / n_rows)] * n_rows
-        scale = HEADROOM * total / max(self.rows_total, 1)
-        return [math.ceil(r * scale) for r in self.rows]
-
     def merge_estimate(self, total: int) -> int:
         """Merge steps bin_sort is expected to need at this call's C*N: from the longest bin the device
         reported (with HEADROOM, scaled by the gaussians since); 0 before any (the one dispatch then runs
@@ -359,10 +351,6 @@ def isect_tiles_padded_fwd(
         lib.bin_sort(ranks, ranks2, ends, depths, cum, bins, isect_ids if with_isect_ids else ends, flatten_ids,
                      offsets, n_bins, n_tiles, tile_bits, total, cap, (1 << bits) - 1, lo, hi, int(with_isect_ids),
                      **grid)  # fmt: skip
-    # What the rasterizer plans its dispatches from: this grid's latest intersections per tile row, seen a
-    # step or more ago, scaled to this call's C*N (rasterize.plan_from_rows). Until the device has said
-    # (the first call of a grid): its count spread evenly over the rows.
-    offsets.row_entries = state.row_estimate(total, C * int(tile_height))
     # The count and the longest bin (bins[n_bins:]) and the start of each tile row (offsets[::tile_width],
     # the end slot last), on their way to the host without waiting: read at a later call, once the event is done.
     count = bins[n_bins:].to("cpu", non_blocking=True)  # [2]: M, the longest bin

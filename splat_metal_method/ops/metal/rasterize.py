@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -20,7 +21,8 @@ from .variants import MAX_CHANNELS
 # dispatch each), and the dispatch loops reserve each dispatch's work with runtime.reserve_work,
 # which commits between dispatches when the current command buffer would pass the budget.
 RASTER_CHUNK = 8192
-# The chunk of a plan whose single pass composites every tile's whole list (padded lists: plan_from_rows).
+# The chunk of a plan whose single pass composites every tile's whole list (padded lists that fit one dispatch:
+# plan_padded; its plans of windows give each dispatch its own chunk).
 WHOLE_TILE = 2**31 - 1
 
 
@@ -32,6 +34,7 @@ class Dispatch(NamedTuple):
     camera: Optional[int]
     rows: Tuple[int, int]
     work: int  # forward gaussian-pixel evaluations, at most (tile pixels x gaussians composited)
+    chunk: int = 0  # entries of a tile's list it composites, [pass_index chunk, (pass_index + 1) chunk); 0: the plan's
 
 
 class PassPlan(NamedTuple):
@@ -40,9 +43,12 @@ class PassPlan(NamedTuple):
     chunk: int  # gaussians of a tile per pass
     dispatches: Tuple[Dispatch, ...]  # in pass order
 
+    def chunk_of(self, d: Dispatch) -> int:
+        return d.chunk or self.chunk
+
     @property
-    def n_passes(self) -> int:
-        return 1 + max(d.pass_index for d in self.dispatches)
+    def n_passes(self) -> int:  # windows [pass_index chunk, (pass_index + 1) chunk) of the lists
+        return len({(d.pass_index, self.chunk_of(d)) for d in self.dispatches})
 
 
 def plan_from_lengths(tile_lengths: Tensor, tile_pixels: int, chunk: int, budget: int) -> PassPlan:
@@ -75,29 +81,66 @@ def plan_from_lengths(tile_lengths: Tensor, tile_pixels: int, chunk: int, budget
     return PassPlan(chunk, tuple(dispatches))
 
 
-def plan_from_rows(row_entries, C: int, tile_height: int, tile_pixels: int, budget: int) -> PassPlan:
-    """The dispatches for padded lists (isect.py), whose lengths only the device knows, from an estimate of
-    the intersections in each tile row (`row_entries`: C * tile_height numbers, camera-major; what the
-    device counted at an earlier step, read without waiting, scaled to this step's gaussians). One pass
-    composites every tile's whole list (chunk WHOLE_TILE: a threadgroup loops over its tile however long
-    it is, so nothing is left out whatever the estimate); the watchdog bound is per command buffer, so a
-    render whose backward work passes `budget` is cut into bands of tile rows by the same greedy rule as
-    plan_from_lengths. The number of dispatches follows the work, not the gaussian count or the capacity."""
-    work = [tile_pixels * int(e) for e in row_entries]
-    total = sum(work)
-    if total * runtime.BWD_WORK_FACTOR <= budget:
-        return PassPlan(WHOLE_TILE, (Dispatch(0, None, (0, tile_height), total),))
-    dispatches = []
-    for c in range(C):
-        start, band_work = 0, 0
-        for r in range(tile_height):
-            w = work[c * tile_height + r]
-            if r > start and (band_work + w) * runtime.BWD_WORK_FACTOR > budget:
-                dispatches.append(Dispatch(0, c, (start, r), band_work))
-                start, band_work = r, 0
-            band_work += w
-        dispatches.append(Dispatch(0, c, (start, tile_height), band_work))
-    return PassPlan(WHOLE_TILE, tuple(dispatches))
+def _window(p: int, chunk: int, capacity: int, grid: Tuple[int, int, int], tile_pixels: int,
+            per_dispatch: int) -> list:  # fmt: skip
+    """The dispatches of window (p, chunk) of padded lists: entries [p chunk, (p + 1) chunk) of every tile's list
+    (from the back in the backward pass). Each dispatch's work is a bound that holds at ANY list lengths: a band
+    of tiles composites at most chunk entries a tile, and at most capacity / (p + 1) in all (a tile composites
+    min(chunk, len - p chunk) <= len / (p + 1) of its window, and the lists hold at most `capacity` entries):
+    one dispatch over everything when that fits, else bands of rows that do."""
+    C, tile_height, tile_width = grid
+    most = capacity // (p + 1)  # entries, at most, in this window over every tile
+    if min(C * tile_height * tile_width * chunk, most) <= per_dispatch:
+        return [Dispatch(p, None, (0, tile_height), tile_pixels * min(C * tile_height * tile_width * chunk, most), chunk)]  # fmt: skip
+    rows = max(1, per_dispatch // (tile_width * chunk))  # the caller keeps tile_width x chunk <= per_dispatch
+    return [Dispatch(p, c, (r, min(r + rows, tile_height)),
+                     tile_pixels * min((min(r + rows, tile_height) - r) * tile_width * chunk, most), chunk)
+            for c in range(C) for r in range(0, tile_height, rows)]  # fmt: skip
+
+
+def _windows(first: int, repeat: int, longest: int) -> list:
+    """(pass_index, chunk) of windows that cover [0, longest) of a list, front to back: 2 x `repeat` windows of
+    `first` entries, then `repeat` windows of twice that, and so on (window p of a chunk starts where the
+    last one ended: p chunk). Past the first `repeat`, window p holds at most 1 / (p + 1) of the entries."""
+    out, chunk, p = [], first, 0
+    while p * chunk < longest:
+        out.append((p, chunk))
+        p += 1
+        if p == 2 * repeat:
+            chunk, p = 2 * chunk, repeat
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def plan_padded(capacity: int, n_gaussians: int, grid: Tuple[int, int, int], tile_pixels: int,
+                budget: int) -> PassPlan:  # fmt: skip
+    """The dispatches for padded lists (isect.py), whose lengths only the device knows, such that no dispatch
+    passes `budget` backward at ANY list lengths the lists can hold: at most `capacity` entries in all
+    (isect.py: the bins take none past it), at most min(n_gaussians, capacity) in one tile (a tile lists a
+    gaussian once). Lists that fit one dispatch whole (capacity x tile_pixels x BWD_WORK_FACTOR <= budget): one
+    pass of whole tiles, as before. Otherwise windows of the lists (_windows), each a pass of the kernels'
+    multi-pass compositing (pass p composites [p chunk, (p + 1) chunk) of each tile, pixel state saved between
+    passes), each cut by _window into dispatches whose bound fits: windows deep in the lists are one dispatch
+    over everything (few tiles can hold that many entries), and a window past a tile's list returns at once
+    for it. The plan depends on (capacity, gaussians, grid) only, never on the device: no host sync; of the
+    candidate window sizes, the one with the fewest dispatches."""
+    C, tile_height, tile_width = grid
+    per_dispatch = budget // (runtime.BWD_WORK_FACTOR * tile_pixels)  # entries one dispatch may composite
+    if capacity <= per_dispatch:
+        return PassPlan(WHOLE_TILE, (Dispatch(0, None, (0, tile_height), tile_pixels * capacity),))
+    longest = max(1, min(n_gaussians, capacity))
+    repeat = max(1, -(-capacity // per_dispatch) - 1)  # windows p >= repeat hold <= capacity / (p + 1) <= per_dispatch
+
+    def dispatches(first: int) -> int:  # of the plan whose first windows are `first` entries long
+        whole = C * tile_height * tile_width * first <= per_dispatch
+        bands = C * -(-tile_height // max(1, per_dispatch // (tile_width * first)))
+        return sum(1 if p >= repeat or whole else bands for p, _ in _windows(first, repeat, longest))
+
+    # the first windows' chunk: a power of two at which one tile row fits a dispatch (a band is one row at least)
+    firsts = [2**k for k in range(max(1, per_dispatch // tile_width).bit_length())]
+    first = min(firsts, key=dispatches)
+    return PassPlan(WHOLE_TILE, tuple(d for p, chunk in _windows(first, repeat, longest)
+                                      for d in _window(p, chunk, capacity, grid, tile_pixels, per_dispatch)))  # fmt: skip
 
 
 def row_chunk(tile_pixels: int, tile_width: int, budget: int) -> int:
@@ -115,23 +158,18 @@ def plan_passes(isect_offsets: Tensor, n_isects: int, tile_size: int, chunk: Opt
     bound is <= chunk and the dispatch's backward fits runtime.COMMAND_BUFFER_BUDGET; otherwise one
     host read of the tile list lengths ([C, tile_height, tile_width] int32) and plan_from_lengths.
     Padded lists (isect_offsets [C * tile_height * tile_width + 1] with the end slot, `n_isects` their
-    capacity, `grid` = (C, tile_height, tile_width)) are never read: plan_from_rows, from the estimate of
-    intersections per tile row isect.py attaches to them (``isect_offsets.row_entries``; without one, the
-    capacity spread evenly over the rows).
+    capacity, `grid` = (C, tile_height, tile_width)) are never read: plan_padded, from the capacity and N.
 
-    Exact lists: the chunk is at most row_chunk (one pass over one tile row then fits the budget at any
-    list lengths), so that no dispatch passes the budget at any load."""
+    No dispatch passes the budget at any load: exact lists at a chunk of at most row_chunk (one pass over
+    one tile row then fits at any list lengths), padded lists by plan_padded's bounds."""
     chunk = int(chunk or RASTER_CHUNK)
     tile_pixels = int(tile_size) ** 2
     longest_bound = min(n_isects, n_isects if n_gaussians is None else n_gaussians)
     if isect_offsets.dim() == 1:
         if grid is None:
             raise ValueError("[plan_passes] padded lists (1-D isect_offsets with the end slot) need grid=(C, th, tw)")
-        C, tile_height, _ = grid
-        rows = getattr(isect_offsets, "row_entries", None)
-        if rows is None or len(rows) != C * tile_height:
-            rows = [-(-n_isects // (C * tile_height))] * (C * tile_height)
-        return plan_from_rows(rows, C, tile_height, tile_pixels, runtime.COMMAND_BUFFER_BUDGET)
+        return plan_padded(int(n_isects), int(longest_bound), tuple(int(g) for g in grid), tile_pixels,
+                           runtime.COMMAND_BUFFER_BUDGET)  # fmt: skip
     chunk = min(chunk, row_chunk(tile_pixels, isect_offsets.shape[2], runtime.COMMAND_BUFFER_BUDGET))
     if longest_bound <= chunk and tile_pixels * n_isects * runtime.BWD_WORK_FACTOR <= runtime.COMMAND_BUFFER_BUDGET:
         return PassPlan(chunk, (Dispatch(0, None, (0, isect_offsets.shape[1]), tile_pixels * n_isects),))
@@ -285,7 +323,7 @@ def rasterize_to_pixels_fwd(
         runtime.reserve_work(device, d.work)
         lib.rasterize_fwd(
             *inputs, offsets, flatten_ids, *per_pixel, int(width), int(height), tile_width, tile_height, total_tiles,
-            M, int(backgrounds is not None), d.pass_index, plan.chunk, *resume_bufs, int(resume), b.row0,
+            M, int(backgrounds is not None), d.pass_index, plan.chunk_of(d), *resume_bufs, int(resume), b.row0,
             *composite, **b.grid,
         )  # fmt: skip
     return render_colors, render_alphas, transmittance, last_ids

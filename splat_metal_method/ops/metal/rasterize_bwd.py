@@ -163,7 +163,7 @@ def rasterize_to_pixels_bwd(
         runtime.reserve_work(device, d.work * runtime.BWD_WORK_FACTOR)
         lib.rasterize_bwd(
             *inputs, offsets, flatten_ids, *per_pixel, v_means2d, v_conics, v_colors, v_opacities, abs_buf,
-            int(width), int(height), tile_width, tile_height, total_tiles, M, flags, d.pass_index, plan.chunk, b.row0,
+            int(width), int(height), tile_width, tile_height, total_tiles, M, flags, d.pass_index, plan.chunk_of(d), b.row0,
             *composite_bufs, **b.grid,
         )  # fmt: skip
     return v_means2d, v_conics, v_colors, v_opacities, v_backgrounds

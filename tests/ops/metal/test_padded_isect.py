@@ -140,33 +140,36 @@ def test_padded_lists_at_other_tile_sizes(tile_size, monkeypatch, caps):
 
 
 @pytest.mark.parametrize("C", [1, 2])
-def test_bands_planned_from_rows_seen_a_step_late(monkeypatch, caps, C):
-    """A render whose work passes the command-buffer budget is cut into bands of tile rows planned from the
-    intersections per row the device reported at an earlier call (read without waiting): no read of the
-    device, each band's first row a kernel argument (no copy of means2d, no slice per band), exact."""
+def test_lists_past_the_budget_are_cut_into_windows_without_a_read(monkeypatch, caps, C):
+    """A render whose capacity passes the command-buffer budget is cut into windows of the lists and bands of tile
+    rows (rasterize.plan_padded, from the capacity and N only): no read of the device, each band's first row a
+    kernel argument (no copy of means2d, no slice per band), the buffers that carry pixel state between passes the
+    only aten ops added, exact."""
     from splat_metal_method.bench import step_ledger
+    from splat_metal_method.ops.metal import rasterize
 
     *params, viewmats = scene(n=400, C=C, seed=3)
     exact = render(params, viewmats, 70, 45)
     render(params, viewmats, 70, 45, caps=caps)  # sizes the capacity
-    render(params, viewmats, 70, 45, caps=caps)  # reads the rows of the first (CPU: at once)
-    state = next(iter(caps._grids.values()))
-    assert state.rows is not None and sum(state.rows) == exact[2]["flatten_ids"].numel()  # M of the exact lists
-    total_work = 16 * 16 * sum(state.rows)
     with step_ledger.count("one dispatch") as whole:
         render(params, viewmats, 70, 45, caps=caps)
-    monkeypatch.setattr(runtime, "COMMAND_BUFFER_BUDGET", total_work * runtime.BWD_WORK_FACTOR // 3)
+    capacity = caps.entries(5, 3, C)
+    budget = 16 * 16 * capacity * runtime.BWD_WORK_FACTOR // 3
+    monkeypatch.setattr(runtime, "COMMAND_BUFFER_BUDGET", budget)
+    plan = rasterize.plan_padded(capacity, min(400, capacity), (C, 3, 5), 16 * 16, budget)
     reads = []
     monkeypatch.setattr(runtime, "host_read", lambda t: reads.append(t) or t.cpu())
     runtime.reset_launch_counts()
     runtime.reset_command_buffers()
-    with step_ledger.count("bands") as led:
+    with step_ledger.count("windows") as led:
         got = render(params, viewmats, 70, 45, caps=caps)
     assert reads == [] and led.host_syncs == 0, "a padded render read the device"
     launches = runtime.launch_counts()
-    assert 3 <= launches["rasterize_fwd"] <= 3 + 2 * C and launches["rasterize_bwd"] == launches["rasterize_fwd"]
-    assert led.aten_dispatches == whole.aten_dispatches, (dict(led.aten_ops), dict(whole.aten_ops))  # none per band
+    assert plan.n_passes > 1 and launches["rasterize_fwd"] == launches["rasterize_bwd"] == len(plan.dispatches)
+    added = dict(led.aten_ops - whole.aten_ops)
+    assert led.aten_dispatches - whole.aten_dispatches == 3, added  # pixel_done, pix_T, pix_buf: none per dispatch
     assert len([b for b in runtime.command_buffers() if b.closed_by == "commit"]) >= 2
+    assert max(b.work for b in runtime.command_buffers()) <= budget
     assert torch.equal(got[0], exact[0]) and torch.equal(got[1], exact[1])
     assert_gradients_close(got[3], exact[3])
 
@@ -267,7 +270,7 @@ def test_without_capacities_the_lists_are_exact():
 
 
 def test_a_tile_of_ten_thousand_gaussians_is_composited_whole():
-    """One pass of whole tiles (rasterize.plan_from_rows): a tile listing 10,500 gaussians, more than a
+    """One pass of whole tiles (rasterize.plan_padded: the capacity fits one dispatch): a tile listing 10,500 gaussians, more than a
     RASTER_CHUNK, is composited to its end by one threadgroup each way, nothing left out: the same pixels
     and gradients as the reference backend (ops/reference.py), non-square image."""
     from splat_metal_method.ops.metal import rasterize
