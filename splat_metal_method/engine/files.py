@@ -56,6 +56,7 @@ def signals_interrupt() -> Iterator[None]:
 
 
 PARTIAL_NAME = re.compile(r"\.(?P<name>.+)\.partial-(?P<pid>\d+)")
+MOVED_ASIDE_NAME = re.compile(r"\.(?P<name>.+)\.old-(?P<pid>\d+)")  # atomic_folder's earlier target
 
 
 def _alive(pid: int) -> bool:
@@ -115,4 +116,21 @@ def remove_stale_partials(folder: Path) -> List[Path]:
         elif p.is_dir() and not p.is_symlink() and (p / PARTIAL_FOLDER_MARK).is_file():
             shutil.rmtree(p)
             removed.append(p)
+    restore_moved_aside(folder)
     return removed
+
+
+def restore_moved_aside(folder: Path) -> List[Path]:
+    """Puts back what atomic_folder moved aside (``.NAME.old-PID``) when its writer died before the new
+    folder took NAME's place: NAME is missing and that process is gone. Nothing is deleted (with NAME
+    present, the hidden copy is left for the user). Returns the restored paths."""
+    restored = []
+    for p in Path(folder).iterdir() if Path(folder).is_dir() else []:
+        m = MOVED_ASIDE_NAME.fullmatch(p.name)
+        if not m or p.is_symlink() or int(m.group("pid")) == os.getpid() or _alive(int(m.group("pid"))):
+            continue
+        target = p.parent / m.group("name")
+        if not target.exists() and not target.is_symlink():
+            os.replace(p, target)
+            restored.append(target)
+    return restored

@@ -129,6 +129,23 @@ def test_stale_partial_folders_only_with_the_mark_and_a_dead_writer(tmp_path):
     assert remove_stale_partials(tmp_path) == [folders["ours, its writer alive"][0]]  # its process is gone now
 
 
+def test_a_folder_moved_aside_by_a_dead_writer_is_put_back(tmp_path):
+    """atomic_folder moves the earlier folder to ``.NAME.old-PID`` just before the new one takes its place: a
+    writer killed between those two renames left NAME missing; the next export puts the earlier folder back.
+    With NAME present (the new folder took its place), the hidden copy is left alone."""
+    dead = _dead_pid()
+    aside = tmp_path / f".splat.lod.old-{dead}"
+    (aside / "0_0").mkdir(parents=True)
+    (aside / "lod-meta.json").write_text('{"the previous": "export"}')
+    kept = tmp_path / f".scene.lod.old-{dead}"
+    kept.mkdir()
+    (tmp_path / "scene.lod").mkdir()
+    assert remove_stale_partials(tmp_path) == []
+    assert (tmp_path / "splat.lod" / "lod-meta.json").read_text() == '{"the previous": "export"}'
+    assert (tmp_path / "splat.lod" / "0_0").is_dir() and not aside.exists()
+    assert kept.is_dir() and (tmp_path / "scene.lod").is_dir()
+
+
 @pytest.mark.parametrize("name", ["../x", "sub/x", "..", "", "/tmp/x"])
 def test_output_name_cannot_leave_the_output_dir(tmp_path, name):
     with pytest.raises(SystemExit) as info:
