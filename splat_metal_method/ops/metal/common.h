@@ -166,3 +166,33 @@ inline float splat_adam_update(float p, float grad, thread float* m, thread floa
   v[0] = exp_avg_sq;
   return p - step_size * exp_avg / denom;
 }
+
+// Packed scalar arguments (ops/metal/params.py, its mirror): a kernel with many scalars takes them as ONE list,
+// which torch.mps.compile_shader packs as int64 (a list of floats: float32) into a single setBytes slot
+// (docs/design.md 3.1), read as `constant long* params` at these indices. <LAYOUT>_COUNT: its length.
+// rasterize_fwd (rasterize.metal)
+#define RASTER_FWD_WIDTH          0
+#define RASTER_FWD_HEIGHT         1
+#define RASTER_FWD_TILE_WIDTH     2
+#define RASTER_FWD_TILE_HEIGHT    3
+#define RASTER_FWD_TOTAL_TILES    4  // C * tile_height * tile_width (+ 1: padded lists)
+#define RASTER_FWD_N_ISECTS       5  // M
+#define RASTER_FWD_HAS_BACKGROUND 6
+#define RASTER_FWD_PASS_INDEX     7
+#define RASTER_FWD_CHUNK          8
+#define RASTER_FWD_HAS_RESUME     9
+#define RASTER_FWD_ROW0           10  // first tile row of this dispatch, of [C * tile_height]
+#define RASTER_FWD_HAS_COMPOSITE  11
+#define RASTER_FWD_COUNT          12
+// rasterize_bwd (rasterize_bwd.metal)
+#define RASTER_BWD_WIDTH       0
+#define RASTER_BWD_HEIGHT      1
+#define RASTER_BWD_TILE_WIDTH  2
+#define RASTER_BWD_TILE_HEIGHT 3
+#define RASTER_BWD_TOTAL_TILES 4  // C * tile_height * tile_width (+ 1: padded lists)
+#define RASTER_BWD_N_ISECTS    5  // M
+#define RASTER_BWD_FLAGS       6  // SPLAT_BWD_* bits
+#define RASTER_BWD_PASS_INDEX  7
+#define RASTER_BWD_CHUNK       8
+#define RASTER_BWD_ROW0        9  // first tile row of this dispatch, of [C * tile_height]
+#define RASTER_BWD_COUNT       10

@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 
-from splat_metal_method.ops.metal import kernels, variants
+from splat_metal_method.ops.metal import kernels, params, variants
 from splat_metal_method.ops.metal.emulator.parse import parse_kernels, strip_comments
 
 METAL_SLOTS = 31  # buffer argument table entries of a compute kernel (setBuffer and setBytes share them)
 HEADROOM_SLOTS = 24  # what a kernel may bind, so that the next argument does not break it on a Mac
 # Kernels that bind more than HEADROOM_SLOTS today (their scalars already few; packing their tensors is open):
 # they may not grow. A new kernel, or one that shrinks below its figure, gets no entry (or a smaller one).
-OVER_HEADROOM = {"project_bwd": 31, "rasterize_bwd": 31, "adam_step": 30, "project_fwd": 29, "rasterize_fwd": 28,
-                 "nonfinite_flag": 25}  # fmt: skip
+OVER_HEADROOM = {"project_bwd": 31, "adam_step": 30, "project_fwd": 29, "nonfinite_flag": 25}
 THREADGROUP_LIMIT = 32 * 1024  # Apple GPUs' threadgroup memory per group
 # ours: 2.5 KiB to spare. The largest: rasterize_fwd at 32x32 tiles (29,184 B: 1,024 gaussians' id, mean, conic and
 # opacity), rasterize_bwd (28,676 B at 12x12 tiles, 49 channels), bin_count (15,360 B: 30,720 before its rounds).
@@ -65,6 +65,22 @@ def test_a_planted_kernel_over_the_slots_is_rejected(buffers, scalars):
     with pytest.raises(AssertionError, match="argument slots"):
         check_slots(planted_kernel(buffers, scalars), "planted")
     check_slots(planted_kernel(buffers=20, scalars=4), "planted (24)")
+
+
+def test_the_packed_layouts_are_common_h_s():
+    """Each layout of params.py (the host's order of a packed list) is the indices common.h names for the kernel:
+    `<LAYOUT>_<FIELD>` its position, `<LAYOUT>_COUNT` its length; and pack() takes exactly its fields."""
+    header = (Path(kernels.__file__).parent / "common.h").read_text()
+    defined = dict(re.findall(r"^#define ([A-Z][A-Z0-9_]*)[ \t]+(\d+)\b", header, re.M))
+    for layout, fields in params.LAYOUTS.items():
+        want = {f"{layout}_{f.upper()}": str(i) for i, f in enumerate(fields)} | {f"{layout}_COUNT": str(len(fields))}
+        assert {k: v for k, v in defined.items() if k.startswith(f"{layout}_")} == want, layout
+        values = {f: i for i, f in enumerate(fields)}
+        assert params.pack(fields, **values) == list(range(len(fields)))
+        with pytest.raises(TypeError, match="not the layout's fields"):
+            params.pack(fields, **{**values, "extra": 1})
+        with pytest.raises(TypeError, match="not the layout's fields"):
+            params.pack(fields, **{f: i for i, f in enumerate(fields[1:])})
 
 
 # --------------------------------------------------------------------------------------------------
