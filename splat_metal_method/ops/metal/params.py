@@ -12,8 +12,14 @@ RASTER_FWD = ("width", "height", "tile_width", "tile_height", "total_tiles", "n_
               "pass_index", "chunk", "has_resume", "row0", "has_composite")  # fmt: skip
 RASTER_BWD = ("width", "height", "tile_width", "tile_height", "total_tiles", "n_isects", "flags", "pass_index",
               "chunk", "row0")  # fmt: skip
+PROJECT_FWD_INTS = ("C", "N", "width", "height", "calc_comp", "flags", "degree", "dc_stride", "rest_stride",
+                    "rest_offset")  # fmt: skip
+PROJECT_FWD_FLOATS = ("eps2d", "near_plane", "far_plane", "radius_clip")
+ADAM_STEP = ("N", "widths", "cams")
 
-LAYOUTS: Dict[str, Tuple[str, ...]] = {"RASTER_FWD": RASTER_FWD, "RASTER_BWD": RASTER_BWD}
+LAYOUTS: Dict[str, Tuple[str, ...]] = {"RASTER_FWD": RASTER_FWD, "RASTER_BWD": RASTER_BWD,
+                                       "PROJECT_FWD_INTS": PROJECT_FWD_INTS, "PROJECT_FWD_FLOATS": PROJECT_FWD_FLOATS,
+                                       "ADAM_STEP": ADAM_STEP}  # fmt: skip
 
 
 def pack(layout: Tuple[str, ...], **values) -> list:
