@@ -317,7 +317,8 @@ def _dims(kname: str, what: str, v) -> tuple[int, ...]:
 
 _KIND_WORDS = {"tensor": "a tensor", "int": "an int", "float": "a float", "list": "a list"}
 # torch.mps.compile_shader packs a list/tuple of numbers into ONE setBytes argument, typed by its first element: ints
-# (bool included) as int64, floats as float32 (docs/design.md, platform facts). Metal's setBytes takes at most 4 KB.
+# (bool included) as int64, floats as float32 (docs/design.md, platform facts). Apple documents setBytes for data
+# up to 4 KB: the emulator refuses a longer list.
 SET_BYTES_LIMIT = 4096
 _LIST_DECL = {"int": ("long", "ulong"), "float": ("float",)}
 
