@@ -1,5 +1,6 @@
 """What every kernel asks of a Metal pipeline at every library variants.library_variants enumerates, counted from
-its source: bound argument slots (each buffer and each scalar, a setBytes slot, against Metal's 31) and
+its source: bound argument slots (each buffer, each scalar and each packed list a setBytes slot, against Metal's 31,
+and HEADROOM_SLOTS) and
 threadgroup memory (its declared threadgroup arrays at the variant's defines, against Apple's 32 KiB with room to
 spare). Each check rejects a planted kernel over its limit."""
 
