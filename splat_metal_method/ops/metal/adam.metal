@@ -99,11 +99,12 @@ kernel void adam_step(
     device float* m5 [[buffer(22)]], device float* v5 [[buffer(23)]],
     const device float* coef [[buffer(24)]],  // [SLOTS * COEFS + 2] from adam_prepare
     device atomic_float* flag [[buffer(25)]],  // [1]
-    constant long& N [[buffer(26)]],
-    constant long& widths [[buffer(27)]],  // byte k: floats per row of slot k
-    const device int* radii [[buffer(28)]],  // [cams, N] the render's radii (visible_adam), else a placeholder
-    constant long& cams [[buffer(29)]],      // 0: every gaussian steps; else only one with a radius > 0 in a camera
+    constant long* params [[buffer(26)]],    // [ADAM_STEP_COUNT] common.h ADAM_STEP_*
+    const device int* radii [[buffer(27)]],  // [cams, N] the render's radii (visible_adam), else a placeholder
     uint n [[thread_position_in_grid]]) {
+  const long N = params[ADAM_STEP_N];
+  const long widths = params[ADAM_STEP_WIDTHS];
+  const long cams = params[ADAM_STEP_CAMS];
   bool ok = true;
   bool visible = cams == 0;
   for (long c = 0; c < cams && !visible && (long)n < N; ++c) {

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .kernels import grid_1d, library
+from .params import ADAM_STEP, pack
 from .variants import ADAM_SLOTS
 
 SLOTS = ADAM_SLOTS  # parameter tensors one launch steps (adam.metal SPLAT_ADAM_SLOTS)
@@ -120,7 +121,8 @@ def fused_adam(
     quads = [t for i in range(k) for t in (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i])]
     quads += [params[0], grads[0], exp_avgs[0], exp_avg_sqs[0]] * pad  # unused slots: width 0, never read
     if n > 0:
-        lib.adam_step(*quads, coef, flag, n, widths, radii, cams, **grid_1d(n))
+        args = pack(ADAM_STEP, N=n, widths=widths, cams=cams)
+        lib.adam_step(*quads, coef, flag, args, radii, **grid_1d(n))
     return flag
 
 

@@ -9,7 +9,8 @@
 //
 // Conventions for every kernel (see docs/design.md section 3.2):
 //   * [N,3] tensors are read through `const device float*` with 3*i indexing, never float3* (16 bytes).
-//   * Python ints arrive as `constant long&`, Python floats as `constant float&`.
+//   * Python ints arrive as `constant long&`, Python floats as `constant float&`; a list of ints as one
+//     `constant long*`, of floats as one `constant float*` (the packed arguments at the end of this file).
 //   * Tensors are contiguous; a kernel never sees strides.
 //   * No swizzles (.xy): the emulator compiles this file as C++.
 #include <metal_stdlib>
@@ -166,3 +167,55 @@ inline float splat_adam_update(float p, float grad, thread float* m, thread floa
   v[0] = exp_avg_sq;
   return p - step_size * exp_avg / denom;
 }
+
+// Packed scalar arguments (ops/metal/params.py, its mirror): a kernel with many scalars takes them as ONE list,
+// which torch.mps.compile_shader packs as int64 (a list of floats: float32) into a single setBytes slot
+// (docs/design.md 3.1), read as `constant long* params` at these indices. <LAYOUT>_COUNT: its length.
+// rasterize_fwd (rasterize.metal)
+#define RASTER_FWD_WIDTH          0
+#define RASTER_FWD_HEIGHT         1
+#define RASTER_FWD_TILE_WIDTH     2
+#define RASTER_FWD_TILE_HEIGHT    3
+#define RASTER_FWD_TOTAL_TILES    4  // C * tile_height * tile_width (+ 1: padded lists)
+#define RASTER_FWD_N_ISECTS       5  // M
+#define RASTER_FWD_HAS_BACKGROUND 6
+#define RASTER_FWD_PASS_INDEX     7
+#define RASTER_FWD_CHUNK          8
+#define RASTER_FWD_HAS_RESUME     9
+#define RASTER_FWD_ROW0           10  // first tile row of this dispatch, of [C * tile_height]
+#define RASTER_FWD_HAS_COMPOSITE  11
+#define RASTER_FWD_COUNT          12
+// rasterize_bwd (rasterize_bwd.metal)
+#define RASTER_BWD_WIDTH       0
+#define RASTER_BWD_HEIGHT      1
+#define RASTER_BWD_TILE_WIDTH  2
+#define RASTER_BWD_TILE_HEIGHT 3
+#define RASTER_BWD_TOTAL_TILES 4  // C * tile_height * tile_width (+ 1: padded lists)
+#define RASTER_BWD_N_ISECTS    5  // M
+#define RASTER_BWD_FLAGS       6  // SPLAT_BWD_* bits
+#define RASTER_BWD_PASS_INDEX  7
+#define RASTER_BWD_CHUNK       8
+#define RASTER_BWD_ROW0        9  // first tile row of this dispatch, of [C * tile_height]
+#define RASTER_BWD_COUNT       10
+// project_fwd (project.metal): `constant long* ints` and `constant float* floats`
+#define PROJECT_FWD_INTS_C           0
+#define PROJECT_FWD_INTS_N           1
+#define PROJECT_FWD_INTS_WIDTH       2
+#define PROJECT_FWD_INTS_HEIGHT      3
+#define PROJECT_FWD_INTS_CALC_COMP   4  // write compensations
+#define PROJECT_FWD_INTS_FLAGS       5  // PROJECT_* bits (0: the plain stage)
+#define PROJECT_FWD_INTS_DEGREE      6  // SH degree in use, 0..4
+#define PROJECT_FWD_INTS_DC_STRIDE   7
+#define PROJECT_FWD_INTS_REST_STRIDE 8
+#define PROJECT_FWD_INTS_REST_OFFSET 9  // (prepare.py _layout)
+#define PROJECT_FWD_INTS_COUNT       10
+#define PROJECT_FWD_FLOATS_EPS2D       0
+#define PROJECT_FWD_FLOATS_NEAR_PLANE  1
+#define PROJECT_FWD_FLOATS_FAR_PLANE   2
+#define PROJECT_FWD_FLOATS_RADIUS_CLIP 3
+#define PROJECT_FWD_FLOATS_COUNT       4
+// adam_step (adam.metal)
+#define ADAM_STEP_N      0  // rows (gaussians)
+#define ADAM_STEP_WIDTHS 1  // byte k: floats per row of slot k
+#define ADAM_STEP_CAMS   2  // 0: every gaussian steps; else only one with a radius > 0 in a camera
+#define ADAM_STEP_COUNT  3

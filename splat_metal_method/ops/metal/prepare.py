@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ..autograd_stages import camera_grads
 from ..constants import SH_MAX_DEGREE
+from . import params
 from .kernels import grid_1d, group_library, library
 from .project_bwd import CALC_CAMERA, CALC_COMP, launch_args
 from .variants import PROJECT_BWD_GROUP
@@ -92,13 +93,15 @@ class PrepareFn(torch.autograd.Function):
         colors = torch.empty((C, N, 3), dtype=torch.float32, device=device)
         flags = FUSED | CAMPOS | (EXP_SCALES if exp_scales else 0) | (SIGMOID_OPACITIES if sigmoid_opacities else 0)
         if C * N > 0:
+            ints = params.pack(params.PROJECT_FWD_INTS, C=C, N=N, width=int(width), height=int(height),
+                               calc_comp=int(bool(calc_comp)), flags=flags | (SHADE if shade_in_projection else 0),
+                               degree=int(degree), dc_stride=dc_stride, rest_stride=rest_stride,
+                               rest_offset=rest_offset)  # fmt: skip
+            floats = params.pack(params.PROJECT_FWD_FLOATS, eps2d=float(eps2d), near_plane=float(near_plane),
+                                 far_plane=float(far_plane), radius_clip=float(radius_clip))  # fmt: skip
             project_library(device).project_fwd(
-                means, quats, scales, viewmats, Ks, radii, means2d, depths, conics, comp,
-                C, N, int(width), int(height), float(eps2d), float(near_plane), float(far_plane),
-                float(radius_clip), int(bool(calc_comp)),
-                opacities, dc, rest, colors, opacities_out, flags | (SHADE if shade_in_projection else 0),
-                int(degree), dc_stride, rest_stride, rest_offset,
-                **grid_1d(C * N),
+                means, quats, scales, viewmats, Ks, radii, means2d, depths, conics, comp, ints, floats,
+                opacities, dc, rest, colors, opacities_out, **grid_1d(C * N),
             )  # fmt: skip
             if not shade_in_projection:  # the unfused twin: the colours (and their culling) in a second kernel
                 library(device, "sh.metal").sh_fused_fwd(

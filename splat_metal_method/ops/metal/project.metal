@@ -45,27 +45,29 @@ kernel void project_fwd(
     device float* depths [[buffer(7)]],          // [C, N]
     device float* conics [[buffer(8)]],          // [C, N, 3]
     device float* compensations [[buffer(9)]],   // [C, N] or [1] placeholder
-    constant long& C [[buffer(10)]],
-    constant long& N [[buffer(11)]],
-    constant long& width [[buffer(12)]],
-    constant long& height [[buffer(13)]],
-    constant float& eps2d [[buffer(14)]],
-    constant float& near_plane [[buffer(15)]],
-    constant float& far_plane [[buffer(16)]],
-    constant float& radius_clip [[buffer(17)]],
-    constant long& calc_comp [[buffer(18)]],
-    // The fused preparation (prepare.py, PROJECT_* flags; 0: the plain stage, buffers 19-23 are placeholders):
-    const device float* opacities [[buffer(19)]],  // [N] (logits with PROJECT_SIGMOID_OPACITIES)
-    const device float* sh_dc [[buffer(20)]],      // PROJECT_SHADE: band 0 of gaussian n at sh_dc[n * dc_stride]
-    const device float* sh_rest [[buffer(21)]],    // bands k >= 1 at sh_rest[n * rest_stride + rest_offset + 3 (k - 1)]
-    device float* colors [[buffer(22)]],           // [C, N, 3] activated SH colours (PROJECT_SHADE)
-    device float* opacities_out [[buffer(23)]],    // [C, N] opacity (x compensation) the rasterizer composites
-    constant long& flags [[buffer(24)]],
-    constant long& degree [[buffer(25)]],          // SH degree in use, 0..4
-    constant long& dc_stride [[buffer(26)]],
-    constant long& rest_stride [[buffer(27)]],
-    constant long& rest_offset [[buffer(28)]],
+    constant long* ints [[buffer(10)]],          // [PROJECT_FWD_INTS_COUNT] common.h PROJECT_FWD_INTS_*
+    constant float* floats [[buffer(11)]],       // [PROJECT_FWD_FLOATS_COUNT] common.h PROJECT_FWD_FLOATS_*
+    // The fused preparation (prepare.py, PROJECT_* flags; 0: the plain stage, buffers 12-16 are placeholders):
+    const device float* opacities [[buffer(12)]],  // [N] (logits with PROJECT_SIGMOID_OPACITIES)
+    const device float* sh_dc [[buffer(13)]],      // PROJECT_SHADE: band 0 of gaussian n at sh_dc[n * dc_stride]
+    const device float* sh_rest [[buffer(14)]],    // bands k >= 1 at sh_rest[n * rest_stride + rest_offset + 3 (k - 1)]
+    device float* colors [[buffer(15)]],           // [C, N, 3] activated SH colours (PROJECT_SHADE)
+    device float* opacities_out [[buffer(16)]],    // [C, N] opacity (x compensation) the rasterizer composites
     uint idx [[thread_position_in_grid]]) {
+  const long C = ints[PROJECT_FWD_INTS_C];
+  const long N = ints[PROJECT_FWD_INTS_N];
+  const long width = ints[PROJECT_FWD_INTS_WIDTH];
+  const long height = ints[PROJECT_FWD_INTS_HEIGHT];
+  const long calc_comp = ints[PROJECT_FWD_INTS_CALC_COMP];
+  const long flags = ints[PROJECT_FWD_INTS_FLAGS];
+  const long degree = ints[PROJECT_FWD_INTS_DEGREE];
+  const long dc_stride = ints[PROJECT_FWD_INTS_DC_STRIDE];
+  const long rest_stride = ints[PROJECT_FWD_INTS_REST_STRIDE];
+  const long rest_offset = ints[PROJECT_FWD_INTS_REST_OFFSET];
+  const float eps2d = floats[PROJECT_FWD_FLOATS_EPS2D];
+  const float near_plane = floats[PROJECT_FWD_FLOATS_NEAR_PLANE];
+  const float far_plane = floats[PROJECT_FWD_FLOATS_FAR_PLANE];
+  const float radius_clip = floats[PROJECT_FWD_FLOATS_RADIUS_CLIP];
   if ((long)idx >= C * N) {
     return;
   }

@@ -7,6 +7,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import params
 from .kernels import grid_1d, library
 
 
@@ -54,12 +55,14 @@ def project_fwd(
     conics = torch.empty((C, N, 3), dtype=torch.float32, device=device)
     comp = torch.empty((C, N) if calc_compensations else (1,), dtype=torch.float32, device=device)
     if C * N > 0:
+        ints = params.pack(params.PROJECT_FWD_INTS, C=C, N=N, width=int(width), height=int(height),
+                           calc_comp=int(bool(calc_compensations)), flags=0, degree=0, dc_stride=0, rest_stride=0,
+                           rest_offset=0)  # flags 0: the plain stage, no fused preparation (prepare.py)  # fmt: skip
+        floats = params.pack(params.PROJECT_FWD_FLOATS, eps2d=float(eps2d), near_plane=float(near_plane),
+                             far_plane=float(far_plane), radius_clip=float(radius_clip))  # fmt: skip
         library(device, "project.metal").project_fwd(
-            means, quats, scales, viewmats, Ks, radii, means2d, depths, conics, comp,
-            C, N, int(width), int(height), float(eps2d), float(near_plane), float(far_plane),
-            float(radius_clip), int(bool(calc_compensations)),
-            means, means, means, means, depths, 0, 0, 0, 0, 0,  # the plain stage: no fused preparation (prepare.py)
-            **grid_1d(C * N),
+            means, quats, scales, viewmats, Ks, radii, means2d, depths, conics, comp, ints, floats,
+            means, means, means, means, depths, **grid_1d(C * N),
         )  # fmt: skip
     elif calc_compensations:
         comp = torch.empty((C, N), dtype=torch.float32, device=device)

@@ -59,27 +59,28 @@ kernel void rasterize_fwd(
     device float* transmittance [[buffer(9)]],       // [C, H, W]
     device int* last_ids [[buffer(10)]],             // [C, H, W]
     device int* pixel_done [[buffer(11)]],           // [C, H, W], or [1] when there is one pass
-    constant long& width [[buffer(12)]],
-    constant long& height [[buffer(13)]],
-    constant long& tile_width [[buffer(14)]],
-    constant long& tile_height [[buffer(15)]],
-    constant long& total_tiles [[buffer(16)]],       // C * tile_height * tile_width
-    constant long& n_isects [[buffer(17)]],          // M
-    constant long& has_background [[buffer(18)]],
-    constant long& pass_index [[buffer(19)]],
-    constant long& chunk [[buffer(20)]],
-    const device float* trans_in [[buffer(21)]],     // [C, H, W] or [1] placeholder
-    const device int* stopped_in [[buffer(22)]],     // [C, H, W] or [1] placeholder
-    constant long& has_resume [[buffer(23)]],
-    constant long& row0 [[buffer(24)]],              // first tile row of this dispatch, of [C * tile_height]
-    const device float* composite_bg [[buffer(25)]], // [3], or [1] placeholder
-    device float* rgb [[buffer(26)]],                // [C, H, W, 3], or [1] placeholder
-    constant long& has_composite [[buffer(27)]],
+    constant long* params [[buffer(12)]],            // [RASTER_FWD_COUNT] common.h RASTER_FWD_*
+    const device float* trans_in [[buffer(13)]],     // [C, H, W] or [1] placeholder
+    const device int* stopped_in [[buffer(14)]],     // [C, H, W] or [1] placeholder
+    const device float* composite_bg [[buffer(15)]], // [3], or [1] placeholder
+    device float* rgb [[buffer(16)]],                // [C, H, W, 3], or [1] placeholder
     uint3 tgp [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint n_sg [[simdgroups_per_threadgroup]]) {
+  const long width = params[RASTER_FWD_WIDTH];
+  const long height = params[RASTER_FWD_HEIGHT];
+  const long tile_width = params[RASTER_FWD_TILE_WIDTH];
+  const long tile_height = params[RASTER_FWD_TILE_HEIGHT];
+  const long total_tiles = params[RASTER_FWD_TOTAL_TILES];
+  const long n_isects = params[RASTER_FWD_N_ISECTS];
+  const long has_background = params[RASTER_FWD_HAS_BACKGROUND];
+  const long pass_index = params[RASTER_FWD_PASS_INDEX];
+  const long chunk = params[RASTER_FWD_CHUNK];
+  const long has_resume = params[RASTER_FWD_HAS_RESUME];
+  const long row0 = params[RASTER_FWD_ROW0];
+  const long has_composite = params[RASTER_FWD_HAS_COMPOSITE];
   threadgroup int s_ids[SPLAT_RASTER_THREADS];
   threadgroup float2 s_xy[SPLAT_RASTER_THREADS];
   threadgroup float4 s_conic_opac[SPLAT_RASTER_THREADS];

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import runtime, variants
+from . import params, runtime, variants
 from .kernels import tile_library
 from .variants import MAX_CHANNELS
 
@@ -316,14 +316,15 @@ def rasterize_to_pixels_fwd(
     inputs = (means2d.contiguous(), conics.contiguous(), colors.contiguous(), opacities.contiguous(), bg)
     offsets, flatten_ids = flat_offsets(isect_offsets), flatten_ids.contiguous()
     per_pixel = (render_colors, render_alphas, transmittance, last_ids, pixel_done)
-    composite = (composite_bg, rgb_out, 1) if composite_bg is not None else (opacities, opacities, 0)
+    composite = (composite_bg, rgb_out) if composite_bg is not None else (opacities, opacities)
+    has_composite = int(composite_bg is not None)
     total_tiles = C * tile_width * tile_height + int(padded)  # padded: the last tile ends at the end slot
     for d in plan.dispatches:
         b = band(d, C, tile_size, tile_width, tile_height, rows)
         runtime.reserve_work(device, d.work)
-        lib.rasterize_fwd(
-            *inputs, offsets, flatten_ids, *per_pixel, int(width), int(height), tile_width, tile_height, total_tiles,
-            M, int(backgrounds is not None), d.pass_index, plan.chunk_of(d), *resume_bufs, int(resume), b.row0,
-            *composite, **b.grid,
-        )  # fmt: skip
+        args = params.pack(params.RASTER_FWD, width=int(width), height=int(height), tile_width=tile_width,
+                           tile_height=tile_height, total_tiles=total_tiles, n_isects=M,
+                           has_background=int(backgrounds is not None), pass_index=d.pass_index, chunk=plan.chunk_of(d),
+                           has_resume=int(resume), row0=b.row0, has_composite=has_composite)  # fmt: skip
+        lib.rasterize_fwd(*inputs, offsets, flatten_ids, *per_pixel, args, *resume_bufs, *composite, **b.grid)
     return render_colors, render_alphas, transmittance, last_ids

@@ -148,23 +148,24 @@ kernel void rasterize_bwd(
     device atomic_float* v_colors [[buffer(15)]],       // [C*N, D], zero-initialised
     device atomic_float* v_opacities [[buffer(16)]],    // [C*N], zero-initialised
     device atomic_float* v_means2d_abs [[buffer(17)]],  // [C*N, 2] (accumulated into), or [1]
-    constant long& width [[buffer(18)]],
-    constant long& height [[buffer(19)]],
-    constant long& tile_width [[buffer(20)]],
-    constant long& tile_height [[buffer(21)]],
-    constant long& total_tiles [[buffer(22)]],          // C * tile_height * tile_width
-    constant long& n_isects [[buffer(23)]],             // M
-    constant long& flags [[buffer(24)]],                // SPLAT_BWD_* bits
-    constant long& pass_index [[buffer(25)]],
-    constant long& chunk [[buffer(26)]],
-    constant long& row0 [[buffer(27)]],                 // first tile row of this dispatch, of [C * tile_height]
-    const device float* composite_bg [[buffer(28)]],    // [3], or [1] placeholder
-    const device float* render_out [[buffer(29)]],      // [C, H, W, D] the forward's render_colors, or [1]
-    const device float* v_rgb [[buffer(30)]],           // [C, H, W, 3], or [1] placeholder
+    constant long* params [[buffer(18)]],               // [RASTER_BWD_COUNT] common.h RASTER_BWD_*
+    const device float* composite_bg [[buffer(19)]],    // [3], or [1] placeholder
+    const device float* render_out [[buffer(20)]],      // [C, H, W, D] the forward's render_colors, or [1]
+    const device float* v_rgb [[buffer(21)]],           // [C, H, W, 3], or [1] placeholder
     uint3 tgp [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint n_sg [[simdgroups_per_threadgroup]]) {
+  const long width = params[RASTER_BWD_WIDTH];
+  const long height = params[RASTER_BWD_HEIGHT];
+  const long tile_width = params[RASTER_BWD_TILE_WIDTH];
+  const long tile_height = params[RASTER_BWD_TILE_HEIGHT];
+  const long total_tiles = params[RASTER_BWD_TOTAL_TILES];
+  const long n_isects = params[RASTER_BWD_N_ISECTS];
+  const long flags = params[RASTER_BWD_FLAGS];
+  const long pass_index = params[RASTER_BWD_PASS_INDEX];
+  const long chunk = params[RASTER_BWD_CHUNK];
+  const long row0 = params[RASTER_BWD_ROW0];
   threadgroup int s_ids[SPLAT_BWD_BATCH];
   threadgroup float s_part[SPLAT_BWD_PART_FLOATS];  // [sg][slot][q] (one unused float without the merge)
 #if SPLAT_BWD_MERGE

@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import runtime
+from . import params, runtime
 from .kernels import tile_library
 from .rasterize import MAX_CHANNELS, RASTER_CHUNK, PassPlan, band, check_offsets, flat_offsets, plan_passes
 from .variants import bwd_batch, bwd_defines  # noqa: F401 (bwd_batch: part of this module's API)
@@ -23,8 +23,9 @@ BWD_BACKGROUND, BWD_ABSGRAD, BWD_COMPOSITE, BWD_V_COLORS, BWD_V_ALPHAS = 1, 2, 4
 # regressed at small tiles): rasterize_to_pixels_bwd's ``tile_merge``, chosen per call (the model config's
 # bwd_tile_merge; splat-metal-bench --vs tile-merge runs both).
 
-# Positions of v_colors and flags in lib.rasterize_bwd's arguments (the launch in rasterize_to_pixels_bwd)
-_ARG_V_COLORS, _ARG_FLAGS = 15, 24
+# Positions of v_colors and of the packed scalars (params.RASTER_BWD) in lib.rasterize_bwd's arguments (the launch in
+# rasterize_to_pixels_bwd)
+_ARG_V_COLORS, _ARG_PARAMS = 15, 18
 # simd reductions every simdgroup that has gaussians to walk performs first: simd_max of its last bin, its lanes'
 # rank (simd_prefix_exclusive_sum) and count (simd_sum), one component each
 SETUP_REDUCTIONS = 3
@@ -44,7 +45,9 @@ def active_groups(args, components: int, calls: int) -> int:
     reductions and atomics by them): SETUP_REDUCTIONS of one component each per simdgroup that walks (how many
     depends on the tiles) and reduced_components per group solve for both. Raises if they do not: the kernel's
     reductions are not what reduced_components says."""
-    per_group, calls_per_group = reduced_components(int(args[_ARG_FLAGS]), int(args[_ARG_V_COLORS].shape[-1]))
+    per_group, calls_per_group = reduced_components(
+        int(args[_ARG_PARAMS][params.RASTER_BWD.index("flags")]), int(args[_ARG_V_COLORS].shape[-1])
+    )
     groups, rest = divmod(components - calls, per_group - calls_per_group)
     simdgroups, rest2 = divmod(calls - calls_per_group * groups, SETUP_REDUCTIONS)
     if rest or rest2 or groups < 0 or simdgroups < 0:
@@ -161,9 +164,11 @@ def rasterize_to_pixels_bwd(
     for d in plan.dispatches:  # a band is its first tile row, a kernel argument (rasterize.band)
         b = band(d, C, tile_size, tile_width, tile_height, rows)
         runtime.reserve_work(device, d.work * runtime.BWD_WORK_FACTOR)
+        args = params.pack(params.RASTER_BWD, width=int(width), height=int(height), tile_width=tile_width,
+                           tile_height=tile_height, total_tiles=total_tiles, n_isects=M, flags=flags,
+                           pass_index=d.pass_index, chunk=plan.chunk_of(d), row0=b.row0)  # fmt: skip
         lib.rasterize_bwd(
-            *inputs, offsets, flatten_ids, *per_pixel, v_means2d, v_conics, v_colors, v_opacities, abs_buf,
-            int(width), int(height), tile_width, tile_height, total_tiles, M, flags, d.pass_index, plan.chunk_of(d), b.row0,
+            *inputs, offsets, flatten_ids, *per_pixel, v_means2d, v_conics, v_colors, v_opacities, abs_buf, args,
             *composite_bufs, **b.grid,
         )  # fmt: skip
     return v_means2d, v_conics, v_colors, v_opacities, v_backgrounds

@@ -77,28 +77,23 @@ kernel void nonfinite_flag(
     const device float* t6 [[buffer(6)]], const device float* t7 [[buffer(7)]],
     const device float* t8 [[buffer(8)]], const device float* t9 [[buffer(9)]],
     const device float* t10 [[buffer(10)]], const device float* t11 [[buffer(11)]],
-    constant long& n0 [[buffer(12)]], constant long& n1 [[buffer(13)]],
-    constant long& n2 [[buffer(14)]], constant long& n3 [[buffer(15)]],
-    constant long& n4 [[buffer(16)]], constant long& n5 [[buffer(17)]],
-    constant long& n6 [[buffer(18)]], constant long& n7 [[buffer(19)]],
-    constant long& n8 [[buffer(20)]], constant long& n9 [[buffer(21)]],
-    constant long& n10 [[buffer(22)]], constant long& n11 [[buffer(23)]],
-    device float* flag [[buffer(24)]],  // [1]
+    constant long* n [[buffer(12)]],  // [SPLAT_FLAG_SLOTS] elements of each tensor (one list: one slot)
+    device float* flag [[buffer(13)]],  // [1]
     uint i [[thread_position_in_grid]]) {
   const long start = (long)i * FLAG_RUN;
   bool ok = true;
-  ok = ok && flag_run_finite(t0, n0, start);
-  ok = ok && flag_run_finite(t1, n1, start);
-  ok = ok && flag_run_finite(t2, n2, start);
-  ok = ok && flag_run_finite(t3, n3, start);
-  ok = ok && flag_run_finite(t4, n4, start);
-  ok = ok && flag_run_finite(t5, n5, start);
-  ok = ok && flag_run_finite(t6, n6, start);
-  ok = ok && flag_run_finite(t7, n7, start);
-  ok = ok && flag_run_finite(t8, n8, start);
-  ok = ok && flag_run_finite(t9, n9, start);
-  ok = ok && flag_run_finite(t10, n10, start);
-  ok = ok && flag_run_finite(t11, n11, start);
+  ok = ok && flag_run_finite(t0, n[0], start);
+  ok = ok && flag_run_finite(t1, n[1], start);
+  ok = ok && flag_run_finite(t2, n[2], start);
+  ok = ok && flag_run_finite(t3, n[3], start);
+  ok = ok && flag_run_finite(t4, n[4], start);
+  ok = ok && flag_run_finite(t5, n[5], start);
+  ok = ok && flag_run_finite(t6, n[6], start);
+  ok = ok && flag_run_finite(t7, n[7], start);
+  ok = ok && flag_run_finite(t8, n[8], start);
+  ok = ok && flag_run_finite(t9, n[9], start);
+  ok = ok && flag_run_finite(t10, n[10], start);
+  ok = ok && flag_run_finite(t11, n[11], start);
   if (!ok) {
     flag[0] = as_type<float>(0x7fc00000u);  // a quiet NaN
   }

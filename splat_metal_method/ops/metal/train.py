@@ -59,7 +59,7 @@ def nonfinite_flag(tensors: Sequence[Tensor], flag: Optional[Tensor] = None) -> 
         buffers = [t.contiguous() for t in batch] + [flag] * (FLAG_SLOTS - len(batch))
         runs = -(-max(lengths) // FLAG_RUN)
         if runs > 0:
-            _lib(device).nonfinite_flag(*buffers, *lengths, flag, **grid_1d(runs))
+            _lib(device).nonfinite_flag(*buffers, lengths, flag, **grid_1d(runs))  # lengths: one int64 list
     return flag
 
 

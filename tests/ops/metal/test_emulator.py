@@ -325,3 +325,45 @@ def test_runtime_seam_picks_emulator_for_cpu_and_counts_launches():
     assert runtime.launch_counts() == {}
     with pytest.raises(ValueError, match="not on cuda"):
         runtime.library_for("cuda", src)
+
+
+PACKED_LISTS = (
+    "#include <metal_stdlib>\nusing namespace metal;\n"
+    "kernel void unpack(device float* out [[buffer(0)]], constant long* ints [[buffer(1)]],\n"
+    "                   constant float* floats [[buffer(2)]], constant long& n [[buffer(3)]],\n"
+    "                   uint i [[thread_position_in_grid]]) {\n"
+    "  out[i] = i < uint(n) ? float(ints[i]) : floats[i - uint(n)];\n}\n"
+    "kernel void as_int32(device float* out [[buffer(0)]], constant int* ints [[buffer(1)]],\n"
+    "                     uint i [[thread_position_in_grid]]) { out[i] = float(ints[i]); }\n"
+    "kernel void by_reference(device float* out [[buffer(0)]], constant long& v [[buffer(1)]],\n"
+    "                         uint i [[thread_position_in_grid]]) { out[i] = float(v); }\n"
+)
+
+
+def test_a_list_binds_as_one_packed_array_like_compile_shader():
+    """An int list packs int64 (bools as 0/1), a float list float32 (its ints converted), each one setBytes slot; what
+    torch refuses (empty, a float after an int first, tensors) is refused, and so is a declaration that reads the
+    bytes as another type (`constant int*` over int64) or a list bound by reference."""
+    lib = compile_library(PACKED_LISTS, "packed_lists")
+    out = torch.zeros(7)
+    lib.unpack(out, [3, -(2**40), True], (0.1, 2, -7.5, 1e-8), 3, threads=7, group_size=7)
+    want = torch.tensor([3.0, float(-(2**40)), 1.0, 0.1, 2.0, -7.5, 1e-8], dtype=torch.float32)
+    assert torch.equal(out, want)
+    with pytest.raises(EmulatorError, match=r"argument 1 \(ints.*an empty list"):
+        lib.unpack(out, [], [1.0], 0, threads=7, group_size=7)
+    with pytest.raises(EmulatorError, match=r"first element is an int packs every element as int64"):
+        lib.unpack(out, [1, 2.5], [1.0], 0, threads=7, group_size=7)
+    with pytest.raises(EmulatorError, match=r"argument 2 \(floats.*a list of ints binds as int64.*`constant long\*`"):
+        lib.unpack(out, [1], [1, 2], 0, threads=7, group_size=7)
+    with pytest.raises(EmulatorError, match=r"a list of tensors"):
+        lib.unpack(out, [torch.zeros(1)], [1.0], 0, threads=7, group_size=7)
+    with pytest.raises(EmulatorError, match=r"setBytes takes at most 4096"):
+        lib.unpack(out, [1] * 513, [1.0], 0, threads=7, group_size=7)
+    lib.unpack(out, [1] * 512, [1.0] * 1024, 0, threads=7, group_size=7)  # 4096 bytes each
+    assert torch.equal(out, torch.ones(7))
+    with pytest.raises(EmulatorError, match=r"argument 1 \(ints: `constant int\*`\).*declare `constant long\*`"):
+        lib.as_int32(out, [1, 2], threads=2, group_size=2)
+    with pytest.raises(EmulatorError, match=r"argument 1 \(v: `constant long&`\).*declare `constant long\*`"):
+        lib.by_reference(out, [5], threads=2, group_size=2)
+    with pytest.raises(EmulatorError, match=r"argument 0 \(out: `device float\*`\).*declare `constant float\*`"):
+        lib.unpack([1.0] * 7, [1], [1.0], 0, threads=7, group_size=7)

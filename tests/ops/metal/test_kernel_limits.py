@@ -1,5 +1,6 @@
 """What every kernel asks of a Metal pipeline at every library variants.library_variants enumerates, counted from
-its source: bound argument slots (each buffer and each scalar, a setBytes slot, against Metal's 31) and
+its source: bound argument slots (each buffer, each scalar and each packed list a setBytes slot, against Metal's 31,
+and HEADROOM_SLOTS) and
 threadgroup memory (its declared threadgroup arrays at the variant's defines, against Apple's 32 KiB with room to
 spare). Each check rejects a planted kernel over its limit."""
 
@@ -7,18 +8,24 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 
-from splat_metal_method.ops.metal import kernels, variants
+from splat_metal_method.ops.metal import kernels, params, variants
 from splat_metal_method.ops.metal.emulator.parse import parse_kernels, strip_comments
 
 METAL_SLOTS = 31  # buffer argument table entries of a compute kernel (setBuffer and setBytes share them)
 HEADROOM_SLOTS = 24  # what a kernel may bind, so that the next argument does not break it on a Mac
-# Kernels that bind more than HEADROOM_SLOTS today (their scalars already few; packing their tensors is open):
-# they may not grow. A new kernel, or one that shrinks below its figure, gets no entry (or a smaller one).
-OVER_HEADROOM = {"project_bwd": 31, "rasterize_bwd": 31, "adam_step": 30, "project_fwd": 29, "rasterize_fwd": 28,
-                 "nonfinite_flag": 25}  # fmt: skip
+# Kernels that bind more than HEADROOM_SLOTS today, their scalars packed (params.py) and the rest buffers: they may
+# not grow. adam_step binds 6 x (parameter, gradient, exp_avg, exp_avg_sq), each its own torch tensor; project_bwd
+# 27 tensors besides its 2 scalar slots. Fewer needs the moments in one allocation (or fewer slots a launch).
+# A new kernel, or one that shrinks below its figure, gets no entry (or a smaller one).
+OVER_HEADROOM = {"project_bwd": 31, "adam_step": 28}
+# The kernels over HEADROOM_SLOTS before their scalars were packed into lists (main at 50 part 1), for the table
+# test_every_kernel_binds_at_most_its_slots prints (docs/metal.md, "Argument slots").
+BEFORE_PACKING = {"project_bwd": 31, "rasterize_bwd": 31, "adam_step": 30, "project_fwd": 29, "rasterize_fwd": 28,
+                  "nonfinite_flag": 25}  # fmt: skip
 THREADGROUP_LIMIT = 32 * 1024  # Apple GPUs' threadgroup memory per group
 # ours: 2.5 KiB to spare. The largest: rasterize_fwd at 32x32 tiles (29,184 B: 1,024 gaussians' id, mean, conic and
 # opacity), rasterize_bwd (28,676 B at 12x12 tiles, 49 channels), bin_count (15,360 B: 30,720 before its rounds).
@@ -44,11 +51,19 @@ def check_slots(source: str, name: str) -> dict:
 
 def test_every_kernel_binds_at_most_its_slots():
     counted = {}
-    # the parser reads signatures before preprocessing, where no define can change them: one variant a stage will do
+    # The variants of a stage differ only in their defines, and no parameter list holds a directive (checked here):
+    # the same signatures in every variant the host can request, so one variant a stage counts them all.
     for v in {v.stage_file: v for v in variants.checked_variants()}.values():
-        counted.update(check_slots(kernels.stage_source(*v), variants.variant_name(v)))
+        source = kernels.stage_source(*v)
+        clean = strip_comments(source)
+        for k in parse_kernels(source)[0].values():
+            assert "#" not in clean[k.offset : clean.index("{", k.offset)], f"{k.name}: a directive in its parameters"
+        counted.update(check_slots(source, variants.variant_name(v)))
     assert len(counted) == 30 and max(counted.values()) == METAL_SLOTS
     assert {k: n for k, n in counted.items() if n > HEADROOM_SLOTS} == OVER_HEADROOM
+    print(f"\n{'kernel':<29} before  now")
+    for kernel, n in sorted(counted.items(), key=lambda kn: (-BEFORE_PACKING.get(kn[0], kn[1]), -kn[1], kn[0])):
+        print(f"{kernel:<29} {BEFORE_PACKING.get(kernel, n):>6}  {n:>3}")
 
 
 def planted_kernel(buffers: int = 0, scalars: int = 0, tg: str = "") -> str:
@@ -65,6 +80,22 @@ def test_a_planted_kernel_over_the_slots_is_rejected(buffers, scalars):
     with pytest.raises(AssertionError, match="argument slots"):
         check_slots(planted_kernel(buffers, scalars), "planted")
     check_slots(planted_kernel(buffers=20, scalars=4), "planted (24)")
+
+
+def test_the_packed_layouts_are_common_h_s():
+    """Each layout of params.py (the host's order of a packed list) is the indices common.h names for the kernel:
+    `<LAYOUT>_<FIELD>` its position, `<LAYOUT>_COUNT` its length; and pack() takes exactly its fields."""
+    header = (Path(kernels.__file__).parent / "common.h").read_text()
+    defined = dict(re.findall(r"^#define ([A-Z][A-Z0-9_]*)[ \t]+(\d+)\b", header, re.M))
+    for layout, fields in params.LAYOUTS.items():
+        want = {f"{layout}_{f.upper()}": str(i) for i, f in enumerate(fields)} | {f"{layout}_COUNT": str(len(fields))}
+        assert {k: v for k, v in defined.items() if k.startswith(f"{layout}_")} == want, layout
+        values = {f: i for i, f in enumerate(fields)}
+        assert params.pack(fields, **values) == list(range(len(fields)))
+        with pytest.raises(TypeError, match="not the layout's fields"):
+            params.pack(fields, **{**values, "extra": 1})
+        with pytest.raises(TypeError, match="not the layout's fields"):
+            params.pack(fields, **{f: i for i, f in enumerate(fields[1:])})
 
 
 # --------------------------------------------------------------------------------------------------

@@ -315,7 +315,52 @@ def _dims(kname: str, what: str, v) -> tuple[int, ...]:
     return t
 
 
-_KIND_WORDS = {"tensor": "a tensor", "int": "an int", "float": "a float"}
+_KIND_WORDS = {"tensor": "a tensor", "int": "an int", "float": "a float", "list": "a list"}
+# torch.mps.compile_shader packs a list/tuple of numbers into ONE setBytes argument, typed by its first element: ints
+# (bool included) as int64, floats as float32 (docs/design.md, platform facts). Apple documents setBytes for data
+# up to 4 KB: the emulator refuses a longer list.
+SET_BYTES_LIMIT = 4096
+_LIST_DECL = {"int": ("long", "ulong"), "float": ("float",)}
+
+
+def _packed_list(where: str, values, p) -> ctypes.Array:
+    """The setBytes array torch binds for a Python list/tuple `values` at parameter `p`; refuses what torch refuses
+    and a declaration that would read the bytes as another type."""
+    if len(values) == 0:
+        raise EmulatorError(f"{where}: an empty list (torch.mps.compile_shader refuses it)")
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        raise EmulatorError(
+            f"{where}: a list of tensors (torch >= 2.8 binds their GPU addresses without making them resident or "
+            "hazard-tracked; the emulator does not run it): bind each tensor to its own [[buffer(i)]]"
+        )
+    kind = "int" if isinstance(first, (bool, int)) else "float" if isinstance(first, float) else None
+    if kind is None:
+        raise EmulatorError(f"{where}: a list of {type(first).__name__} (torch packs lists of ints or of floats)")
+    try:  # torch casts every element like its first (pybind11): an int list refuses floats, a float list takes ints
+        cast = [operator.index(v) if kind == "int" else float(v) for v in values]
+        if kind == "float" and any(isinstance(v, (str, bytes)) for v in values):
+            raise TypeError
+        box = (ctypes.c_int64 if kind == "int" else ctypes.c_float) * len(cast)
+        packed = box(*cast)
+    except (TypeError, OverflowError):
+        raise EmulatorError(
+            f"{where}: a list whose first element is {_KIND_WORDS[kind]} packs every element as "
+            f"{'int64' if kind == 'int' else 'float32'}; {values!r} has one that is not (torch raises a cast error)"
+        ) from None
+    if ctypes.sizeof(packed) > SET_BYTES_LIMIT:
+        raise EmulatorError(
+            f"{where}: a list of {len(cast)} {kind}s is {ctypes.sizeof(packed)} bytes; Metal's setBytes takes at "
+            f"most {SET_BYTES_LIMIT}: pass a tensor"
+        )
+    if not (p.kind == "tensor" and p.type.endswith("*") and p.constant and p.base in _LIST_DECL[kind]):
+        want = "constant long*" if kind == "int" else "constant float*"
+        raise EmulatorError(
+            f"{where}: a list of {kind}s binds as {'int64' if kind == 'int' else 'float32'} elements; declare `{want}`"
+        )
+    return packed
+
+
 _KIND_DECL = {
     "tensor": "a device/constant pointer",
     "int": "`constant long&` (int64)",
@@ -392,6 +437,11 @@ class EmulatorKernel:
         keep = []
         for i, (a, p) in enumerate(zip(args, k.buffers)):
             where = f"[{k.name}] argument {i} ({p.name}: `{p.type}`)"
+            if isinstance(a, (list, tuple)):
+                box = _packed_list(where, a, p)
+                keep.append(box)  # must outlive the call
+                slots[i] = ctypes.addressof(box)
+                continue
             got = (
                 "tensor"
                 if isinstance(a, torch.Tensor)

@@ -57,6 +57,8 @@ class Param:
     attr: str  # "buffer", a position attribute name, or "" (none)
     index: int | None = None  # the i of [[buffer(i)]]
     kind: str = ""  # buffers: "tensor" | "int" | "float"
+    constant: bool = False  # a pointer into the constant address space (a packed list of numbers may bind here)
+    base: str = ""  # buffers: the declared type without qualifiers, `*` and `&` ("long", "float4", a struct)
     scalar: str | None = None  # pointee scalar type name for dtype checks ("float", "int", ...)
 
 
@@ -149,10 +151,11 @@ def _parse_param(kname: str, text: str) -> Param:
         p.index = int(idx)
         if re.search(r"\bthreadgroup\b", type_):
             raise EmulatorError(f"[{kname}] threadgroup pointer params are not supported: {text!r}")
-        base = _base_type(type_)
+        base = p.base = _base_type(type_)
         p.scalar = _scalar_of(base)
         if type_.endswith("*"):
             p.kind = "tensor"
+            p.constant = re.search(r"\bconstant\b", type_) is not None
         elif type_.endswith("&"):
             p.kind = "int" if base in _INT64_REF_TYPES else "float" if base == "float" else "tensor"
         else:
