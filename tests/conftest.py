@@ -90,7 +90,6 @@ SLOW_TESTS = {
     "tests/engine/test_resume_cli.py::test_resumed_run_is_bit_identical_to_the_uninterrupted_one[ctrl_c]",
     "tests/export/test_export_formats.py::test_sh0_run_exports_rgb_as_dc",
     "tests/export/test_export_glb.py::test_babylon_draws_it",
-    "tests/export/test_export_glb.py::test_cli_writes_it_and_the_validator_finds_no_other_error",
     "tests/export/test_export_glb.py::test_decoded_renders_as_the_model",
     "tests/export/test_export_glb.py::test_interrupted_glb_writes_nothing",
     "tests/export/test_export_glb.py::test_playcanvas_engine_draws_it_as_the_ply",
