@@ -1,7 +1,7 @@
 """The fast tier (`bash scripts/test.sh -m "not slow"`, tests/conftest.py SLOW_TESTS) keeps what it is for:
 
 - every test file has at least one fast test;
-- every entry of SLOW_TESTS names a test that exists (a renamed test would otherwise drop silently into the
+- every entry of SLOW_TESTS names a test that exists, and every LONG_FILES entry a file, (a renamed test would otherwise drop silently into the
   fast tier, or a stale line hide that its test is gone);
 - every Metal stage the host can build (variants.library_variants) and every native CPU source has a fast test
   that compares it against the reference (STAGE_TESTS);
@@ -120,6 +120,16 @@ def test_every_slow_entry_names_a_test_that_exists():
     defined = defined_tests()
     stale = sorted(t for t in SLOW_TESTS if t.split("[")[0] not in defined)
     assert not stale, f"SLOW_TESTS names tests that no file defines (renamed or removed?): {stale}"
+    long_files = ast.literal_eval(
+        CONFTEST[
+            CONFTEST.index("(", CONFTEST.index("LONG_FILES = (")) : CONFTEST.index(
+                "\n)\n", CONFTEST.index("LONG_FILES = (")
+            )
+            + 2
+        ]
+    )
+    missing = [path for path in long_files if not (REPO / path).is_file()]
+    assert not missing, f"LONG_FILES names files that do not exist: {missing}"
 
 
 def test_every_metal_stage_and_cpu_source_has_a_fast_reference_comparison():
