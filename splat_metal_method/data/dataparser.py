@@ -243,6 +243,218 @@ def _split_problem(meta: dict, names: List[str], resolve, config: NerfstudioData
     return None
 
 
+@dataclass
+class _Checks:
+    """The checks of one dataset: each appends its problems (messages) to ``problems``, in the order
+    check_dataset runs them, which is the order they are listed."""
+
+    transforms: Path  # transforms.json
+    data_dir: Path
+    meta: dict  # transforms.json, parsed
+    config: NerfstudioDataParserConfig
+    problems: List[str] = field(default_factory=list)
+    factor: int = 1  # nerfstudio reads images_<factor>/ (masks_<factor>/) when it downscales
+
+    @property
+    def camera_model(self):
+        return self.meta.get("camera_model", "PINHOLE")
+
+    def frame_count(self) -> None:
+        if len(self.meta["frames"]) < 2:
+            self.problems.append(
+                f"{self.transforms} lists 1 frame; add more: nerfstudio scales the scene by the spread of the camera "
+                "positions (one camera has none) and a scene needs views from several positions"
+            )
+
+    def camera_model_known(self) -> None:
+        camera_model, transforms = self.camera_model, self.transforms
+        if not isinstance(camera_model, str) or camera_model not in CAMERA_MODEL_TO_TYPE:
+            self.problems.append(
+                f"unknown camera_model {camera_model!r} in {transforms}; nerfstudio reads "
+                f"{', '.join(CAMERA_MODEL_TO_TYPE)} (ns-process-data writes OPENCV or OPENCV_FISHEYE)"
+            )
+        elif CAMERA_MODEL_TO_TYPE[camera_model] not in RASTERIZED_CAMERA_TYPES:
+            self.problems.append(
+                f"camera_model {camera_model} in {transforms}: splat-metal renders pinhole views (nerfstudio "
+                "undistorts OPENCV and fisheye images into them, not this model); for a 360° capture make "
+                "perspective crops with `ns-process-data images --camera-type equirectangular --images-per-equirect 8`"
+            )
+
+    def value(self, key: str, value, where: str) -> bool:
+        """One camera value (``where``: "" for the shared ones, "frame i (path): " for a frame's); True if usable."""
+        x, transforms = _number(value), self.transforms
+        if key in ("fl_x", "fl_y") and (x is None or x <= 0):
+            self.problems.append(f"{where}focal length {key} = {value!r} in {transforms}; it must be a number > 0")
+            return False
+        if key in ("cx", "cy") and (x is None or x <= 0):
+            self.problems.append(f"{where}principal point {key} = {value!r} in {transforms}; it must be a number > 0")
+            return False
+        if key in ("w", "h") and (x is None or x <= 0 or x != int(x)):
+            self.problems.append(f"{where}image size {key} = {value!r} in {transforms}; it must be a whole number > 0")
+            return False
+        if x is None:
+            self.problems.append(f"{where}{key} = {value!r} in {transforms}; it must be a finite number")
+            return False
+        return True
+
+    def distortion(self, owner: dict, where: str) -> None:
+        """The distortion values of ``owner`` (transforms.json's top level or a frame)."""
+        camera_model, transforms = self.camera_model, self.transforms
+        for key in DISTORTION_KEYS:
+            if key in owner:
+                self.value(key, owner[key], where)
+        k4 = _number(owner.get("k4", 0))
+        perspective = isinstance(camera_model, str) and CAMERA_MODEL_TO_TYPE.get(camera_model) == CameraType.PERSPECTIVE
+        if k4 and perspective:
+            self.problems.append(  # nerfstudio's undistortion asserts on it at the first step
+                f"{where}k4 = {owner['k4']} in {transforms} with camera_model {camera_model}: nerfstudio undistorts k4 "
+                "only for OPENCV_FISHEYE; set k4 to 0 (COLMAP's OPENCV has no k4) or camera_model to OPENCV_FISHEYE "
+                "for a fisheye lens"
+            )
+        params = owner.get("distortion_params")
+        if params is not None and not (
+            isinstance(params, list) and len(params) == 6 and all(_number(x) is not None for x in params)
+        ):
+            self.problems.append(
+                f"{where}distortion_params in {transforms} must be 6 finite numbers [k1, k2, k3, k4, p1, p2]"
+            )
+
+    def image_folder(self, named: List[dict]) -> bool:
+        """Sets ``factor`` (the user's --downscale-factor or nerfstudio's choice); False if its folder is missing
+        (then no image can be checked)."""
+        self.factor = self.config.downscale_factor or _auto_downscale_factor(self.data_dir, named[0]["file_path"])
+        folder = self.data_dir / f"images_{self.factor}"
+        if self.factor > 1 and not folder.is_dir():
+            self.problems.append(
+                f"--downscale-factor {self.factor} reads images from {folder}, which does not exist; make it with "
+                f"ns-process-data (--num-downscales 3 writes images_2/, images_4/, images_8/), or drop "
+                f"--downscale-factor and pass --pipeline.datamanager.camera-res-scale-factor {1 / self.factor:g} "
+                "(nerfstudio then resizes each image as it loads it)"
+            )
+            return False
+        return True
+
+    def resolve(self, file_path: str, prefix: str = "images_") -> Path:
+        factor = self.factor
+        return self.data_dir / f"{prefix}{factor}" / Path(file_path).name if factor > 1 else self.data_dir / file_path
+
+    def downscale_fix(self) -> str:
+        """The fix for a missing or wrongly sized image in images_<factor>/, chosen by the user or by nerfstudio
+        for images over 1600 px."""
+        return (
+            f"; remake {self.data_dir / f'images_{self.factor}'} at 1/{self.factor} of the size transforms.json "
+            "gives (ns-process-data --num-downscales), or "
+            + (
+                "drop --downscale-factor"
+                if self.config.downscale_factor
+                else "use the originals: `nerfstudio-data --downscale-factor 1`"
+            )
+        )
+
+    def all_or_none(self) -> None:
+        """Masks and depth images: for every frame or for none."""
+        frames = self.meta["frames"]
+        for key, name in (("mask_path", "mask"), ("depth_file_path", "depth image")):
+            having = sum(isinstance(f, dict) and key in f for f in frames)
+            if 0 < having < len(frames):
+                self.problems.append(
+                    f"{having} of the {len(frames)} frames in {self.transforms} have a {key}; nerfstudio needs a "
+                    f"{name} for every frame or for none (remove {key} or add the missing ones)"
+                )
+
+    def frame_camera(self, frame: dict, label: str, shared_ok: Dict[str, bool]) -> Optional[Tuple[int, int]]:
+        """The frame's camera values and distortion, and its pose; -> the (w, h) its camera gives, None if unusable."""
+        camera_ok = True
+        for key in CAMERA_KEYS:
+            if key in frame:
+                camera_ok &= self.value(key, frame[key], f"{label}: ")
+            elif key in self.meta:
+                camera_ok &= shared_ok[key]
+            else:
+                self.problems.append(
+                    f"{label}: no {key} in {self.transforms} (neither shared nor in the frame); give every frame "
+                    "fl_x, fl_y, cx, cy, w, h or put them at the top of the file"
+                )
+                camera_ok = False
+        self.distortion(frame, f"{label}: ")
+        camera = {key: _number(frame.get(key, self.meta.get(key))) for key in CAMERA_KEYS} if camera_ok else None
+        pose = _pose_problem(frame)
+        if pose:
+            self.problems.append(f"{label}: transform_matrix in {self.transforms} {pose}")
+        return (int(camera["w"]), int(camera["h"])) if camera_ok else None
+
+    def frame_files(self, i: int, frame: dict, label: str, first_use: Dict[Path, int]) -> Optional[Path]:
+        """The frame's image (listed once, a file) and mask; -> the image if it is there to decode."""
+        image = self.resolve(frame["file_path"])
+        if image in first_use:
+            self.problems.append(
+                f"{label}: image {image} is also frame {first_use[image]}'s; each image must be listed once "
+                "(remove one of the two frames)"
+            )
+        first_use.setdefault(image, i)
+        found = None
+        if image.is_dir():
+            self.problems.append(f"{label}: image {image} is a folder, not an image file; give the image's own path")
+        elif not image.is_file():
+            self.problems.append(
+                f"{label}: image {image} does not exist" + (self.downscale_fix() if self.factor > 1 else "")
+            )
+        else:
+            found = image
+        if "mask_path" in frame:
+            mask = self.resolve(str(frame["mask_path"]), "masks_")
+            problem = _mask_problem(mask, image)
+            if problem:
+                self.problems.append(f"{label}: mask {mask} {problem}")
+        return found
+
+    def split(self, named: List[dict]) -> None:
+        names = sorted(str(self.resolve(f["file_path"])) for f in named)
+        split = _split_problem(self.meta, names, self.resolve, self.config) if len(self.meta["frames"]) >= 2 else None
+        if split:
+            self.problems.append(f"{self.transforms} {split}")
+
+    def camera_spread(self, named: List[dict]) -> None:
+        positions = [np.array(f["transform_matrix"], dtype=float)[:3, 3] for f in named if _is_pose(f)]
+        if len(positions) >= 2 and self.config.auto_scale_poses and self.config.center_method == "poses":
+            spread = np.abs(np.array(positions) - np.mean(positions, axis=0)).max()
+            if not spread > 0:
+                self.problems.append(
+                    f"all {len(positions)} cameras in {self.transforms} are at the same position; nerfstudio scales "
+                    "the scene by their spread (it would divide by zero): a capture needs camera movement, not "
+                    "only turning"
+                )
+
+    def seed_points(self) -> None:
+        seed_points = self.data_dir / str(self.meta.get("ply_file_path"))
+        problem = "do not exist" if not seed_points.is_file() else _seed_points_problem(seed_points)
+        if problem:
+            self.problems.append(
+                f"seed points {seed_points} (ply_file_path) {problem}; fix or re-export them (ns-process-data "
+                "writes them from COLMAP's points), or start from random gaussians with "
+                "`nerfstudio-data --load-3D-points False` at the end of the ns-train command"
+            )
+
+    def decoded(self, to_decode: List[Tuple[Path, Tuple[int, int], str]]) -> None:
+        """Decodes the images (in a few threads) and compares their sizes with what their cameras say."""
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            results = list(pool.map(_decode, [image for image, _, _ in to_decode]))
+        for (image, expected, label), result in zip(to_decode, results):
+            if isinstance(result, str):
+                self.problems.append(f"{label}: image {image} {result}")
+            elif tuple(result) != expected:
+                says = f"w={expected[0]}, h={expected[1]}"
+                if self.factor > 1:
+                    says += f" (transforms.json's size / {self.factor}){self.downscale_fix()}"
+                else:
+                    says += " (all images must have the size their camera gives)"
+                if tuple(result) == expected[::-1]:
+                    says += "; width and height are swapped: was the image rotated (EXIF orientation)?"
+                self.problems.append(
+                    f"{label}: image {image} is {result[0]}x{result[1]} but its camera in {self.transforms} says {says}"
+                )
+
+
 def check_dataset(
     data: Path,
     inference: bool = False,
@@ -258,188 +470,37 @@ def check_dataset(
     data = Path(data)
     config = config if config is not None else NerfstudioDataParserConfig(load_3D_points=load_3D_points)
     transforms, data_dir, meta = _read_transforms(data)
-    frames = meta["frames"]
-    problems: List[str] = []
+    check = _Checks(transforms, data_dir, meta, config)
+    check.frame_count()
+    check.camera_model_known()
+    shared_ok = {key: check.value(key, meta[key], "") for key in CAMERA_KEYS if key in meta}  # shared by all frames
+    check.distortion(meta, "")
+    named = [f for f in meta["frames"] if isinstance(f, dict) and isinstance(f.get("file_path"), str)]
+    check_files = not inference and (not named or check.image_folder(named))
+    check.all_or_none()
+
+    first_use: Dict[Path, int] = {}  # image path -> index of the first frame that lists it
     to_decode: List[Tuple[Path, Tuple[int, int], str]] = []  # (image, (w, h) its camera says, frame label)
-
-    if len(frames) < 2:
-        problems.append(
-            f"{transforms} lists 1 frame; add more: nerfstudio scales the scene by the spread of the camera "
-            "positions (one camera has none) and a scene needs views from several positions"
-        )
-    camera_model = meta.get("camera_model", "PINHOLE")
-    if not isinstance(camera_model, str) or camera_model not in CAMERA_MODEL_TO_TYPE:
-        problems.append(
-            f"unknown camera_model {camera_model!r} in {transforms}; nerfstudio reads "
-            f"{', '.join(CAMERA_MODEL_TO_TYPE)} (ns-process-data writes OPENCV or OPENCV_FISHEYE)"
-        )
-    elif CAMERA_MODEL_TO_TYPE[camera_model] not in RASTERIZED_CAMERA_TYPES:
-        problems.append(
-            f"camera_model {camera_model} in {transforms}: splat-metal renders pinhole views (nerfstudio undistorts "
-            "OPENCV and fisheye images into them, not this model); for a 360° capture make perspective crops "
-            "with `ns-process-data images --camera-type equirectangular --images-per-equirect 8`"
-        )
-
-    def check_value(key: str, value, where: str) -> bool:
-        x = _number(value)
-        if key in ("fl_x", "fl_y") and (x is None or x <= 0):
-            problems.append(f"{where}focal length {key} = {value!r} in {transforms}; it must be a number > 0")
-            return False
-        if key in ("cx", "cy") and (x is None or x <= 0):
-            problems.append(f"{where}principal point {key} = {value!r} in {transforms}; it must be a number > 0")
-            return False
-        if key in ("w", "h") and (x is None or x <= 0 or x != int(x)):
-            problems.append(f"{where}image size {key} = {value!r} in {transforms}; it must be a whole number > 0")
-            return False
-        if x is None:
-            problems.append(f"{where}{key} = {value!r} in {transforms}; it must be a finite number")
-            return False
-        return True
-
-    def check_distortion(owner: dict, where: str) -> None:
-        for key in DISTORTION_KEYS:
-            if key in owner:
-                check_value(key, owner[key], where)
-        k4 = _number(owner.get("k4", 0))
-        perspective = isinstance(camera_model, str) and CAMERA_MODEL_TO_TYPE.get(camera_model) == CameraType.PERSPECTIVE
-        if k4 and perspective:
-            problems.append(  # nerfstudio's undistortion asserts on it at the first step
-                f"{where}k4 = {owner['k4']} in {transforms} with camera_model {camera_model}: nerfstudio undistorts k4 "
-                "only for OPENCV_FISHEYE; set k4 to 0 (COLMAP's OPENCV has no k4) or camera_model to OPENCV_FISHEYE "
-                "for a fisheye lens"
-            )
-        params = owner.get("distortion_params")
-        if params is not None and not (
-            isinstance(params, list) and len(params) == 6 and all(_number(x) is not None for x in params)
-        ):
-            problems.append(
-                f"{where}distortion_params in {transforms} must be 6 finite numbers [k1, k2, k3, k4, p1, p2]"
-            )
-
-    shared_ok = {key: check_value(key, meta[key], "") for key in CAMERA_KEYS if key in meta}  # shared by all frames
-    check_distortion(meta, "")
-
-    # nerfstudio reads images (and masks) from images_<factor>/ (masks_<factor>/) when it downscales.
-    named = [f for f in frames if isinstance(f, dict) and isinstance(f.get("file_path"), str)]
-    factor, check_files = 1, not inference
-    if check_files and named:
-        factor = config.downscale_factor or _auto_downscale_factor(data_dir, named[0]["file_path"])
-        folder = data_dir / f"images_{factor}"
-        if factor > 1 and not folder.is_dir():
-            problems.append(
-                f"--downscale-factor {factor} reads images from {folder}, which does not exist; make it with "
-                f"ns-process-data (--num-downscales 3 writes images_2/, images_4/, images_8/), or drop "
-                f"--downscale-factor and pass --pipeline.datamanager.camera-res-scale-factor {1 / factor:g} "
-                "(nerfstudio then resizes each image as it loads it)"
-            )
-            check_files = False  # its images cannot be checked
-
-    def resolve(file_path: str, prefix: str = "images_") -> Path:
-        return data_dir / f"{prefix}{factor}" / Path(file_path).name if factor > 1 else data_dir / file_path
-
-    downscale_fix = (  # images_<factor>/ chosen by the user, or by nerfstudio for images over 1600 px
-        f"; remake {data_dir / f'images_{factor}'} at 1/{factor} of the size transforms.json gives "
-        "(ns-process-data --num-downscales), or "
-        + (
-            "drop --downscale-factor"
-            if config.downscale_factor
-            else "use the originals: `nerfstudio-data --downscale-factor 1`"
-        )
-    )
-    for key, name in (("mask_path", "mask"), ("depth_file_path", "depth image")):
-        having = sum(isinstance(f, dict) and key in f for f in frames)
-        if 0 < having < len(frames):
-            problems.append(
-                f"{having} of the {len(frames)} frames in {transforms} have a {key}; nerfstudio needs a {name} "
-                f"for every frame or for none (remove {key} or add the missing ones)"
-            )
-
-    first_use = {}  # image path -> index of the first frame that lists it
-    for i, frame in enumerate(frames):
+    for i, frame in enumerate(meta["frames"]):
         if not isinstance(frame, dict) or not isinstance(frame.get("file_path"), str):
-            problems.append(f'frame {i} in {transforms} has no "file_path"; give every frame its image file')
+            check.problems.append(f'frame {i} in {transforms} has no "file_path"; give every frame its image file')
             continue
         label = f"frame {i} ({frame['file_path']})"
-        camera_ok = True
-        for key in CAMERA_KEYS:
-            if key in frame:
-                camera_ok &= check_value(key, frame[key], f"{label}: ")
-            elif key in meta:
-                camera_ok &= shared_ok[key]
-            else:
-                problems.append(
-                    f"{label}: no {key} in {transforms} (neither shared nor in the frame); give every frame "
-                    "fl_x, fl_y, cx, cy, w, h or put them at the top of the file"
-                )
-                camera_ok = False
-        check_distortion(frame, f"{label}: ")
-        camera = {key: _number(frame.get(key, meta.get(key))) for key in CAMERA_KEYS} if camera_ok else None
-        size = (int(camera["w"]), int(camera["h"])) if camera_ok else None
-        pose = _pose_problem(frame)
-        if pose:
-            problems.append(f"{label}: transform_matrix in {transforms} {pose}")
-        if not check_files:
-            continue
-        image = resolve(frame["file_path"])
-        if image in first_use:
-            problems.append(
-                f"{label}: image {image} is also frame {first_use[image]}'s; each image must be listed once "
-                "(remove one of the two frames)"
-            )
-        first_use.setdefault(image, i)
-        if image.is_dir():
-            problems.append(f"{label}: image {image} is a folder, not an image file; give the image's own path")
-        elif not image.is_file():
-            problems.append(f"{label}: image {image} does not exist" + (downscale_fix if factor > 1 else ""))
-        elif size is not None:
-            to_decode.append((image, _downscaled(size, factor) if factor > 1 else size, label))
-        if "mask_path" in frame:
-            mask = resolve(str(frame["mask_path"]), "masks_")
-            problem = _mask_problem(mask, image)
-            if problem:
-                problems.append(f"{label}: mask {mask} {problem}")
+        size = check.frame_camera(frame, label, shared_ok)
+        image = check.frame_files(i, frame, label, first_use) if check_files else None
+        if image is not None and size is not None:
+            to_decode.append((image, _downscaled(size, check.factor) if check.factor > 1 else size, label))
 
-    names = sorted(str(resolve(f["file_path"])) for f in named)
-    split = _split_problem(meta, names, resolve, config) if len(frames) >= 2 else None
-    if split:
-        problems.append(f"{transforms} {split}")
-    positions = [np.array(f["transform_matrix"], dtype=float)[:3, 3] for f in named if _is_pose(f)]
-    if len(positions) >= 2 and config.auto_scale_poses and config.center_method == "poses":
-        spread = np.abs(np.array(positions) - np.mean(positions, axis=0)).max()
-        if not spread > 0:
-            problems.append(
-                f"all {len(positions)} cameras in {transforms} are at the same position; nerfstudio scales the "
-                "scene by their spread (it would divide by zero): a capture needs camera movement, not only turning"
-            )
-
-    seed_points = data_dir / str(meta.get("ply_file_path"))
+    check.split(named)
+    check.camera_spread(named)
     if not inference and config.load_3D_points and "ply_file_path" in meta:  # what nerfstudio then reads
-        problem = "do not exist" if not seed_points.is_file() else _seed_points_problem(seed_points)
-        if problem:
-            problems.append(
-                f"seed points {seed_points} (ply_file_path) {problem}; fix or re-export them (ns-process-data "
-                "writes them from COLMAP's points), or start from random gaussians with "
-                "`nerfstudio-data --load-3D-points False` at the end of the ns-train command"
-            )
-
+        check.seed_points()
     if to_decode:
-        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            results = list(pool.map(_decode, [image for image, _, _ in to_decode]))
-        for (image, expected, label), result in zip(to_decode, results):
-            if isinstance(result, str):
-                problems.append(f"{label}: image {image} {result}")
-            elif tuple(result) != expected:
-                says = f"w={expected[0]}, h={expected[1]}"
-                if factor > 1:
-                    says += f" (transforms.json's size / {factor}){downscale_fix}"
-                else:
-                    says += " (all images must have the size their camera gives)"
-                if tuple(result) == expected[::-1]:
-                    says += "; width and height are swapped: was the image rotated (EXIF orientation)?"
-                problems.append(
-                    f"{label}: image {image} is {result[0]}x{result[1]} but its camera in {transforms} says {says}"
-                )
+        check.decoded(to_decode)
+    _raise_problems(data, check.problems)
 
+
+def _raise_problems(data: Path, problems: List[str]) -> None:
     if problems:
         shown = problems[:MAX_LISTED_PROBLEMS]
         more = len(problems) - len(shown)

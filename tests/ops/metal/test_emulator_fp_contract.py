@@ -16,13 +16,9 @@ transmittance stop) could then flip between the forward and the backward kernels
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from emulator_builds import run_suite_under_build
 from scenes import garden_scene
 
 from splat_metal_method.ops import rasterization
@@ -31,7 +27,6 @@ from splat_metal_method.ops.metal.emulator import compile_library, library
 
 pytestmark = pytest.mark.skipif(not library._cpu_has_fma(), reason="the fp-contraction build needs x86-64 with FMA")
 
-ROOT = Path(__file__).resolve().parents[3]
 MAD = """#include <metal_stdlib>
 using namespace metal;
 kernel void mad(device float* out [[buffer(0)]], device const float* a [[buffer(1)]],
@@ -66,14 +61,7 @@ def test_the_build_fuses_multiply_adds(monkeypatch, tmp_path):
 
 
 def test_kernel_comparisons_hold_under_fp_contraction():
-    env = dict(
-        os.environ, SPLAT_METAL_EMU_FP_CONTRACT="1", SPLAT_METAL_EMU_SEED="0"
-    )  # the libraries cached by build flags
-    env.pop("PYTEST_ADDOPTS", None)
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", *SUITE],
-        cwd=ROOT, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+    res = run_suite_under_build({"SPLAT_METAL_EMU_FP_CONTRACT": "1"}, SUITE)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert " passed" in res.stdout, res.stdout[-2000:]
 

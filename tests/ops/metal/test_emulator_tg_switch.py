@@ -16,13 +16,9 @@ memory between barriers loses updates as it can on a GPU.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from emulator_builds import run_suite_under_build
 
 from splat_metal_method.ops.metal.emulator import EmulatorError, compile_library, library
 
@@ -30,7 +26,6 @@ pytestmark = pytest.mark.skipif(
     "clang" in library._compiler_version(), reason="the switch build needs g++'s -fsanitize=thread hooks (not clang)"
 )
 
-ROOT = Path(__file__).resolve().parents[3]
 COUNTERS = """#include <metal_stdlib>
 using namespace metal;
 // BUG on purpose: a non-atomic read-modify-write of one threadgroup word by every thread.
@@ -104,15 +99,7 @@ def test_a_lost_update_in_threadgroup_memory_shows_only_in_the_switch_build(monk
 
 
 def test_kernel_suite_passes_under_the_switch_build():
-    env = dict(
-        os.environ, SPLAT_METAL_EMU_TG_SWITCH="1", SPLAT_METAL_EMU_SEED="0"
-    )  # the libraries cached by build flags
-    env.pop("PYTEST_ADDOPTS", None)
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-p", "no:randomly",
-         *SUITE],
-        cwd=ROOT, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+    res = run_suite_under_build({"SPLAT_METAL_EMU_TG_SWITCH": "1"}, SUITE)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert " passed" in res.stdout and " skipped" not in res.stdout.split("\n")[-2], res.stdout[-2000:]
 
