@@ -75,6 +75,9 @@ class ExportSplats:
     """Version of the .spz: 3 (gzip; every SPZ reader opens it, Spark included) or 4 (Niantic's
     current layout, one ZSTD stream per attribute; Niantic's library and splat-transform read it,
     Spark 2.2 does not)."""
+    glb_compression: Literal["none", "spz"] = "none"
+    """Compression of the .glb: none (float32 attributes, KHR_gaussian_splatting) or spz (one SPZ version 3
+    stream in KHR_gaussian_splatting_compression_spz_2, the files CesiumJS draws; gltf_file.py)."""
     lod_levels: int = 4
     """Levels of detail in --format lod: the model, then each level a quarter of the one before."""
     obb_center: Optional[Tuple[float, float, float]] = None
@@ -133,6 +136,7 @@ class ExportSplats:
             device=model.device if {"sog", "lod"} & set(formats) else None,
             spz_version=self.spz_version,
             lod_levels=self.lod_levels,
+            glb_compression=self.glb_compression,
         )  # torch for .sog and lod only
 
         say = _Summary()
@@ -267,7 +271,13 @@ def _check_checkpoints(config_path: Path, ckpt_dir: Path) -> None:
 
 
 def _write_all(
-    g, formats: List[str], targets: List[Path], device=None, spz_version: int = 3, lod_levels: int = 4
+    g,
+    formats: List[str],
+    targets: List[Path],
+    device=None,
+    spz_version: int = 3,
+    lod_levels: int = 4,
+    glb_compression: str = "none",
 ) -> dict:
     """Writes every format to a temporary file, then renames them all into place.
     Returns {format: (bytes, note, seconds)}."""
@@ -281,7 +291,7 @@ def _write_all(
             for fmt, target in zip(formats, targets):
                 tmp = stack.enter_context(atomic_folder(target) if fmt == "lod" else atomic_path(target))
                 started = time.perf_counter()
-                size, note = _write_one(g, fmt, tmp, device, bar(target.name), spz_version, lod_levels)
+                size, note = _write_one(g, fmt, tmp, device, bar(target.name), spz_version, lod_levels, glb_compression)
                 sizes[fmt] = (size, note, time.perf_counter() - started)
     except KeyboardInterrupt:
         raise ExportError("interrupted; nothing was written (files already there are untouched).") from None
@@ -295,7 +305,7 @@ def _write_all(
 
 
 def _write_one(g, fmt: str, path: Path, device=None, report=None, spz_version: int = 3,
-               lod_levels: int = 4) -> Tuple[int, str]:  # fmt: skip
+               lod_levels: int = 4, glb_compression: str = "none") -> Tuple[int, str]:  # fmt: skip
     if fmt == "lod":
         from .lod_file import write_lod
         from .playcanvas import kmeans_device
@@ -309,7 +319,8 @@ def _write_one(g, fmt: str, path: Path, device=None, report=None, spz_version: i
     if fmt == "glb":
         from .gltf_file import write_glb
 
-        return write_glb(g, path, report)
+        size, note = write_glb(g, path, report, glb_compression)
+        return size, (", SPZ-compressed (version 3 stream)" if glb_compression == "spz" else "") + note
     if fmt in ("sog", "compressed-ply"):
         from .playcanvas import write_playcanvas
 

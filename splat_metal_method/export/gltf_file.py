@@ -29,6 +29,7 @@ colour), so the node has no transform and the scene stands upright in a glTF vie
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from dataclasses import dataclass
@@ -41,6 +42,9 @@ from .gaussians import SH_C0, ExportGaussians
 from .progress import Report, or_none
 
 EXTENSION = "KHR_gaussian_splatting"
+SPZ_EXTENSION = "KHR_gaussian_splatting_compression_spz_2"
+COMPRESSIONS = ("none", "spz")
+SPZ_STREAM_VERSION = 3  # CesiumJS's decoder (@spz-loader/core 0.3.1, Niantic's C++ in wasm) reads gzip SPZ only
 GLB_MAGIC, GLB_VERSION = 0x46546C67, 2  # "glTF"
 JSON_CHUNK, BIN_CHUNK = 0x4E4F534A, 0x004E4942  # "JSON", "BIN\0"
 FLOAT, UNSIGNED_BYTE = 5126, 5121
@@ -117,31 +121,76 @@ class GlbLayout:
     note: str
 
 
-def glb_layout(g: ExportGaussians, generator: str = "splat-metal-export") -> GlbLayout:
+def _spz_gaussians(g: ExportGaussians, attributes: List[Tuple[str, np.ndarray]]) -> ExportGaussians:
+    """g with the turned values of ``attributes`` (gltf_attributes' POSITION, ROTATION and SH bands
+    1-3, in glTF's axes): what the SPZ stream holds, so that a reader decoding it without any axis
+    conversion gets the uncompressed file's attributes."""
+    a = dict(attributes)
+    degree = min(g.sh_degree, MAX_SH_DEGREE)
+    rest = [a[f"{EXTENSION}:SH_DEGREE_{band}_COEF_{i}"] for band in range(1, degree + 1) for i in range(2 * band + 1)]
+    return dataclasses.replace(
+        g,
+        means=a["POSITION"],
+        quats=np.roll(a[f"{EXTENSION}:ROTATION"], 1, axis=1),  # [N, 4] xyzw -> wxyz
+        sh_rest=np.stack(rest, axis=1) if rest else np.zeros((g.count, 0, 3), np.float32),  # [N, D, 3]
+        sh_degree=degree,
+    )
+
+
+def glb_layout(g: ExportGaussians, generator: str = "splat-metal-export", compression: str = "none") -> GlbLayout:
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"[glb] compression must be one of {', '.join(COMPRESSIONS)}, got {compression!r}")
     attributes = gltf_attributes(g)
     accessors, views, arrays, offset = [], [], [], 0
-    for i, (semantic, array) in enumerate(attributes):
+    primitive_extension = {"kernel": "ellipse", "colorSpace": "srgb_rec709_display"}
+    if compression == "spz":
+        from .spz_file import encode_spz
+
+        spz = encode_spz(_spz_gaussians(g, attributes), SPZ_STREAM_VERSION)
+        stream = np.frombuffer(spz.data, np.uint8)
+        a = dict(attributes)
+        fixed = a["POSITION"] * np.float32(1 << spz.fractional_bits)  # [N, 3] float32, as encode_spz rounds it
+        decoded = np.trunc(fixed.astype(np.float64) + np.copysign(0.5, fixed)) / (1 << spz.fractional_bits)
+        rgb = np.clip(0.5 + SH_C0 * g.sh_dc.astype(np.float64), 0, 1)  # [N, 3] as decoded: 0.5 + SH_C0 dc, sRGB
+        color = np.rint(np.concatenate([rgb, a[f"{EXTENSION}:OPACITY"]], axis=1) * 255).astype(np.uint8)
+        # the sub-extension's attributes, shapes and bounds only (the accessors hold no data)
+        attributes = (
+            [("POSITION", decoded.astype(np.float32)), ("COLOR_0", color)]
+            + [(s, v) for s, v in attributes if s in (f"{EXTENSION}:SCALE", f"{EXTENSION}:ROTATION")]
+            + [(s, v) for s, v in attributes if "SH_DEGREE_" in s and not s.endswith("SH_DEGREE_0_COEF_0")]
+        )
+        views.append({"buffer": 0, "byteOffset": 0, "byteLength": len(stream)})
+        arrays.append(stream)
+        offset = len(stream) + (-len(stream) % 4)
+        if offset > len(stream):
+            arrays.append(np.zeros(offset - len(stream), np.uint8))  # the BIN chunk is padded to 4 bytes
+        primitive_extension["extensions"] = {SPZ_EXTENSION: {"bufferView": 0}}
+    for semantic, array in attributes:
         array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))  # little-endian, no copy if it is
         kind = {1: "SCALAR", 3: "VEC3", 4: "VEC4"}[array.shape[1]]
-        accessor = {"bufferView": i, "componentType": UNSIGNED_BYTE if array.dtype == np.uint8 else FLOAT,
+        accessor = {"componentType": UNSIGNED_BYTE if array.dtype == np.uint8 else FLOAT,
                     "count": int(len(array)), "type": kind}  # fmt: skip
         if array.dtype == np.uint8:
             accessor["normalized"] = True
         if semantic == "POSITION":  # glTF requires the bounds of POSITION
             accessor["min"] = [float(v) for v in array.min(axis=0)]
             accessor["max"] = [float(v) for v in array.max(axis=0)]
-        views.append({"buffer": 0, "byteOffset": offset, "byteLength": array.nbytes, "target": ARRAY_BUFFER})
+        if compression == "none":  # with SPZ the accessors hold no data: the sub-extension's stream has it
+            accessor = {"bufferView": len(views), **accessor}
+            views.append({"buffer": 0, "byteOffset": offset, "byteLength": array.nbytes, "target": ARRAY_BUFFER})
+            arrays.append(array)
+            offset += array.nbytes  # 4-byte elements: every view stays aligned
         accessors.append(accessor)
-        arrays.append(array)
-        offset += array.nbytes  # 4-byte elements: every view stays aligned
+    used = [EXTENSION] + ([SPZ_EXTENSION] if compression == "spz" else [])
     primitive = {
         "attributes": {semantic: i for i, (semantic, _) in enumerate(attributes)},
         "mode": 0,  # POINTS
-        "extensions": {EXTENSION: {"kernel": "ellipse", "colorSpace": "srgb_rec709_display"}},
+        "extensions": {EXTENSION: primitive_extension},
     }
     gltf = {
         "asset": {"version": "2.0", "generator": generator},
-        "extensionsUsed": [EXTENSION],
+        "extensionsUsed": used,
+        **({"extensionsRequired": used} if compression == "spz" else {}),  # accessors without data otherwise
         "scene": 0,
         "scenes": [{"nodes": [0]}],
         "nodes": [{"mesh": 0}],
@@ -161,10 +210,13 @@ def glb_layout(g: ExportGaussians, generator: str = "splat-metal-export") -> Glb
     return GlbLayout(header, arrays, size, note)
 
 
-def write_glb(g: ExportGaussians, path, report: Optional[Report] = None) -> Tuple[int, str]:
-    """Writes the .glb to ``path``; returns (bytes, note for the summary)."""
+def write_glb(g: ExportGaussians, path, report: Optional[Report] = None, compression: str = "none") -> Tuple[int, str]:
+    """Writes the .glb to ``path`` (``compression`` "none" or "spz"); returns (bytes, note for the
+    summary)."""
     report = or_none(report)
-    layout = glb_layout(g)
+    if compression == "spz":
+        report("SPZ stream", 0, 1)
+    layout = glb_layout(g, compression=compression)
     with open(path, "wb") as f:
         f.write(layout.header)
         for i, array in enumerate(layout.arrays):

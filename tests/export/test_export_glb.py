@@ -518,3 +518,26 @@ def test_babylon_draws_it(glb_export, tmp_path):
     print(f"Babylon.js vs the model: .glb {psnr:.1f} dB; upside down {flipped:.1f} dB")
     assert psnr >= BABYLON_PSNR, f"Babylon.js draws the .glb at {psnr:.1f} dB of the model (< {BABYLON_PSNR})"
     assert flipped < BABYLON_PSNR - 15, f"upside down {flipped:.1f} dB: no teeth"
+
+
+@pytest.mark.parametrize("degree", [0, 3])
+def test_spz_compressed_holds_one_spz_stream_of_the_gltf_attributes(tmp_path, degree):
+    from export_readers import read_spz
+
+    from splat_metal_method.export.gltf_file import SPZ_EXTENSION, glb_layout, gltf_attributes
+
+    g = _gaussians(50, degree)
+    layout = glb_layout(g, compression="spz")
+    data = layout.header + b"".join(a.tobytes() for a in layout.arrays)
+    gltf = json.loads(data[20 : 20 + int.from_bytes(data[12:16], "little")])
+    primitive = gltf["meshes"][0]["primitives"][0]
+    view = gltf["bufferViews"][
+        primitive["extensions"]["KHR_gaussian_splatting"]["extensions"][SPZ_EXTENSION]["bufferView"]
+    ]
+    assert all("bufferView" not in a for a in gltf["accessors"])
+    start = len(layout.header) + view["byteOffset"]
+    (tmp_path / "s.spz").write_bytes(data[start : start + view["byteLength"]])
+    spz = read_spz(tmp_path / "s.spz")
+    plain = dict(gltf_attributes(g))
+    assert spz["version"] == 3 and spz["num_points"] == 50 and spz["sh_degree"] == degree
+    assert np.abs(spz["means"] - plain["POSITION"]).max() <= 2.0**-12
