@@ -259,12 +259,12 @@ def measure(n: int, width: int, height: int, execute: bool = False, seed: int = 
         if seed_from is not None:
             capacities.seed_like(seed_from)
         if seed_from is None or bins is None:
-            model_m, rows, longest, tiles = expected_intersections(scene, width, height)
+            model_m, _, longest, tiles = expected_intersections(scene, width, height)
             bins = tiles.reshape(-1).tolist() if bins is None else bins  # one camera: tile order y * tw + x
             if seed_from is None:
                 M = model_m
                 th, tw = math.ceil(height / TILE), math.ceil(width / TILE)
-                capacities.expect(tw, th, 1, n, M, rows, tile_size=TILE, longest=longest)
+                capacities.expect(tw, th, 1, n, M, tile_size=TILE, longest=longest)
     mode = contextlib.nullcontext() if execute else count_only()
     with mode:
         for _ in range(2 if execute else 1):

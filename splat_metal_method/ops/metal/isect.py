@@ -148,20 +148,10 @@ class _Capacity:
         self.owner = owner
         self.entries = entries  # length of the buffers
         self.per_item = per_item  # most intersections per (camera, gaussian) seen
-        # (C*N, capacity, count, tile row starts, event or None), oldest first; host tensors or Python values
+        # (C*N, capacity, [count, longest bin], event or None), oldest first; a host tensor or a Python list
         self.pending: list = []
-        self.rows: Optional[list] = None  # intersections per tile row [C * tile_height], latest seen
-        self.rows_total = 0  # the C*N of the render they were counted in
         self.longest: Optional[int] = None  # entries of the longest tile (bin), latest seen
         self.longest_total = 0  # the C*N of the render it was counted in
-
-    def observe_rows(self, total: int, rows) -> None:
-        """Intersections per tile row ([C * tile_height] numbers) counted in a render of C*N = `total`."""
-        if rows is not None:
-            self.rows, self.rows_total = (
-                [int(r) for r in (rows.reshape(-1).tolist() if isinstance(rows, Tensor) else rows)],
-                total,
-            )
 
     def observe(self, total: int, capacity: int, count: int) -> None:
         self.per_item = max(self.per_item, count / max(total, 1))
@@ -172,15 +162,13 @@ class _Capacity:
     def resolve(self) -> None:
         """Reads the counts the device has finished, without waiting for the others."""
         while self.pending:
-            total, capacity, host, starts, event = self.pending[0]
+            total, capacity, host, event = self.pending[0]
             if event is not None and not event.query():
                 break
             self.pending.pop(0)
             count, longest = host if isinstance(host, list) else host.tolist()  # a host tensor: no device read
             self.observe(total, capacity, count)
             self.longest, self.longest_total = longest, total
-            starts = starts if isinstance(starts, list) else starts.tolist()  # a host tensor: no device read
-            self.observe_rows(total, [b - a for a, b in zip(starts[:-1], starts[1:])])
 
     def merge_estimate(self, total: int) -> int:
         """Merge steps bin_sort is expected to need at this call's C*N: from the longest bin the device
@@ -229,24 +217,21 @@ class IntersectionCapacities:
             )
 
     def pending_host_counts(self) -> list:
-        return [t for state in self._grids.values() for _, _, host, starts, _ in state.pending
-                for t in (host, starts) if isinstance(t, Tensor)]  # fmt: skip
+        return [host for state in self._grids.values() for _, _, host, _ in state.pending if isinstance(host, Tensor)]
 
     def entries(self, tile_width: int, tile_height: int, C: int, device="cpu", tile_size: int = 16) -> Optional[int]:
         """The capacity of one tile grid (None before its first render)."""
         state = self._grids.get(_grid_key(torch.device(device), C, tile_size, tile_width, tile_height))
         return None if state is None else state.entries
 
-    def expect(self, tile_width: int, tile_height: int, C: int, n_gaussians: int, count: int, rows=None,
+    def expect(self, tile_width: int, tile_height: int, C: int, n_gaussians: int, count: int,
                device="cpu", tile_size: int = 16, longest: Optional[int] = None) -> None:  # fmt: skip
         """Sets one tile grid's state to what renders of `count` intersections of C x `n_gaussians` would have
-        taught it (`rows`: their count per tile row, [C, tile_height]; `longest`: the entries of the longest
-        tile), as if the device had said so (the benchmarks' count-only mode, benchmarks/step_model/scale_ledger.py)."""
+        taught it (`longest`: the entries of the longest tile), as if the device had said so (the benchmarks' count-only mode, benchmarks/step_model/scale_ledger.py)."""
         key = _grid_key(torch.device(device), C, tile_size, tile_width, tile_height)
         total = int(C) * int(n_gaussians)
         state = self._grids[key] = _Capacity(self, 0, count / max(total, 1))
         state.size_for(total)
-        state.observe_rows(total, rows)
         if longest is not None:
             state.longest, state.longest_total = int(longest), total
         self.last_count = int(count)
@@ -256,7 +241,6 @@ class IntersectionCapacities:
         self._grids = {}
         for key, state in other._grids.items():
             copy = self._grids[key] = _Capacity(self, state.entries, state.per_item)
-            copy.rows, copy.rows_total = state.rows, state.rows_total
             copy.longest, copy.longest_total = state.longest, state.longest_total
         self.last_count = other.last_count
 
@@ -351,10 +335,9 @@ def isect_tiles_padded_fwd(
         lib.bin_sort(ranks, ranks2, ends, depths, cum, bins, isect_ids if with_isect_ids else ends, flatten_ids,
                      offsets, n_bins, n_tiles, tile_bits, total, cap, (1 << bits) - 1, lo, hi, int(with_isect_ids),
                      **grid)  # fmt: skip
-    # The count and the longest bin (bins[n_bins:]) and the start of each tile row (offsets[::tile_width],
-    # the end slot last), on their way to the host without waiting: read at a later call, once the event is done.
+    # The count and the longest bin (bins[n_bins:]) on their way to the host without waiting: read at a later
+    # call, once the event is done (the capacity and bin_sort's merge steps are planned from them).
     count = bins[n_bins:].to("cpu", non_blocking=True)  # [2]: M, the longest bin
-    row_starts = offsets[:: int(tile_width)].to("cpu", non_blocking=True)  # [C * tile_height + 1]
     event = None
     if device.type == "mps":
         event = torch.mps.Event()
@@ -363,8 +346,8 @@ def isect_tiles_padded_fwd(
         event = torch.cuda.Event()
         event.record()
     else:  # CPU tensors: the "copies" are the buffers themselves, which later calls overwrite
-        count, row_starts = count.tolist(), row_starts.tolist()
-    state.pending.append((total, cap, count, row_starts, event))
+        count = count.tolist()
+    state.pending.append((total, cap, count, event))
     return tiles_per_gauss, isect_ids, flatten_ids, offsets
 
 

@@ -180,7 +180,7 @@ def test_thirty_training_steps_metal_vs_reference(demo_dir, monkeypatch):
     # Host syncs and kernel launches per Metal step (a step without densification, and all steps).
     per_step = [sum(c.values()) for c in syncs]
 
-    # isect.py's .tolist() of the tile-row starts reads a host copy: on a Mac a non_blocking copy read a
+    # isect.py's .tolist() of the intersection count reads a host copy: on a Mac a non_blocking copy read a
     # step late, on CPU the tensor itself (the step ledger counts it as a host-local read, not a sync)
     def op_sync(site: str) -> bool:
         return "splat_metal_method/ops" in site and not (site.startswith("tolist ") and "isect.py" in site)
