@@ -47,11 +47,32 @@ def pytest_configure(config):
     os.environ["SPLAT_METAL_GRID_SEED"] = seed
 
 
-# The fast tier (`bash scripts/test.sh -m "not slow"`) leaves these out: each took over 5 s in a full run
-# (`pytest --durations=0`). Every test file keeps at least one test, so every kernel is still checked
-# against the reference and every command (ns-train, ns-export, ns-eval, ns-render, ns-viewer,
-# splat-metal-export, doctor, bench) still runs once. A parametrized test is listed by its full id.
+# The fast tier (`bash scripts/test.sh -m "not slow"`) leaves out SLOW_FILES and SLOW_TESTS; CI runs everything.
+# Every kernel is still checked against the reference and every command (ns-train, ns-export, ns-eval, ns-render,
+# ns-viewer, splat-metal-export, doctor, bench) still runs once (tests/test_tiers.py checks both).
+# Files whose every test waits on several whole training runs that their module fixture starts (the time is in the
+# fixture, so no one test of them is cheap): file -> what the fixture runs.
+SLOW_FILES = {
+    "tests/engine/test_distributed_cli.py": "two- and three-process torchrun trainings compared with one process",
+    "tests/engine/test_reliability_cli.py": "five trainings (NaN recover/stop, determinism) and a Ctrl-C'd one",
+    "tests/engine/test_resume_cli.py": "interrupted, resumed and uninterrupted trainings compared bit for bit",
+    "tests/engine/test_checkpoint_failures.py": "a training against a full disk, then broken and stray checkpoints",
+    "tests/engine/test_terminal_screen.py": "a whole training under a pseudo-terminal",
+    "tests/method/test_mcmc_quality.py": "two real-capture trainings compared by held-out PSNR",
+    "tests/data/test_documented_path.py": "ns-process-data on photos, then a training",
+    "tests/viewer/test_distributed_viewer.py": "a two-process training serving the viewer",
+    "tests/method/test_visible_adam_quality.py": "trainings with and without visible_adam compared by held-out PSNR",
+    "tests/viewer/test_real_capture.py": "a training on the real phone capture, its held-out PSNR and viewer",
+}
+# Tests over ~5 s in a `--durations=0` run, and the extra points of grids whose first point stays fast. A
+# parametrized test is listed by its full id.
 SLOW_TESTS = {
+    "tests/ops/metal/test_sh_adam.py::test_the_fused_sh_step_equals_its_unfused_twin_through_densification[1]",
+    "tests/ops/metal/test_sh_adam.py::test_the_fused_sh_step_equals_its_unfused_twin_through_densification[2]",
+    "tests/ops/metal/test_sh_adam.py::test_the_fused_sh_step_equals_its_unfused_twin_through_densification[3]",
+    "tests/engine/test_memory.py::test_chunked_equals_unchunked_reference_forward_and_backward[7-reference]",
+    "tests/data/test_bad_input.py::test_ns_train_rejects_bad_data_cleanly[duplicate-image]",
+    "tests/data/test_bad_input.py::test_ns_train_rejects_bad_data_cleanly[scaled-rotation]",
     "tests/ops/metal/test_watchdog.py::test_a_padded_row_jump_stays_within_the_budget_on_the_emulator",
     "benchmarks/tests/test_step_ledger_budgets.py::test_counts_within_budgets",
     "tests/bench/test_bench_cli.py::test_vs_ab_trains_both_and_counts_fewer_atomics_with_the_other[tile-merge-direct-tile merge]",
@@ -74,21 +95,10 @@ SLOW_TESTS = {
     "tests/data/test_images.py::test_datamanager_caches_16_bit_images_scaled[rgb]",
     "tests/data/test_images.py::test_training_on_a_16_bit_capture_matches_8_bit",
     "tests/engine/test_bad_options.py::test_ns_train_prints_the_line_and_writes_nothing",
-    "tests/engine/test_distributed_cli.py::test_a_hung_rank_is_a_timeout_not_a_hang",
-    "tests/engine/test_distributed_cli.py::test_a_killed_rank_stops_the_others_with_a_message_naming_it",
-    "tests/engine/test_distributed_cli.py::test_export_of_a_distributed_run_is_the_gathered_model",
-    "tests/engine/test_distributed_cli.py::test_mcmc_on_two_processes_keeps_cap_max_resumes_bit_identical_and_exports",
-    "tests/engine/test_distributed_cli.py::test_ranks_started_with_other_options_are_refused_before_anything_is_written",
-    "tests/engine/test_distributed_cli.py::test_two_processes_past_refine_stop_end_with_the_bits_of_a_run_computing_the_statistics",
-    "tests/engine/test_distributed_cli.py::test_two_processes_train_one_scene_and_rank_0_writes_it",
     "tests/engine/test_distributed_shards.py::test_a_pause_longer_than_the_collective_timeout_is_waited_out_together",
     "tests/engine/test_distributed_shards.py::test_rows_parameters_moments_and_statistics_keep_their_global_order[3]",
     "tests/engine/test_memory.py::test_chunked_equals_unchunked_reference_forward_and_backward[7-metal]",
     "tests/engine/test_memory.py::test_max_gaussians_cap_holds_in_ns_train",
-    "tests/engine/test_reliability_cli.py::test_browser_sessions_do_not_disturb_training",
-    "tests/engine/test_reliability_cli.py::test_nan_recover_drops_the_gaussians_and_finishes",
-    "tests/engine/test_reliability_cli.py::test_resume_after_ctrl_c_continues_the_step_count",
-    "tests/engine/test_resume_cli.py::test_resumed_run_is_bit_identical_to_the_uninterrupted_one[ctrl_c]",
     "tests/export/test_export_formats.py::test_sh0_run_exports_rgb_as_dc",
     "tests/export/test_export_glb.py::test_babylon_draws_it",
     "tests/export/test_export_glb.py::test_decoded_renders_as_the_model",
@@ -135,7 +145,6 @@ SLOW_TESTS = {
     "tests/method/test_post_refine_stats.py::test_parameters_are_the_same_bits_and_statistics_stop_at_refine_stop[metal]",
     "tests/method/test_sh_degree_4.py::test_exports_keep_band_4_where_the_format_can",
     "tests/method/test_sh_degree_4.py::test_ns_train_trains_band_4_past_step_4_intervals",
-    "tests/method/test_visible_adam_quality.py::test_visible_adam_within_half_a_db_of_the_default_on_a_real_capture",
     "tests/ops/metal/test_adam.py::test_fused_adam_matches_torch_adam_through_densification",
     "tests/ops/metal/test_backward_kernels.py::test_garden_cameras_gradients[cpu]",
     "tests/ops/metal/test_backward_kernels.py::test_standard_variants_include_the_backward_libraries",
@@ -174,38 +183,33 @@ SLOW_TESTS = {
     "tests/viewer/test_opening_view.py::test_browser_opens_on_the_first_training_camera",
     "tests/viewer/test_opening_view.py::test_ns_viewer_opens_on_the_first_training_camera",
     "tests/viewer/test_opening_view.py::test_the_opening_cameras_frustum_is_hidden_and_the_others_drawn",
-    "tests/viewer/test_real_capture.py::test_viewer_first_frame_in_chromium",
     "tests/viewer/test_viewer.py::test_browser_ns_viewer_on_a_finished_run_forced_metal",
     "tests/viewer/test_viewer.py::test_browser_shows_training_in_the_viewer",
 }
 
 
-# The fast tier's longest files, longest first (each over 60 s of its fast tests' `--durations=0` total in a
-# loaded 2-worker run of `pytest -m "not slow"`, 2026-12-07):
+# The fast tier's longest files, longest first (each over 20 s of its fast tests' total in a quiet 2-worker
+# `pytest -m "not slow" --durations=0` run, 2026-12-07):
 # pytest-xdist's loadfile hands files to the workers in collection order, so these go first and the short
 # ones fill in after them, instead of a long file starting last and holding one worker after the other is done.
 LONG_FILES = (
     "tests/ops/test_reference.py",
-    "tests/ops/metal/test_backward_kernels.py",
+    "tests/method/test_cli_e2e.py",
     "tests/ops/test_cpu_backend.py",
-    "tests/ops/test_backend_grid.py",
-    "tests/engine/test_reliability_cli.py",
+    "tests/ops/metal/test_backward_kernels.py",
     "tests/ops/metal/test_emulator_checks.py",
-    "tests/ops/metal/test_forward_kernels.py",
-    "tests/engine/test_distributed_cli.py",
-    "tests/data/test_bad_input.py",
-    "tests/engine/test_memory.py",
-    "tests/method/test_mcmc_quality.py",
-    "tests/ops/test_nonfinite.py",
-    "tests/engine/test_resume_cli.py",
+    "tests/export/test_export_formats.py",
+    "tests/ops/test_backend_grid.py",
+    "tests/method/test_post_refine_stats.py",
+    "tests/bench/test_mps_audit.py",
 )
 
 
 def pytest_collection_modifyitems(config, items):
-    """Marks the tests of SLOW_TESTS `slow` (one list here, so that test files need no marker edits) and
-    collects LONG_FILES first (the order within a file stays)."""
+    """Marks the tests of SLOW_FILES and SLOW_TESTS `slow` (one list here, so that test files need no marker
+    edits) and collects LONG_FILES first (the order within a file stays)."""
     for item in items:
-        if item.nodeid in SLOW_TESTS:
+        if item.nodeid in SLOW_TESTS or item.nodeid.split("::")[0] in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
     first = {path: i for i, path in enumerate(LONG_FILES)}
     items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # a stable sort

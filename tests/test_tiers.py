@@ -1,16 +1,18 @@
-"""The fast tier (`bash scripts/test.sh -m "not slow"`, tests/conftest.py SLOW_TESTS) keeps what it is for:
+"""The fast tier (`bash scripts/test.sh -m "not slow"`: tests/conftest.py's SLOW_FILES and SLOW_TESTS left out)
+keeps what it is for:
 
-- every test file has at least one fast test;
-- every entry of SLOW_TESTS names a test that exists, and every LONG_FILES entry a file, (a renamed test would otherwise drop silently into the
-  fast tier, or a stale line hide that its test is gone);
+- every test file has at least one fast test, or is in SLOW_FILES saying what its module fixture runs;
+- every entry of SLOW_TESTS names a test that exists outside SLOW_FILES, and every LONG_FILES and SLOW_FILES entry
+  a file (a renamed test would otherwise drop silently into the fast tier, or a stale line hide that its test is
+  gone);
 - every Metal stage the host can build (variants.library_variants) and every native CPU source has a fast test
   that compares it against the reference (STAGE_TESTS);
 - every console script and ns-train method of pyproject.toml, every nerfstudio tool the plugin hooks and every
   splat-metal-export format has a fast test that runs it (COMMAND_TESTS).
 
-Checked from names (the test files' source, no collection): a test counts as fast unless SLOW_TESTS lists its
-bare id; a parametrized test listed by ids is taken to keep a fast one (parametrizations are not expanded), so
-a test named here is listed by none of its ids where all of them could be slow."""
+Checked from names (the test files' source, no collection): a test counts as fast unless its file is in SLOW_FILES
+or SLOW_TESTS lists its bare id; a parametrized test listed by ids is taken to keep a fast one (parametrizations
+are not expanded), so a test named here is listed by none of its ids where all of them could be slow."""
 
 from __future__ import annotations
 
@@ -24,9 +26,18 @@ from splat_metal_method.ops.metal import variants
 
 REPO = Path(__file__).resolve().parents[1]
 CONFTEST = (REPO / "tests" / "conftest.py").read_text()
-SLOW_TESTS = ast.literal_eval(
-    CONFTEST[CONFTEST.index("{", CONFTEST.index("SLOW_TESTS = {")) : CONFTEST.index("\n}\n") + 2]
-)
+
+
+def literal(name: str):
+    """The literal assigned to ``name`` at the top of tests/conftest.py (read from its source: no second import)."""
+    for node in ast.parse(CONFTEST).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"tests/conftest.py assigns no {name}")
+
+
+SLOW_FILES = literal("SLOW_FILES")
+SLOW_TESTS = literal("SLOW_TESTS")
 TEST_FILES = sorted([*REPO.glob("tests/**/test_*.py"), *REPO.glob("benchmarks/tests/**/test_*.py")])
 
 # Each Metal stage (.metal file) and native CPU source: fast tests comparing its kernels with the reference.
@@ -97,7 +108,7 @@ def defined_tests() -> Set[str]:
 
 
 def is_fast(test: str) -> bool:
-    return test not in SLOW_TESTS
+    return test not in SLOW_TESTS and test.split("::")[0] not in SLOW_FILES
 
 
 def problems_of(mapping: Dict[str, List[str]], defined: Set[str]) -> List[str]:
@@ -107,29 +118,27 @@ def problems_of(mapping: Dict[str, List[str]], defined: Set[str]) -> List[str]:
             if test not in defined:
                 problems.append(f"{what}: {test} is not a test function")
             elif not is_fast(test):
-                problems.append(f"{what}: {test} is in SLOW_TESTS")
+                problems.append(f"{what}: {test} is slow (SLOW_TESTS or SLOW_FILES)")
     return problems
 
 
-def test_every_test_file_has_a_fast_test():
+def test_every_test_file_has_a_fast_test_or_says_why_not():
     all_slow = [rel(p) for p in TEST_FILES if not any(is_fast(f"{rel(p)}::{n}") for n in functions_in(p))]
-    assert not all_slow, f"every test of these files is in SLOW_TESTS (keep one fast test each): {all_slow}"
+    unexplained = [path for path in all_slow if path not in SLOW_FILES]
+    assert not unexplained, f"every test of these files is in SLOW_TESTS (keep one fast test each): {unexplained}"
+    assert all(why.strip() for why in SLOW_FILES.values()), "each SLOW_FILES entry says what its fixture runs"
 
 
 def test_every_slow_entry_names_a_test_that_exists():
     defined = defined_tests()
     stale = sorted(t for t in SLOW_TESTS if t.split("[")[0] not in defined)
     assert not stale, f"SLOW_TESTS names tests that no file defines (renamed or removed?): {stale}"
-    long_files = ast.literal_eval(
-        CONFTEST[
-            CONFTEST.index("(", CONFTEST.index("LONG_FILES = (")) : CONFTEST.index(
-                "\n)\n", CONFTEST.index("LONG_FILES = (")
-            )
-            + 2
-        ]
-    )
-    missing = [path for path in long_files if not (REPO / path).is_file()]
-    assert not missing, f"LONG_FILES names files that do not exist: {missing}"
+    long_files = literal("LONG_FILES")
+    missing = [path for path in [*long_files, *SLOW_FILES] if not (REPO / path).is_file()]
+    assert not missing, f"LONG_FILES or SLOW_FILES name files that do not exist: {missing}"
+    twice = sorted(t for t in SLOW_TESTS if t.split("::")[0] in SLOW_FILES)
+    assert not twice, f"SLOW_TESTS names tests of SLOW_FILES (already slow): {twice}"
+    assert not set(long_files) & set(SLOW_FILES), "a LONG_FILES entry is all slow: the fast tier never runs it"
 
 
 def test_every_metal_stage_and_cpu_source_has_a_fast_reference_comparison():
@@ -162,7 +171,9 @@ def test_the_checks_name_a_missing_and_a_slow_test():
     defined = defined_tests()
     missing = COMMAND_TESTS["splat-metal-doctor"][0] + "_renamed"
     slow = min(t for t in SLOW_TESTS if "[" not in t)
-    assert problems_of({"x": [missing, slow]}, defined) == [
+    in_slow_file = min(t for t in defined if t.split("::")[0] in SLOW_FILES)
+    assert problems_of({"x": [missing, slow, in_slow_file]}, defined) == [
         f"x: {missing} is not a test function",
-        f"x: {slow} is in SLOW_TESTS",
+        f"x: {slow} is slow (SLOW_TESTS or SLOW_FILES)",
+        f"x: {in_slow_file} is slow (SLOW_TESTS or SLOW_FILES)",
     ]
