@@ -296,7 +296,34 @@ class GaussianOptimizers(Optimizers):
         if len(betas) != 1:
             return f"the groups' betas differ: {sorted(betas)}"
         why = adam.check(params, grads, avgs, avg_sqs, steps)
-        return f"adam: {why}" if why else ""
+        return f"adam: {why}" if why else self._pack_moments(params, grads if need_grad else [])
+
+    def _pack_moments(self, params: List[torch.Tensor], grads: List[torch.Tensor]) -> str:
+        """'' once the moments of every gaussian group with a state (those of ``params`` among them) are views of the
+        two moment arenas the kernels bind (ops/metal/adam.py pack_moments), re-packed (one copy each) where a
+        densification, a checkpoint load or a first step left them apart: metadata is compared, no device read, so a
+        steady step copies nothing. Else why not: moments that share memory with each other, a parameter or a
+        gradient (torch's Adam steps those one after another)."""
+        from ..ops.metal import adam
+
+        states = []
+        for name in self.gaussian_groups:
+            opt = self.optimizers.get(name)
+            groups = getattr(opt, "param_groups", [])
+            p = groups[0]["params"][0] if len(groups) == 1 and len(groups[0]["params"]) == 1 else None
+            state = opt.state.get(p, {}) if p is not None else {}
+            moments = [state.get(k) for k in ("exp_avg", "exp_avg_sq")]
+            if all(isinstance(m, torch.Tensor) and m.dtype == torch.float32 and m.is_contiguous()
+                   and m.shape == p.shape and m.device == params[0].device for m in moments):  # fmt: skip
+                states.append(state)
+        others = [p for name in self.gaussian_groups if name in self.optimizers
+                  for p in self.optimizers[name].param_groups[0]["params"]]  # fmt: skip
+        avgs, avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        if adam.overlapping([*{id(p): p for p in [*params, *others]}.values(), *grads, *avgs, *avg_sqs]):
+            return "adam: moments that share memory with each other, a parameter or a gradient"
+        if adam.arena(avgs) is None or adam.arena(avg_sqs) is None:
+            adam.pack_moments(states)
+        return ""
 
     @torch.no_grad()
     def _fused_step(self, names: List[str], taken: Sequence[str] = (), flag: Optional[torch.Tensor] = None) -> None:

@@ -215,7 +215,19 @@ inline float splat_adam_update(float p, float grad, thread float* m, thread floa
 #define PROJECT_FWD_FLOATS_RADIUS_CLIP 3
 #define PROJECT_FWD_FLOATS_COUNT       4
 // adam_step (adam.metal)
-#define ADAM_STEP_N      0  // rows (gaussians)
-#define ADAM_STEP_WIDTHS 1  // byte k: floats per row of slot k
-#define ADAM_STEP_CAMS   2  // 0: every gaussian steps; else only one with a radius > 0 in a camera
-#define ADAM_STEP_COUNT  3
+#define ADAM_STEP_N       0  // rows (gaussians)
+#define ADAM_STEP_WIDTHS  1  // byte k: floats per row of slot k
+#define ADAM_STEP_CAMS    2  // 0: every gaussian steps; else only one with a radius > 0 in a camera
+#define ADAM_STEP_AVG0    3  // element offset of slot 0's exp_avg in the exp_avg arena
+#define ADAM_STEP_AVG1    4
+#define ADAM_STEP_AVG2    5
+#define ADAM_STEP_AVG3    6
+#define ADAM_STEP_AVG4    7
+#define ADAM_STEP_AVG5    8
+#define ADAM_STEP_AVG_SQ0 9  // of its exp_avg_sq in the exp_avg_sq arena
+#define ADAM_STEP_AVG_SQ1 10
+#define ADAM_STEP_AVG_SQ2 11
+#define ADAM_STEP_AVG_SQ3 12
+#define ADAM_STEP_AVG_SQ4 13
+#define ADAM_STEP_AVG_SQ5 14
+#define ADAM_STEP_COUNT   15
