@@ -31,6 +31,7 @@ MAX_WIDTH = 255  # floats per row of one slot (a byte of adam_step's `widths`)
 # ledger counts them twice, so Adam's bytes are its accesses (7 per float: p, g, m, v read; p, m, v written).
 READ_WRITE_ARGS = tuple(2 * k for k in range(SLOTS)) + (2 * SLOTS, 2 * SLOTS + 1)
 
+_spans: Dict[tuple, Tensor] = {}  # (device, storage address, offset, length) -> a kernel's flat view of an arena
 _no_radii: Dict[torch.device, Tensor] = {}  # adam_step's radii placeholder where every gaussian steps
 _scratch: Dict[torch.device, list] = {}  # device -> [coef, flags, steps so far]: reused (stream-ordered)
 
@@ -111,9 +112,17 @@ def arena(tensors: Sequence[Tensor]) -> Optional[Tuple[Tensor, List[int]]]:
     return low, [t.storage_offset() - low.storage_offset() for t in tensors]
 
 
-def _span(low: Tensor, offsets: List[int], tensors: Sequence[Tensor]) -> Tensor:
-    """The flat view of an arena from ``low`` (offset 0) to the end of the furthest of ``tensors``."""
-    return low.as_strided((max(o + t.numel() for o, t in zip(offsets, tensors)),), (1,), low.storage_offset())
+def arena_span(tensors: Sequence[Tensor]) -> Tuple[Tensor, List[int]]:
+    """(one flat view of the allocation ``tensors`` are views of (arena() not None), from the lowest of them to the end
+    of the furthest; each one's element offset in it): what a kernel binds for them. The view is made once per
+    arena and span and kept (_spans, emptied by pack_moments), so a steady step makes no view op."""
+    low, offsets = arena(tensors)
+    end = max(o + t.numel() for o, t in zip(offsets, tensors))
+    key = (low.device, low.untyped_storage().data_ptr(), low.storage_offset(), end)
+    span = _spans.get(key)
+    if span is None:  # (a kept view keeps its storage alive: no other allocation can take its address)
+        span = _spans[key] = low.as_strided((end,), (1,), low.storage_offset())
+    return span, offsets
 
 
 def pack_moments(states: Sequence[dict]) -> None:
@@ -121,6 +130,7 @@ def pack_moments(states: Sequence[dict]) -> None:
     ``exp_avg_sq`` one of another, the moment arenas adam_step binds (each parameter's moment a contiguous view
     of its shape, values copied: one torch.cat each). Where a densification, a checkpoint load or a first step
     left the moments apart; torch's Adam, state_dict and the densification's slicing work on the views."""
+    _spans.clear()  # the old arenas' views: their memory goes with the old moments
     for key in ("exp_avg", "exp_avg_sq"):
         moments = [s[key] for s in states]
         flat = torch.cat([m.reshape(-1) for m in moments])
@@ -142,7 +152,8 @@ def moments_why(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs, exp
     allocation, every exp_avg_sq of one, no two of the tensors sharing memory; else why not (one line)."""
     shared = overlapping([*params, *grads, *exp_avgs, *exp_avg_sqs])
     if shared is not None:
-        what = [f"{w} {i}" for w in ("parameter", "gradient", "exp_avg", "exp_avg_sq") for i in range(len(params))]
+        kinds = zip(("parameter", "gradient", "exp_avg", "exp_avg_sq"), (params, grads, exp_avgs, exp_avg_sqs))
+        what = [f"{w} {i}" for w, ts in kinds for i in range(len(ts))]
         return f"{what[shared[0]]} and {what[shared[1]]} share memory"
     if arena(exp_avgs) is None or arena(exp_avg_sqs) is None:
         return "the moments are not views of the two moment arenas (adam.pack_moments)"
@@ -190,11 +201,8 @@ def fused_adam(
     _prepare(lib, steps, lrs, eps, beta1, beta2, coef, cleared)
     widths = sum(math.prod(p.shape[1:]) << (8 * i) for i, p in enumerate(params))
     pairs = [t for i in range(k) for t in (params[i], grads[i])] + [params[0], grads[0]] * pad  # unused: width 0
-    (avg_low, avg_at), (avg_sq_low, avg_sq_at) = arena(exp_avgs), arena(exp_avg_sqs)
     if n > 0:
-        # each arena bound as one flat view from its lowest moment to the end of its highest (two view ops, no copy)
-        avg_arena = _span(avg_low, avg_at, exp_avgs)
-        avg_sq_arena = _span(avg_sq_low, avg_sq_at, exp_avg_sqs)
+        (avg_arena, avg_at), (avg_sq_arena, avg_sq_at) = arena_span(exp_avgs), arena_span(exp_avg_sqs)
         at = dict(zip(ADAM_STEP[3:], avg_at + avg_at[:1] * pad + avg_sq_at + avg_sq_at[:1] * pad))  # element offsets
         args = pack(ADAM_STEP, N=n, widths=widths, cams=cams, **at)
         lib.adam_step(*pairs, avg_arena, avg_sq_arena, coef, flag, args, radii, **grid_1d(n))
@@ -274,7 +282,9 @@ def take_sh_step(sh_dc: Tensor, sh_rest: Tensor, others: Optional[Dict[str, Opti
     states = [opt.state[p] for opt, p in zip(opts, params)]
     groups = [opt.param_groups[0] for opt in opts]
     tensors = [(s["exp_avg"], s["exp_avg_sq"]) for s in states]
-    if check(list(params), list(params), *zip(*tensors), [s["step"] for s in states]):
+    if check(list(params), list(params), *zip(*tensors), [s["step"] for s in states]) or moments_why(
+        params, [], *zip(*tensors)
+    ):  # (moments apart from the arenas, or sharing memory: the gradient path, then torch's Adam or adam_step)
         return None
     _armed = None
     device = sh_dc.device

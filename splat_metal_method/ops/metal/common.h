@@ -231,3 +231,23 @@ inline float splat_adam_update(float p, float grad, thread float* m, thread floa
 #define ADAM_STEP_AVG_SQ4 13
 #define ADAM_STEP_AVG_SQ5 14
 #define ADAM_STEP_COUNT   15
+// project_bwd (project_bwd.metal)
+#define PROJECT_BWD_N                0  // gaussians
+#define PROJECT_BWD_WIDTH            1
+#define PROJECT_BWD_HEIGHT           2
+#define PROJECT_BWD_N_GROUPS         3  // threadgroups along the gaussians
+#define PROJECT_BWD_EPS2D            4  // the float32's bits
+#define PROJECT_BWD_FLAGS            5  // project_bwd.metal PROJECT_* bits
+#define PROJECT_BWD_V_MEANS          6  // element offset in grads (PROJECT_ADAM_MEANS: of its exp_avg in exp_avgs)
+#define PROJECT_BWD_V_QUATS          7
+#define PROJECT_BWD_V_SCALES         8
+#define PROJECT_BWD_V_OPACITIES      9
+#define PROJECT_BWD_V_SH_DC          10  // (PROJECT_SH_ADAM: of the SH exp_avgs in exp_avgs)
+#define PROJECT_BWD_V_SH_REST        11
+#define PROJECT_BWD_AVG_SQ_MEANS     12  // element offset of its exp_avg_sq in exp_avg_sqs
+#define PROJECT_BWD_AVG_SQ_QUATS     13
+#define PROJECT_BWD_AVG_SQ_SCALES    14
+#define PROJECT_BWD_AVG_SQ_OPACITIES 15
+#define PROJECT_BWD_AVG_SQ_DC        16
+#define PROJECT_BWD_AVG_SQ_REST      17
+#define PROJECT_BWD_COUNT            18
