@@ -7,7 +7,10 @@ steps the gaussians' groups (means, scales, quats, opacities, features_dc, featu
 ops/metal/adam.py's kernels where the model renders with the metal backend: the same math on torch's own
 state (``exp_avg``, ``exp_avg_sq``, a float32 device ``step`` per parameter, as torch's fused Adam keeps
 them), learning rates, betas and eps read from each optimizer's ``param_groups`` every step (so the
-schedulers work), the optimizers' step post-hooks run. Checkpoints, resumes, gsplat's densification
+schedulers work), the optimizers' step post-hooks run. The gaussians' moments are views of two allocations,
+the moment arenas the kernels bind (ops/metal/adam.py ``pack_moments``), re-packed at a fused step where a
+densification, a prune, a load or a first step left them apart (``_pack_moments``: metadata only, so a steady
+step copies nothing). Checkpoints, resumes, gsplat's densification
 (which slices that state), the viewer and ns-export see what torch's Adam leaves.
 
 torch's optimizer steps a group instead (the rest of the step is the same) where the fused pass would
