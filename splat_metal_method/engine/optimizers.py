@@ -7,7 +7,10 @@ steps the gaussians' groups (means, scales, quats, opacities, features_dc, featu
 ops/metal/adam.py's kernels where the model renders with the metal backend: the same math on torch's own
 state (``exp_avg``, ``exp_avg_sq``, a float32 device ``step`` per parameter, as torch's fused Adam keeps
 them), learning rates, betas and eps read from each optimizer's ``param_groups`` every step (so the
-schedulers work), the optimizers' step post-hooks run. Checkpoints, resumes, gsplat's densification
+schedulers work), the optimizers' step post-hooks run. The gaussians' moments are views of two allocations,
+the moment arenas the kernels bind (ops/metal/adam.py ``pack_moments``), re-packed at a fused step where a
+densification, a prune, a load or a first step left them apart (``_pack_moments``: metadata only, so a steady
+step copies nothing). Checkpoints, resumes, gsplat's densification
 (which slices that state), the viewer and ns-export see what torch's Adam leaves.
 
 torch's optimizer steps a group instead (the rest of the step is the same) where the fused pass would
@@ -296,7 +299,34 @@ class GaussianOptimizers(Optimizers):
         if len(betas) != 1:
             return f"the groups' betas differ: {sorted(betas)}"
         why = adam.check(params, grads, avgs, avg_sqs, steps)
-        return f"adam: {why}" if why else ""
+        return f"adam: {why}" if why else self._pack_moments(params, grads if need_grad else [])
+
+    def _pack_moments(self, params: List[torch.Tensor], grads: List[torch.Tensor]) -> str:
+        """'' once the moments of every gaussian group with a state (those of ``params`` among them) are views of the
+        two moment arenas the kernels bind (ops/metal/adam.py pack_moments), re-packed (one copy each) where a
+        densification, a checkpoint load or a first step left them apart: metadata is compared, no device read, so a
+        steady step copies nothing. Else why not: moments that share memory with each other, a parameter or a
+        gradient (torch's Adam steps those one after another)."""
+        from ..ops.metal import adam
+
+        states = []
+        for name in self.gaussian_groups:
+            opt = self.optimizers.get(name)
+            groups = getattr(opt, "param_groups", [])
+            p = groups[0]["params"][0] if len(groups) == 1 and len(groups[0]["params"]) == 1 else None
+            state = opt.state.get(p, {}) if p is not None else {}
+            moments = [state.get(k) for k in ("exp_avg", "exp_avg_sq")]
+            if all(isinstance(m, torch.Tensor) and m.dtype == torch.float32 and m.is_contiguous()
+                   and m.shape == p.shape and m.device == params[0].device for m in moments):  # fmt: skip
+                states.append(state)
+        others = [p for name in self.gaussian_groups if name in self.optimizers
+                  for p in self.optimizers[name].param_groups[0]["params"]]  # fmt: skip
+        avgs, avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        if adam.overlapping([*{id(p): p for p in [*params, *others]}.values(), *grads, *avgs, *avg_sqs]):
+            return "adam: moments that share memory with each other, a parameter or a gradient"
+        if adam.arena(avgs) is None or adam.arena(avg_sqs) is None:
+            adam.pack_moments(states)
+        return ""
 
     @torch.no_grad()
     def _fused_step(self, names: List[str], taken: Sequence[str] = (), flag: Optional[torch.Tensor] = None) -> None:

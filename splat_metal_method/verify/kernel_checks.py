@@ -326,7 +326,7 @@ def loss_checks(device: torch.device) -> List[Check]:
 def adam_checks(device: torch.device) -> List[Check]:
     """The gaussians' fused Adam (ops/metal/adam.py, engine/optimizers.py) vs torch.optim.Adam: three steps
     of six seeded tensors of splatfacto's row widths, with zero-gradient rows, on ``device``."""
-    from ..ops.metal.adam import fused_adam
+    from ..ops.metal.adam import fused_adam, zero_moments
 
     name = "adam (fused, 6 tensors)"
     try:
@@ -335,7 +335,7 @@ def adam_checks(device: torch.device) -> List[Check]:
         params = [torch.randn(s, generator=g).to(device) for s in shapes]
         ref = [torch.nn.Parameter(p.clone()) for p in params]
         opts = [torch.optim.Adam([r], lr=lr, eps=1e-15) for r, lr in zip(ref, lrs)]
-        moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+        exp_avgs, exp_avg_sqs = zero_moments(params)  # views of the two moment arenas, as the optimizer keeps them
         steps = [torch.zeros((), device=device) for _ in params]
         ms = 0.0
         for _ in range(3):
@@ -345,7 +345,7 @@ def adam_checks(device: torch.device) -> List[Check]:
             for r, gr, opt in zip(ref, grads, opts):
                 r.grad = gr.clone()
                 opt.step()
-            _, t = _timed(lambda: fused_adam(params, grads, [m for m, _ in moments], [v for _, v in moments], steps,
+            _, t = _timed(lambda: fused_adam(params, grads, exp_avgs, exp_avg_sqs, steps,
                                              lrs, [1e-15] * 6, 0.9, 0.999), device)  # fmt: skip
             ms += t
         err = max(_max_abs(p, r.detach()) for p, r in zip(params, ref))

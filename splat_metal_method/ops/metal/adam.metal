@@ -56,10 +56,14 @@ kernel void adam_prepare(
   coef[SPLAT_ADAM_COEFS * k + 3] = 0.0f;
 }
 
-// Adam on the `width` floats of row n of one parameter; false when a gradient or an updated parameter
-// is not finite (what the NaN guard reads after the step: the parameters and their gradients).
-inline bool adam_row(device float* p, const device float* g, device float* m, device float* v, long width, long n,
-                     const device float* coef, long slot, float b1, float b2) {
+// Adam on the `width` floats of row n of slot `slot`'s parameter p (its moments at the slot's offsets in the
+// arenas); false when a gradient or an updated parameter is not finite (what the NaN guard reads after the step:
+// the parameters and their gradients).
+inline bool adam_row(device float* p, const device float* g, device float* exp_avgs, device float* exp_avg_sqs,
+                     constant long* params, long width, long n, const device float* coef, long slot, float b1,
+                     float b2) {
+  device float* m = exp_avgs + params[ADAM_STEP_AVG0 + slot];
+  device float* v = exp_avg_sqs + params[ADAM_STEP_AVG_SQ0 + slot];
   bool ok = true;
   for (long j = 0; j < width; ++j) {
     const long i = n * width + j;
@@ -74,33 +78,33 @@ inline bool adam_row(device float* p, const device float* g, device float* m, de
   return ok;
 }
 
-// adam_step: one thread per gaussian n < N: Adam on row n of every slot (parameter p, gradient g,
-// moments m and v, all [N, width_k] contiguous float32; width_k is byte k of `widths`, 0 for an unused
-// slot), in place. The NaN guard's verdict comes out of the same pass: a simdgroup with a non-finite
+// adam_step: one thread per gaussian n < N: Adam on row n of every slot (parameter p, gradient g, moments m
+// and v, all [N, width_k] contiguous float32; width_k is byte k of `widths`, 0 for an unused slot), in place.
+// The moments of every slot live in two allocations, torch's state a view of each (the moment arenas,
+// adam.py): slot k's exp_avg starts at element params[ADAM_STEP_AVG0 + k] of exp_avgs, its exp_avg_sq at
+// params[ADAM_STEP_AVG_SQ0 + k] of exp_avg_sqs, so 6 slots bind 2 moment buffers, not 12.
+// The NaN guard's verdict comes out of the same pass: a simdgroup with a non-finite
 // gradient or updated parameter (simd_any, one vote) has its first lane store NaN into flag[0] with
 // one atomic; a finite step issues no atomic. No barriers, no threadgroup memory: threads past N vote
 // "finite" and do nothing else. With `cams` > 0 (the model's visible_adam, engine/optimizers.py) a gaussian
 // whose radius is 0 in every one of the render's cameras takes no step: its row of every slot (parameter and
 // both moments) is neither read nor written (gsplat's SelectiveAdam; the step counters stay per tensor). Bounds: n < N checked before any access; row n of slot k is
-// [n * width_k, (n + 1) * width_k).
+// [n * width_k, (n + 1) * width_k) from its views' offsets (the host checks every view lies in its arena, none
+// overlapping another).
 [[max_total_threads_per_threadgroup(SPLAT_GROUP_1D)]]
 kernel void adam_step(
     device float* p0 [[buffer(0)]], const device float* g0 [[buffer(1)]],
-    device float* m0 [[buffer(2)]], device float* v0 [[buffer(3)]],
-    device float* p1 [[buffer(4)]], const device float* g1 [[buffer(5)]],
-    device float* m1 [[buffer(6)]], device float* v1 [[buffer(7)]],
-    device float* p2 [[buffer(8)]], const device float* g2 [[buffer(9)]],
-    device float* m2 [[buffer(10)]], device float* v2 [[buffer(11)]],
-    device float* p3 [[buffer(12)]], const device float* g3 [[buffer(13)]],
-    device float* m3 [[buffer(14)]], device float* v3 [[buffer(15)]],
-    device float* p4 [[buffer(16)]], const device float* g4 [[buffer(17)]],
-    device float* m4 [[buffer(18)]], device float* v4 [[buffer(19)]],
-    device float* p5 [[buffer(20)]], const device float* g5 [[buffer(21)]],
-    device float* m5 [[buffer(22)]], device float* v5 [[buffer(23)]],
-    const device float* coef [[buffer(24)]],  // [SLOTS * COEFS + 2] from adam_prepare
-    device atomic_float* flag [[buffer(25)]],  // [1]
-    constant long* params [[buffer(26)]],    // [ADAM_STEP_COUNT] common.h ADAM_STEP_*
-    const device int* radii [[buffer(27)]],  // [cams, N] the render's radii (visible_adam), else a placeholder
+    device float* p1 [[buffer(2)]], const device float* g1 [[buffer(3)]],
+    device float* p2 [[buffer(4)]], const device float* g2 [[buffer(5)]],
+    device float* p3 [[buffer(6)]], const device float* g3 [[buffer(7)]],
+    device float* p4 [[buffer(8)]], const device float* g4 [[buffer(9)]],
+    device float* p5 [[buffer(10)]], const device float* g5 [[buffer(11)]],
+    device float* exp_avgs [[buffer(12)]],     // the exp_avg arena: every slot's exp_avg at its offset
+    device float* exp_avg_sqs [[buffer(13)]],  // the exp_avg_sq arena
+    const device float* coef [[buffer(14)]],   // [SLOTS * COEFS + 2] from adam_prepare
+    device atomic_float* flag [[buffer(15)]],  // [1]
+    constant long* params [[buffer(16)]],      // [ADAM_STEP_COUNT] common.h ADAM_STEP_*
+    const device int* radii [[buffer(17)]],    // [cams, N] the render's radii (visible_adam), else a placeholder
     uint n [[thread_position_in_grid]]) {
   const long N = params[ADAM_STEP_N];
   const long widths = params[ADAM_STEP_WIDTHS];
@@ -113,12 +117,12 @@ kernel void adam_step(
   if ((long)n < N && visible) {
     const float b1 = coef[SPLAT_ADAM_SLOTS * SPLAT_ADAM_COEFS + 0];
     const float b2 = coef[SPLAT_ADAM_SLOTS * SPLAT_ADAM_COEFS + 1];
-    ok = adam_row(p0, g0, m0, v0, (widths >> 0) & 255, n, coef, 0, b1, b2) && ok;
-    ok = adam_row(p1, g1, m1, v1, (widths >> 8) & 255, n, coef, 1, b1, b2) && ok;
-    ok = adam_row(p2, g2, m2, v2, (widths >> 16) & 255, n, coef, 2, b1, b2) && ok;
-    ok = adam_row(p3, g3, m3, v3, (widths >> 24) & 255, n, coef, 3, b1, b2) && ok;
-    ok = adam_row(p4, g4, m4, v4, (widths >> 32) & 255, n, coef, 4, b1, b2) && ok;
-    ok = adam_row(p5, g5, m5, v5, (widths >> 40) & 255, n, coef, 5, b1, b2) && ok;
+    ok = adam_row(p0, g0, exp_avgs, exp_avg_sqs, params, (widths >> 0) & 255, n, coef, 0, b1, b2) && ok;
+    ok = adam_row(p1, g1, exp_avgs, exp_avg_sqs, params, (widths >> 8) & 255, n, coef, 1, b1, b2) && ok;
+    ok = adam_row(p2, g2, exp_avgs, exp_avg_sqs, params, (widths >> 16) & 255, n, coef, 2, b1, b2) && ok;
+    ok = adam_row(p3, g3, exp_avgs, exp_avg_sqs, params, (widths >> 24) & 255, n, coef, 3, b1, b2) && ok;
+    ok = adam_row(p4, g4, exp_avgs, exp_avg_sqs, params, (widths >> 32) & 255, n, coef, 4, b1, b2) && ok;
+    ok = adam_row(p5, g5, exp_avgs, exp_avg_sqs, params, (widths >> 40) & 255, n, coef, 5, b1, b2) && ok;
   }
   if (simd_any(!ok) && simd_is_first()) {
     atomic_store_explicit(flag, as_type<float>(0x7fc00000u), memory_order_relaxed);  // a quiet NaN

@@ -5,14 +5,16 @@ per parameter group and the guard's nonfinite_flag reads every parameter and gra
 
 The state is torch's: ``exp_avg``, ``exp_avg_sq`` and a float32 ``step`` on the parameters' device per
 parameter (what torch.optim.Adam(fused=True) keeps), updated in place; the oracle is torch.optim.Adam
-(tests/ops/metal/test_adam.py). Who calls it and when torch's optimizer runs instead:
+(tests/ops/metal/test_adam.py). The moments are views of two allocations, the moment arenas (every exp_avg
+one, every exp_avg_sq the other: ``pack_moments``), so that adam_step binds 2 buffers and offsets where it bound
+12 tensors (docs/metal.md, "Argument slots"). Who calls it and when torch's optimizer runs instead:
 engine/optimizers.py."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -25,10 +27,11 @@ SLOTS = ADAM_SLOTS  # parameter tensors one launch steps (adam.metal SPLAT_ADAM_
 COEFS = 4  # floats per slot in the coefficient buffer (adam.metal SPLAT_ADAM_COEFS)
 MAX_WIDTH = 255  # floats per row of one slot (a byte of adam_step's `widths`)
 
-# Bound buffers adam_step reads and writes in place (parameter, exp_avg, exp_avg_sq of each slot): the step
+# Bound buffers adam_step reads and writes in place (each slot's parameter, the two moment arenas): the step
 # ledger counts them twice, so Adam's bytes are its accesses (7 per float: p, g, m, v read; p, m, v written).
-READ_WRITE_ARGS = tuple(4 * k + j for k in range(SLOTS) for j in (0, 2, 3))
+READ_WRITE_ARGS = tuple(2 * k for k in range(SLOTS)) + (2 * SLOTS, 2 * SLOTS + 1)
 
+_spans: Dict[tuple, Tensor] = {}  # (device, storage address, offset, length) -> a kernel's flat view of an arena
 _no_radii: Dict[torch.device, Tensor] = {}  # adam_step's radii placeholder where every gaussian steps
 _scratch: Dict[torch.device, list] = {}  # device -> [coef, flags, steps so far]: reused (stream-ordered)
 
@@ -78,12 +81,91 @@ def check(params: Sequence[Tensor], grads, exp_avgs, exp_avg_sqs, steps) -> str:
     return ""
 
 
+def _extent(t: Tensor) -> Tuple[int, int, int]:
+    """(its storage's address, first byte, end byte) of a contiguous tensor in its storage."""
+    start = t.storage_offset() * t.element_size()
+    return t.untyped_storage().data_ptr(), start, start + t.numel() * t.element_size()
+
+
+def overlapping(tensors: Sequence[Tensor]) -> Optional[Tuple[int, int]]:
+    """The indices of two of ``tensors`` (contiguous) that share an element, or None (from their metadata: no
+    device read). Moments that overlap each other or a parameter are not the kernel's to step (torch's Adam
+    steps them one after the other, so they mean something else there)."""
+    seen = sorted((_extent(t), i) for i, t in enumerate(tensors) if t.numel())
+    end, last = (None, 0), None  # (storage, end byte) of the extent reaching furthest so far, and its index
+    for (ptr, start, stop), i in seen:
+        if ptr == end[0] and start < end[1]:
+            return min(i, last), max(i, last)
+        if ptr != end[0] or stop > end[1]:
+            end, last = (ptr, stop), i
+    return None
+
+
+def arena(tensors: Sequence[Tensor]) -> Optional[Tuple[Tensor, List[int]]]:
+    """(the one of ``tensors`` lowest in their allocation, each one's element offset from it) where all are views of
+    one allocation (float32, contiguous), else None. The kernel binds that tensor (a view binds at its offset) and
+    reaches the others at their offsets. Metadata only: no device read, no aten op."""
+    ptr = tensors[0].untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() != ptr for t in tensors):
+        return None
+    low = min(tensors, key=lambda t: t.storage_offset())
+    return low, [t.storage_offset() - low.storage_offset() for t in tensors]
+
+
+def arena_span(tensors: Sequence[Tensor]) -> Tuple[Tensor, List[int]]:
+    """(one flat view of the allocation ``tensors`` are views of (arena() not None), from the lowest of them to the end
+    of the furthest; each one's element offset in it): what a kernel binds for them. The view is made once per
+    arena and span and kept (_spans, emptied by pack_moments), so a steady step makes no view op."""
+    low, offsets = arena(tensors)
+    end = max(o + t.numel() for o, t in zip(offsets, tensors))
+    key = (low.device, low.untyped_storage().data_ptr(), low.storage_offset(), end)
+    span = _spans.get(key)
+    if span is None:  # (a kept view keeps its storage alive: no other allocation can take its address)
+        span = _spans[key] = low.as_strided((end,), (1,), low.storage_offset())
+    return span, offsets
+
+
+def pack_moments(states: Sequence[dict]) -> None:
+    """Makes the ``exp_avg`` of every state (torch Adam's, one per parameter) a view of one new allocation and every
+    ``exp_avg_sq`` one of another, the moment arenas adam_step binds (each parameter's moment a contiguous view
+    of its shape, values copied: one torch.cat each). Where a densification, a checkpoint load or a first step
+    left the moments apart; torch's Adam, state_dict and the densification's slicing work on the views."""
+    _spans.clear()  # the old arenas' views: their memory goes with the old moments
+    for key in ("exp_avg", "exp_avg_sq"):
+        moments = [s[key] for s in states]
+        flat = torch.cat([m.reshape(-1) for m in moments])
+        start = 0
+        for s, m in zip(states, moments):
+            s[key] = flat[start : start + m.numel()].view(m.shape)
+            start += m.numel()
+
+
+def zero_moments(params: Sequence[Tensor]) -> Tuple[List[Tensor], List[Tensor]]:
+    """(exp_avgs, exp_avg_sqs): zero moments of ``params`` as adam_step binds them, views of two new allocations."""
+    states = [{"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)} for p in params]
+    pack_moments(states)
+    return [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+
+
+def moments_why(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs, exp_avg_sqs) -> str:
+    """'' when adam_step can bind these moments (checked tensors: adam.check): every exp_avg a view of one
+    allocation, every exp_avg_sq of one, no two of the tensors sharing memory; else why not (one line)."""
+    shared = overlapping([*params, *grads, *exp_avgs, *exp_avg_sqs])
+    if shared is not None:
+        kinds = zip(("parameter", "gradient", "exp_avg", "exp_avg_sq"), (params, grads, exp_avgs, exp_avg_sqs))
+        what = [f"{w} {i}" for w, ts in kinds for i in range(len(ts))]
+        return f"{what[shared[0]]} and {what[shared[1]]} share memory"
+    if arena(exp_avgs) is None or arena(exp_avg_sqs) is None:
+        return "the moments are not views of the two moment arenas (adam.pack_moments)"
+    return ""
+
+
 @torch.no_grad()
 def fused_adam(
     params: Sequence[Tensor],  # up to SLOTS tensors [N, ...] float32 contiguous, updated in place
     grads: Sequence[Tensor],  # each its parameter's shape
-    exp_avgs: Sequence[Tensor],  # each its parameter's shape, updated in place
-    exp_avg_sqs: Sequence[Tensor],  # each its parameter's shape, updated in place
+    exp_avgs: Sequence[Tensor],  # each its parameter's shape, views of one allocation (pack_moments), in place
+    exp_avg_sqs: Sequence[Tensor],  # each its parameter's shape, views of another, updated in place
     steps: Sequence[Tensor],  # [] or [1] float32 on the device each, incremented in place
     lrs: Sequence[float],
     eps: Sequence[float],
@@ -96,7 +178,7 @@ def fused_adam(
     is a buffer reused by the next step on this device: read (or copy) it before then. Given ``flag`` (what
     the backward's SH step already folded its verdict into), this step folds its own into it. Given ``radii``
     (the model's visible_adam), a gaussian not visible in that render keeps its parameters and moments."""
-    why = check(params, grads, exp_avgs, exp_avg_sqs, steps)
+    why = check(params, grads, exp_avgs, exp_avg_sqs, steps) or moments_why(params, grads, exp_avgs, exp_avg_sqs)
     if why:
         raise ValueError(f"[fused_adam] {why}")
     device = params[0].device
@@ -118,11 +200,12 @@ def fused_adam(
     lib = _lib(device)
     _prepare(lib, steps, lrs, eps, beta1, beta2, coef, cleared)
     widths = sum(math.prod(p.shape[1:]) << (8 * i) for i, p in enumerate(params))
-    quads = [t for i in range(k) for t in (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i])]
-    quads += [params[0], grads[0], exp_avgs[0], exp_avg_sqs[0]] * pad  # unused slots: width 0, never read
+    pairs = [t for i in range(k) for t in (params[i], grads[i])] + [params[0], grads[0]] * pad  # unused: width 0
     if n > 0:
-        args = pack(ADAM_STEP, N=n, widths=widths, cams=cams)
-        lib.adam_step(*quads, coef, flag, args, radii, **grid_1d(n))
+        (avg_arena, avg_at), (avg_sq_arena, avg_sq_at) = arena_span(exp_avgs), arena_span(exp_avg_sqs)
+        at = dict(zip(ADAM_STEP[3:], avg_at + avg_at[:1] * pad + avg_sq_at + avg_sq_at[:1] * pad))  # element offsets
+        args = pack(ADAM_STEP, N=n, widths=widths, cams=cams, **at)
+        lib.adam_step(*pairs, avg_arena, avg_sq_arena, coef, flag, args, radii, **grid_1d(n))
     return flag
 
 
@@ -199,7 +282,9 @@ def take_sh_step(sh_dc: Tensor, sh_rest: Tensor, others: Optional[Dict[str, Opti
     states = [opt.state[p] for opt, p in zip(opts, params)]
     groups = [opt.param_groups[0] for opt in opts]
     tensors = [(s["exp_avg"], s["exp_avg_sq"]) for s in states]
-    if check(list(params), list(params), *zip(*tensors), [s["step"] for s in states]):
+    if check(list(params), list(params), *zip(*tensors), [s["step"] for s in states]) or moments_why(
+        params, [], *zip(*tensors)
+    ):  # (moments apart from the arenas, or sharing memory: the gradient path, then torch's Adam or adam_step)
         return None
     _armed = None
     device = sh_dc.device

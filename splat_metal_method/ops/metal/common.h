@@ -215,7 +215,39 @@ inline float splat_adam_update(float p, float grad, thread float* m, thread floa
 #define PROJECT_FWD_FLOATS_RADIUS_CLIP 3
 #define PROJECT_FWD_FLOATS_COUNT       4
 // adam_step (adam.metal)
-#define ADAM_STEP_N      0  // rows (gaussians)
-#define ADAM_STEP_WIDTHS 1  // byte k: floats per row of slot k
-#define ADAM_STEP_CAMS   2  // 0: every gaussian steps; else only one with a radius > 0 in a camera
-#define ADAM_STEP_COUNT  3
+#define ADAM_STEP_N       0   // rows (gaussians)
+#define ADAM_STEP_WIDTHS  1   // byte k: floats per row of slot k
+#define ADAM_STEP_CAMS    2   // 0: every gaussian steps; else only one with a radius > 0 in a camera
+#define ADAM_STEP_AVG0    3   // element offset of slot 0's exp_avg in the exp_avg arena
+#define ADAM_STEP_AVG1    4
+#define ADAM_STEP_AVG2    5
+#define ADAM_STEP_AVG3    6
+#define ADAM_STEP_AVG4    7
+#define ADAM_STEP_AVG5    8
+#define ADAM_STEP_AVG_SQ0 9   // of its exp_avg_sq in the exp_avg_sq arena
+#define ADAM_STEP_AVG_SQ1 10
+#define ADAM_STEP_AVG_SQ2 11
+#define ADAM_STEP_AVG_SQ3 12
+#define ADAM_STEP_AVG_SQ4 13
+#define ADAM_STEP_AVG_SQ5 14
+#define ADAM_STEP_COUNT   15
+// project_bwd (project_bwd.metal)
+#define PROJECT_BWD_N                0   // gaussians
+#define PROJECT_BWD_WIDTH            1
+#define PROJECT_BWD_HEIGHT           2
+#define PROJECT_BWD_N_GROUPS         3   // threadgroups along the gaussians
+#define PROJECT_BWD_EPS2D            4   // the float32's bits
+#define PROJECT_BWD_FLAGS            5   // project_bwd.metal PROJECT_* bits
+#define PROJECT_BWD_V_MEANS          6   // element offset in grads (PROJECT_ADAM_MEANS: of its exp_avg in exp_avgs)
+#define PROJECT_BWD_V_QUATS          7
+#define PROJECT_BWD_V_SCALES         8
+#define PROJECT_BWD_V_OPACITIES      9
+#define PROJECT_BWD_V_SH_DC          10  // (PROJECT_SH_ADAM: of the SH exp_avgs in exp_avgs)
+#define PROJECT_BWD_V_SH_REST        11
+#define PROJECT_BWD_AVG_SQ_MEANS     12  // element offset of its exp_avg_sq in exp_avg_sqs
+#define PROJECT_BWD_AVG_SQ_QUATS     13
+#define PROJECT_BWD_AVG_SQ_SCALES    14
+#define PROJECT_BWD_AVG_SQ_OPACITIES 15
+#define PROJECT_BWD_AVG_SQ_DC        16
+#define PROJECT_BWD_AVG_SQ_REST      17
+#define PROJECT_BWD_COUNT            18

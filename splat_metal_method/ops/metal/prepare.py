@@ -25,8 +25,9 @@ from torch import Tensor
 from ..autograd_stages import camera_grads
 from ..constants import SH_MAX_DEGREE
 from . import params
+from .adam import arena_span
 from .kernels import grid_1d, group_library, library
-from .project_bwd import CALC_CAMERA, CALC_COMP, launch_args
+from .project_bwd import CALC_CAMERA, CALC_COMP, gradient_buffers, launch_params
 from .variants import PROJECT_BWD_GROUP
 
 # project.metal / project_bwd.metal flags
@@ -38,19 +39,20 @@ SH_DEGREE_SHIFT, SH_K_SHIFT = 16, 20  # project_bwd.metal: the SH degree and K r
 ADAM_PARAM_FLAGS = (2048, 4096, 8192, 16384)
 ADAM_SLOT_SHIFT = 32
 ADAM_VISIBLE = 32768  # project_bwd.metal PROJECT_ADAM_VISIBLE: a culled gaussian takes no step (visible_adam)
-# per parameter of PARAMS_IN_BACKWARD: its own slot, its exp_avg's (its gradient's) and its exp_avg_sq's
-ADAM_PARAM_ARGS = ((0, 10, 15), (1, 11, 16), (2, 12, 17), (21, 24, 20))
+# per parameter of PARAMS_IN_BACKWARD: its argument of project_bwd (updated in place with its flag)
+ADAM_PARAM_ARGS = (0, 1, 2, 17)
+PARAMS_ARG = 14  # project_bwd's packed list (params.PROJECT_BWD), its flags at FLAGS_AT
+FLAGS_AT = params.PROJECT_BWD.index("flags")
 
 
 def sh_adam_read_write_args(args) -> Tuple[int, ...]:
     """project_bwd's arguments it updates in place (the step ledger counts them twice): with SH_ADAM the SH
-    coefficients (27, 28) and their moments (exp_avg 29, 30; exp_avg_sq 9, 23), with ADAM_PARAM_FLAGS those
-    parameters and their moments (ADAM_PARAM_ARGS), else none."""
-    if not (len(args) > 25 and isinstance(args[25], int) and args[25] & SH_ADAM):
+    coefficients (21, 22) and the moment arenas (exp_avgs 11, exp_avg_sqs 12), with ADAM_PARAM_FLAGS those
+    parameters (ADAM_PARAM_ARGS), else none."""
+    flags = args[PARAMS_ARG][FLAGS_AT] if len(args) > PARAMS_ARG and isinstance(args[PARAMS_ARG], list) else 0
+    if not flags & SH_ADAM:
         return ()
-    out = [9, 23, 27, 28, 29, 30]
-    for bit, slots in zip(ADAM_PARAM_FLAGS, ADAM_PARAM_ARGS):
-        out += list(slots) if args[25] & bit else []
+    out = [11, 12, 21, 22] + [arg for bit, arg in zip(ADAM_PARAM_FLAGS, ADAM_PARAM_ARGS) if flags & bit]
     return tuple(sorted(out))
 
 
@@ -142,26 +144,26 @@ class PrepareFn(torch.autograd.Function):
             if sh_step is not None:
                 sh_step, more, visible_only = sh_step[:6], sh_step[6], sh_step[7]
         lead = () if C == 1 else (C,)  # [C, N, .] written flat; for one camera the inputs' own shapes
-
-        def grad_buffer(name, shape):  # a gradient's buffer, or (stepped here) its exp_avg: nothing allocated
-            return more[name][0] if name in more else torch.empty(lead + shape, dtype=torch.float32, device=device)
-
-        # the twin's SH directions' gradient is written into v_means, to which project_bwd adds its own (in place)
-        v_means = grad_buffer("means", (N, 3))
-        v_dirs = v_means  # (stepped in the backward, the directions' gradient stays in the thread: a placeholder)
+        # the gradients written, in one allocation (none of a parameter stepped here, nor of the SH coefficients)
+        shapes = {name: lead + shape for name, shape in (("means", (N, 3)), ("quats", (N, 4)), ("scales", (N, 3)),
+                                                         ("opacities", tuple(opacities.shape))) if name not in more}  # fmt: skip
         if sh_step is None:
-            v_dc = torch.empty(lead + tuple(dc.shape), dtype=torch.float32, device=device)
-            v_rest = v_dc if sh_rest is None or K == 1 else torch.empty(lead + tuple(rest.shape), dtype=torch.float32,
-                                                                        device=device)  # fmt: skip
-        else:  # no coefficient gradient is written: nothing to allocate
-            v_dc = v_rest = v_means
-        v_quats = grad_buffer("quats", (N, 4))
-        v_scales = grad_buffer("scales", (N, 3))
-        v_opacities = grad_buffer("opacities", tuple(opacities.shape))
+            shapes["sh_dc"] = lead + tuple(dc.shape)
+            if sh_rest is not None and K > 1:
+                shapes["sh_rest"] = lead + tuple(rest.shape)
+        grads, views, at = gradient_buffers(device, shapes)
+        placeholder = v_means2d  # bound where the kernel neither reads nor writes
+        v_means, v_quats, v_scales, v_opacities = (views.get(k) for k in ("means", "quats", "scales", "opacities"))
+        v_dc = views.get("sh_dc", placeholder)
+        v_rest = views.get("sh_rest", v_dc)  # one [N, K, 3] tensor (or K = 1): the same buffer
+        at.setdefault("sh_rest", at.get("sh_dc", 0))
+        offsets = {f"v_{k}": at[k] for k in ("means", "quats", "scales", "opacities", "sh_dc", "sh_rest") if k in at}
+        # the twin's SH directions' gradient is written into v_means, to which project_bwd adds its own (in place)
+        v_dirs = v_means if v_means is not None else placeholder
         lib, group = project_bwd_library(device)
         n_groups = (N + group - 1) // group
         camera_grad = bool(need[6] or need[7])
-        part = torch.empty((C, n_groups, 16), dtype=torch.float32, device=device) if camera_grad else v_means
+        part = torch.empty((C, n_groups, 16), dtype=torch.float32, device=device) if camera_grad else placeholder
         flags |= NO_V_DEPTHS if v_depths is None else 0
         if shade_in_projection:  # the SH colour's backward inside project_bwd (its layout and sizes in the flags)
             flags |= SHADE | (SH_APART if sh_rest is not None else 0)
@@ -169,15 +171,23 @@ class PrepareFn(torch.autograd.Function):
         else:  # the unfused twin: sh_fused_bwd writes the directions' gradient, project_bwd adds it
             flags |= MEANS_SH
         flags |= (CALC_COMP if calc_comp else 0) | (CALC_CAMERA if camera_grad else 0)
-        adam_coef, adam_flag, m_dc, v_dc2, m_rest, v_rest2 = (v_means2d, v_means2d, v_dc, v_means2d, v_rest, v_dirs)
-        avg_sqs = [v_means, v_quats, v_scales, v_means2d]  # placeholders where no parameter is stepped here
-        if sh_step is not None:  # no coefficient gradient is written: the moments take those buffers' slots
+        adam_coef, adam_flag = placeholder, placeholder
+        exp_avgs = exp_avg_sqs = grads if grads is not None else placeholder  # no Adam step: unused
+        if sh_step is not None:  # the moments, views of the arenas, at their offsets (no coefficient gradient)
             flags |= SH_ADAM | (ADAM_VISIBLE if visible_only else 0)
-            adam_coef, adam_flag, m_dc, v_dc2, m_rest, v_rest2 = sh_step
+            adam_coef, adam_flag, m_dc, s_dc, m_rest, s_rest = sh_step
+            names = ["sh_dc", "sh_rest"] + [name for name in ("means", "quats", "scales", "opacities") if name in more]
+            moments = [(m_dc, s_dc), (m_rest, s_rest)] + [more[name][:2] for name in names[2:]]
+            exp_avgs, avg_at = arena_span([m for m, _ in moments])
+            exp_avg_sqs, avg_sq_at = arena_span([v for _, v in moments])
+            short = {"sh_dc": "dc", "sh_rest": "rest"}
+            offsets.update({f"v_{name}": o for name, o in zip(names, avg_at)})
+            offsets.update({f"avg_sq_{short.get(name, name)}": o for name, o in zip(names, avg_sq_at)})
             for i, name in enumerate(("means", "quats", "scales", "opacities")):
-                if name in more:  # exp_avg in its gradient's slot (above), exp_avg_sq in a freed one
+                if name in more:
                     flags |= ADAM_PARAM_FLAGS[i] | (more[name][2] << (ADAM_SLOT_SHIFT + 8 * i))
-                    avg_sqs[i] = more[name][1]
+            if grads is None:
+                grads = exp_avgs  # nothing written but moments
         if C * N > 0:
             if not shade_in_projection:
                 library(device, "sh_bwd.metal").sh_fused_bwd(
@@ -186,18 +196,17 @@ class PrepareFn(torch.autograd.Function):
                 )  # fmt: skip
             lib.project_bwd(
                 means, quats, scales, viewmats, Ks, radii, v_means2d,
-                v_depths.contiguous() if v_depths is not None else v_means2d, v_conics, v_dc2,
-                v_means, v_quats, v_scales, part, launch_args(device, N, width, height, n_groups, eps2d),
-                *avg_sqs[:3], adam_coef, adam_flag, avg_sqs[3],
-                opacities, v_opacities_out, v_rest2 if sh_step is not None else v_dirs, v_opacities, flags, v_colors,
-                dc, rest, m_dc, m_rest,
+                v_depths.contiguous() if v_depths is not None else v_means2d, v_conics, v_means2d,
+                grads, exp_avgs, exp_avg_sqs, part,
+                launch_params(N, width, height, n_groups, eps2d, flags, **offsets), adam_coef, adam_flag,
+                opacities, v_opacities_out, v_dirs, v_colors, dc, rest,
                 threads=(n_groups * group, C), group_size=(group, 1),
             )  # fmt: skip
         v_viewmats = v_Ks = None
         if camera_grad:  # projection's (the SH directions' gradient to the camera position is not taken here)
             total = part.sum(dim=1) if C * N > 0 else torch.zeros((C, 16), dtype=torch.float32, device=device)
             v_viewmats, v_Ks = camera_grads(total, bool(need[6]), bool(need[7]))
-        if C > 1:
+        if C > 1:  # (sh_step needs one camera: every gradient was written)
             v_means, v_quats, v_scales, v_opacities = (
                 v_means.sum(0),
                 v_quats.sum(0),
@@ -208,11 +217,7 @@ class PrepareFn(torch.autograd.Function):
             v_rest = v_dc if sh_rest is None or K == 1 else v_rest.sum(0)
         v_sh_rest = None
         if sh_step is not None:  # stepped in place above: no gradient reaches .grad (the optimizer skips them)
-            v_dc = None
-            v_means = None if "means" in more else v_means
-            v_quats = None if "quats" in more else v_quats
-            v_scales = None if "scales" in more else v_scales
-            v_opacities = None if "opacities" in more else v_opacities
+            v_dc = None  # (v_means .. v_opacities: None where stepped, no view made)
         elif sh_rest is not None:
             v_sh_rest = v_rest if K > 1 else torch.zeros_like(sh_rest)
         return (

@@ -73,24 +73,22 @@ inline void mat3_mul_at(thread const float* a, thread const float* b, thread flo
 #define PROJECT_SH_APART 64      // (PROJECT_SHADE) the SH bands as splatfacto keeps them: band 0 and the others apart
 #define PROJECT_SHADE 256        // the SH colour's backward too, in this thread (else sh_bwd.metal's sh_fused_bwd, its
                                  // twin, wrote v_means_sh): coefficient gradients and the direction's, into v_means
-// (PROJECT_SHADE) the SH degree in use and the coefficients per gaussian K ride in flags' bits 16-19 and 20-27: a
-// kernel has 31 buffer slots, and this one uses them all.
+// (PROJECT_SHADE) the SH degree in use and the coefficients per gaussian K ride in flags' bits 16-19 and 20-27.
 // PROJECT_SH_ADAM (with PROJECT_FUSED, PROJECT_SHADE, PROJECT_SH_APART and one camera): the SH coefficients take
 // their Adam step here (engine/optimizers.py arms it, prepare.py dispatches it): each thread computes its
 // gaussian's coefficient gradients in registers (sh.h's outer product) and updates features_dc / features_rest and
 // both of their moments in place with splat_adam_update (common.h), slot 0 of adam_coef for band 0 and slot 1 for
 // the rest (adam.metal's adam_prepare wrote them just before), every gaussian stepped (a culled one with gradient
 // 0, as torch's Adam does); no coefficient gradient is written. A non-finite gradient or updated coefficient
-// stores NaN in adam_flag[0] (the NaN guard's flag, as adam_step). The moments ride in the slots the plain and
-// unfused modes use for other buffers (a kernel has 31): exp_avg in v_sh_dc / v_sh_rest, exp_avg_sq in v_comp
-// (read only without PROJECT_FUSED) and v_means_sh (read only with PROJECT_MEANS_SH).
+// stores NaN in adam_flag[0] (the NaN guard's flag, as adam_step). The moments are views of the moment arenas
+// (exp_avgs, exp_avg_sqs), each at its offset in the params list.
 #define PROJECT_SH_ADAM 128
 // PROJECT_ADAM_MEANS / _QUATS / _SCALES / _OPACITIES (each with PROJECT_SH_ADAM): that parameter takes its Adam step
 // here too, with the gradient this thread computed (the means': projection's + the SH directions'; the opacity's after
 // sigmoid's derivative, the scales' after exp's), in place, in the slot of adam_coef that byte k (means 0, quats 1,
 // scales 2, opacities 3) of the flags' bits PROJECT_ADAM_SLOT_SHIFT.. names; its gradient is not written. Its exp_avg
-// rides in its gradient's slot (v_means, v_quats, v_scales, v_opacities), its exp_avg_sq in one of the slots the
-// scalar sizes freed (args: ProjectBwdArgs) and the verdict joins the SH step's.
+// is read where its gradient would be written (v_means, v_quats, v_scales, v_opacities: in exp_avgs, not grads), its
+// exp_avg_sq in exp_avg_sqs, and the verdict joins the SH step's.
 #define PROJECT_ADAM_MEANS 2048
 #define PROJECT_ADAM_QUATS 4096
 #define PROJECT_ADAM_SCALES 8192
@@ -149,19 +147,11 @@ inline bool project_adam_row(device float* p, thread const float* grad, device f
   return ok;
 }
 
-// The sizes of a launch in one buffer (a kernel has 31 slots): an int64 tensor [5] that project_bwd.py / prepare.py
-// keep per sizes (no allocation, no copy in a steady step); eps2d is the float in the low half of the last long
-// (little-endian), the high half 0. 40 bytes, every long at an 8-byte offset.
-struct ProjectBwdArgs {
-  long N;
-  long width;
-  long height;
-  long n_groups;
-  float eps2d;
-  float unused;
-};
-
 // A culled entry (radius 0, for any reason) had opacity 0 and constant outputs: every gradient is 0.
+// The gradients it writes are views of one allocation (`grads`), and the Adam moments it updates (PROJECT_SH_ADAM,
+// PROJECT_ADAM_*) views of the moment arenas (`exp_avgs`, `exp_avg_sqs`: ops/metal/adam.py): each reached at its
+// element offset in `params` (common.h PROJECT_BWD_*), so 14 outputs and moments take 3 slots. A parameter stepped
+// here has its exp_avg where its gradient would be (v_means .. v_sh_rest read from exp_avgs, else from grads).
 [[max_total_threads_per_threadgroup(SPLAT_PROJECT_BWD_GROUP)]]
 kernel void project_bwd(
     device float* means [[buffer(0)]],             // [N, 3]; written only with PROJECT_ADAM_MEANS
@@ -173,36 +163,27 @@ kernel void project_bwd(
     const device float* v_means2d [[buffer(6)]],   // [C, N, 2]
     const device float* v_depths [[buffer(7)]],    // [C, N]
     const device float* v_conics [[buffer(8)]],    // [C, N, 3]
-    device float* v_comp [[buffer(9)]],            // [C, N] or [1] placeholder; PROJECT_SH_ADAM: dc's exp_avg_sq
-    device float* v_means [[buffer(10)]],          // [C, N, 3]; PROJECT_ADAM_MEANS: the means' exp_avg
-    device float* v_quats [[buffer(11)]],          // [C, N, 4]; PROJECT_ADAM_QUATS: the quats' exp_avg
-    device float* v_scales [[buffer(12)]],         // [C, N, 3]; PROJECT_ADAM_SCALES: the scales' exp_avg
+    const device float* v_comp [[buffer(9)]],      // [C, N] or [1] placeholder (read only without PROJECT_FUSED)
+    device float* grads [[buffer(10)]],            // the gradients written: v_means [C, N, 3], v_quats [C, N, 4],
+                                                   // v_scales [C, N, 3], v_opacities [C, N], v_sh_dc, v_sh_rest
+    device float* exp_avgs [[buffer(11)]],         // PROJECT_SH_ADAM: the exp_avg arena (else a placeholder)
+    device float* exp_avg_sqs [[buffer(12)]],      // PROJECT_SH_ADAM: the exp_avg_sq arena (else a placeholder)
     device float* v_camera_part [[buffer(13)]],    // [C, n_groups, 16] or [1] placeholder
-    constant ProjectBwdArgs& args [[buffer(14)]],  // N, width, height, n_groups, eps2d
-    device float* avg_sq_means [[buffer(15)]],     // PROJECT_ADAM_MEANS: the means' exp_avg_sq (else a placeholder)
-    device float* avg_sq_quats [[buffer(16)]],     // PROJECT_ADAM_QUATS: the quats' exp_avg_sq (else a placeholder)
-    device float* avg_sq_scales [[buffer(17)]],    // PROJECT_ADAM_SCALES: the scales' exp_avg_sq (else a placeholder)
-    const device float* adam_coef [[buffer(18)]],   // PROJECT_SH_ADAM: adam_prepare's [SPLAT_ADAM_SLOTS * COEFS + 2]
-    device atomic_float* adam_flag [[buffer(19)]],  // PROJECT_SH_ADAM: [1], NaN where a value is not finite
-    device float* avg_sq_opacities [[buffer(20)]],  // PROJECT_ADAM_OPACITIES: the opacities' exp_avg_sq
-    // The fused preparation (prepare.py; flags 0: the plain stage, buffers 21-24 are placeholders):
-    device float* opacities [[buffer(21)]],    // [N] the forward's input (logits with PROJECT_SIGMOID_OPACITIES);
+    constant long* params [[buffer(14)]],          // [PROJECT_BWD_COUNT] common.h PROJECT_BWD_*: sizes, flags, offsets
+    const device float* adam_coef [[buffer(15)]],   // PROJECT_SH_ADAM: adam_prepare's [SPLAT_ADAM_SLOTS * COEFS + 2]
+    device atomic_float* adam_flag [[buffer(16)]],  // PROJECT_SH_ADAM: [1], NaN where a value is not finite
+    // The fused preparation (prepare.py; flags 0: the plain stage, buffers 17-20 are placeholders):
+    device float* opacities [[buffer(17)]],    // [N] the forward's input (logits with PROJECT_SIGMOID_OPACITIES);
                                                // written only with PROJECT_ADAM_OPACITIES
-    const device float* v_opacities_out [[buffer(22)]],  // [C, N] d loss / d opacities_out
-    device float* v_means_sh [[buffer(23)]],   // [C, N, 3] d loss / d SH directions (PROJECT_MEANS_SH); may be
-                                               // v_means itself (each thread reads its row before writing it);
-                                               // PROJECT_SH_ADAM: the rest's exp_avg_sq
-    device float* v_opacities [[buffer(24)]],        // [C, N] d loss / d opacities (the input); PROJECT_ADAM_OPACITIES:
-                                                     // the opacities' exp_avg
-    constant long& flags [[buffer(25)]],
+    const device float* v_opacities_out [[buffer(18)]],  // [C, N] d loss / d opacities_out
+    device float* v_means_sh [[buffer(19)]],   // [C, N, 3] d loss / d SH directions (PROJECT_MEANS_SH); may be
+                                               // v_means itself (each thread reads its row before writing it)
     // PROJECT_SHADE (else placeholders): the SH coefficients as project_fwd read them (band 0 of gaussian n at
     // sh_dc[n * dc_stride], bands k >= 1 at sh_rest[n * rest_stride + rest_offset + 3 (k - 1)]; the layout from
     // PROJECT_SH_APART and K), d loss / d colours, and their gradients [C, N, .] in the same layout.
-    const device float* v_colors [[buffer(26)]],  // [C, N, 3]
-    device float* sh_dc [[buffer(27)]],      // written only with PROJECT_SH_ADAM
-    device float* sh_rest [[buffer(28)]],    // written only with PROJECT_SH_ADAM
-    device float* v_sh_dc [[buffer(29)]],    // PROJECT_SH_ADAM: dc's exp_avg
-    device float* v_sh_rest [[buffer(30)]],  // PROJECT_SH_ADAM: the rest's exp_avg
+    const device float* v_colors [[buffer(20)]],  // [C, N, 3]
+    device float* sh_dc [[buffer(21)]],      // written only with PROJECT_SH_ADAM
+    device float* sh_rest [[buffer(22)]],    // written only with PROJECT_SH_ADAM
     uint2 gpos [[thread_position_in_grid]],
     uint2 tgp [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -210,8 +191,9 @@ kernel void project_bwd(
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint n_sg [[simdgroups_per_threadgroup]]) {
   threadgroup float s_part[PROJECT_BWD_MAX_SIMDGROUPS * 16];
-  const long N = args.N, width = args.width, height = args.height, n_groups = args.n_groups;
-  const float eps2d = args.eps2d;
+  const long N = params[PROJECT_BWD_N], width = params[PROJECT_BWD_WIDTH], height = params[PROJECT_BWD_HEIGHT];
+  const long n_groups = params[PROJECT_BWD_N_GROUPS], flags = params[PROJECT_BWD_FLAGS];
+  const float eps2d = as_type<float>((uint)params[PROJECT_BWD_EPS2D]);
 
   const long g = (long)gpos.x;
   const long cam = (long)gpos.y;
@@ -231,6 +213,19 @@ kernel void project_bwd(
   const long slot_means = (flags >> PROJECT_ADAM_SLOT_SHIFT) & 255, slot_quats = (flags >> (PROJECT_ADAM_SLOT_SHIFT + 8)) & 255;
   const long slot_scales = (flags >> (PROJECT_ADAM_SLOT_SHIFT + 16)) & 255;
   const long slot_opacities = (flags >> (PROJECT_ADAM_SLOT_SHIFT + 24)) & 255;
+  // the gradients at their offsets in grads, or (stepped here) their exp_avgs in exp_avgs; the exp_avg_sqs
+  device float* v_means = (adam_means ? exp_avgs : grads) + params[PROJECT_BWD_V_MEANS];
+  device float* v_quats = (adam_quats ? exp_avgs : grads) + params[PROJECT_BWD_V_QUATS];
+  device float* v_scales = (adam_scales ? exp_avgs : grads) + params[PROJECT_BWD_V_SCALES];
+  device float* v_opacities = (adam_opacities ? exp_avgs : grads) + params[PROJECT_BWD_V_OPACITIES];
+  device float* v_sh_dc = (sh_adam ? exp_avgs : grads) + params[PROJECT_BWD_V_SH_DC];
+  device float* v_sh_rest = (sh_adam ? exp_avgs : grads) + params[PROJECT_BWD_V_SH_REST];
+  device float* avg_sq_means = exp_avg_sqs + params[PROJECT_BWD_AVG_SQ_MEANS];
+  device float* avg_sq_quats = exp_avg_sqs + params[PROJECT_BWD_AVG_SQ_QUATS];
+  device float* avg_sq_scales = exp_avg_sqs + params[PROJECT_BWD_AVG_SQ_SCALES];
+  device float* avg_sq_opacities = exp_avg_sqs + params[PROJECT_BWD_AVG_SQ_OPACITIES];
+  device float* avg_sq_dc = exp_avg_sqs + params[PROJECT_BWD_AVG_SQ_DC];
+  device float* avg_sq_rest = exp_avg_sqs + params[PROJECT_BWD_AVG_SQ_REST];
 
   float vR[9] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // d/d viewmat[0:3, 0:3]
   float vt[3] = {0.0f, 0.0f, 0.0f};                                        // d/d viewmat[0:3, 3]
@@ -390,7 +385,7 @@ kernel void project_bwd(
                                                             sh_dc + g * dc_stride,
                                                             sh_rest + g * rest_stride + rest_offset,
                                                             v_colors + 3 * idx, v_sh);
-        sh_ok = project_sh_adam(g, sh_k, rest_stride, &t, sh_dc, sh_rest, v_sh_dc, v_comp, v_sh_rest, v_means_sh,
+        sh_ok = project_sh_adam(g, sh_k, rest_stride, &t, sh_dc, sh_rest, v_sh_dc, avg_sq_dc, v_sh_rest, avg_sq_rest,
                                 adam_coef);
       } else {
         splat_sh_color_bwd(sh_degree, sh_k, dir[0], dir[1], dir[2], sh_dc + g * dc_stride,
@@ -532,7 +527,7 @@ kernel void project_bwd(
     } else if (shade && sh_adam) {  // culled: gradient 0, stepped all the same (as torch's Adam steps every row)
       SplatShColorGrad t;
       t.n_bases = 0;
-      sh_ok = project_sh_adam(g, sh_k, rest_stride, &t, sh_dc, sh_rest, v_sh_dc, v_comp, v_sh_rest, v_means_sh,
+      sh_ok = project_sh_adam(g, sh_k, rest_stride, &t, sh_dc, sh_rest, v_sh_dc, avg_sq_dc, v_sh_rest, avg_sq_rest,
                               adam_coef) && sh_ok;
     } else if (shade) {
       splat_sh_color_bwd_zero(sh_k, v_sh_dc + idx * dc_stride, v_sh_rest + idx * rest_stride + rest_offset);

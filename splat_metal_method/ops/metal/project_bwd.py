@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Dict, Optional, Tuple
 
@@ -9,33 +10,37 @@ import torch
 from torch import Tensor
 
 from ..autograd_stages import camera_grads
+from . import params
 from .kernels import group_library
 from .variants import PROJECT_BWD_GROUP
 
 GROUP = PROJECT_BWD_GROUP  # threads per group (variants.py)
 CALC_COMP, CALC_CAMERA = 512, 1024  # project_bwd.metal's PROJECT_CALC_COMP / PROJECT_CALC_CAMERA flags
 
-_ARGS: Dict[tuple, Tensor] = {}  # (device, N, width, height, n_groups, eps2d bits) -> its ProjectBwdArgs
-_ARGS_KEPT = 8  # sizes kept per process (a densification changes N: the oldest goes)
 
-
-def launch_args(device, N: int, width: int, height: int, n_groups: int, eps2d: float) -> Tensor:
-    """project_bwd.metal's ProjectBwdArgs (N, width, height, n_groups as int64, then eps2d as the float32 in the low
-    half of a fifth int64, little-endian as Apple GPUs and the emulator's hosts are): one buffer where the kernel
-    had five scalar slots. Made once per sizes and kept (the kernel only reads it), so a steady step neither
-    allocates nor copies it; made on the device by fills of Python scalars (no host-to-device copy, which torch's
-    MPS backend makes a host sync), ten dispatches where a size is new (the step after a refine)."""
+def launch_params(N: int, width: int, height: int, n_groups: int, eps2d: float, flags: int, **offsets: int) -> list:
+    """project_bwd's packed list (common.h PROJECT_BWD_*): its sizes, eps2d as its float32's bits, the flags and the
+    element offsets of its outputs and moments (``offsets``: v_means=..; one not given is 0, its buffer unused).
+    A setBytes slot: nothing allocated or copied per step."""
     bits = struct.unpack("<I", struct.pack("<f", float(eps2d)))[0]
-    key = (torch.device(device), int(N), int(width), int(height), int(n_groups), bits)
-    t = _ARGS.get(key)
-    if t is None:
-        if len(_ARGS) >= _ARGS_KEPT:
-            _ARGS.pop(next(iter(_ARGS)))
-        t = torch.empty(len(key) - 1, dtype=torch.int64, device=key[0])
-        for i, value in enumerate(key[1:]):
-            t[i].fill_(value)
-        _ARGS[key] = t
-    return t
+    at = {name: 0 for name in params.PROJECT_BWD[6:]}
+    at.update(offsets)
+    return params.pack(params.PROJECT_BWD, N=int(N), width=int(width), height=int(height), n_groups=int(n_groups),
+                       eps2d=bits, flags=int(flags), **at)  # fmt: skip
+
+
+def gradient_buffers(device, shapes: Dict[str, tuple]) -> Tuple[Optional[Tensor], Dict[str, Tensor], Dict[str, int]]:
+    """The gradients project_bwd writes in one allocation (its `grads` slot): (that flat buffer, None where
+    ``shapes`` is empty; name -> its contiguous view of that shape; name -> the view's element offset)."""
+    total = sum(math.prod(shape) for shape in shapes.values())
+    flat = torch.empty(total, dtype=torch.float32, device=device) if shapes else None
+    views, offsets, start = {}, {}, 0
+    for name, shape in shapes.items():
+        strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]  # contiguous
+        views[name] = flat.as_strided(shape, strides, start)
+        offsets[name] = start
+        start += math.prod(shape)
+    return flat, views, offsets
 
 
 def project_bwd(
@@ -71,27 +76,27 @@ def project_bwd(
     if tuple(radii.shape) != (C, N) or radii.dtype != torch.int32:
         raise ValueError(f"[{op}] radii must be {[C, N]} int32, got {list(radii.shape)} {radii.dtype}")
 
-    # [C, N, k] written flat by the kernel; for one camera [N, k] is the same memory and the result
+    # [C, N, k] written flat by the kernel, in one allocation; for one camera [N, k] is the same memory and the result
     lead = (N,) if C == 1 else (C, N)
-    v_means = torch.empty(lead + (3,), dtype=torch.float32, device=device)
-    v_quats = torch.empty(lead + (4,), dtype=torch.float32, device=device)
-    v_scales = torch.empty(lead + (3,), dtype=torch.float32, device=device)
+    grads, views, at = gradient_buffers(device, {"v_means": lead + (3,), "v_quats": lead + (4,),
+                                                 "v_scales": lead + (3,)})  # fmt: skip
+    v_means, v_quats, v_scales = views["v_means"], views["v_quats"], views["v_scales"]
     lib, group = group_library(device, "project_bwd.metal", "project_bwd", "SPLAT_PROJECT_BWD_GROUP", GROUP)
     n_groups = (N + group - 1) // group
     camera_grad = bool(viewmats_grad or Ks_grad)
     # unused buffers are bound to tensors at hand (the kernel neither reads v_comp without
     # compensations nor writes part without camera gradients): no placeholder allocation
     part = torch.empty((C, n_groups, 16), dtype=torch.float32, device=device) if camera_grad else v_means
+    flags = (CALC_COMP if v_compensations is not None else 0) | (CALC_CAMERA if camera_grad else 0)
     if C * N > 0:
         lib.project_bwd(
             means.contiguous(), quats.contiguous(), scales.contiguous(), viewmats.contiguous(), Ks.contiguous(),
             radii.contiguous(), v_means2d.contiguous(), v_depths.contiguous(), v_conics.contiguous(),
             v_compensations.contiguous() if v_compensations is not None else v_depths,
-            v_means, v_quats, v_scales, part, launch_args(device, N, width, height, n_groups, eps2d),
-            v_means, v_quats, v_scales, v_depths, v_means, v_depths,  # no Adam step (prepare.py)
-            v_depths, v_depths, v_depths, v_means,  # plain: not fused (prepare.py)
-            (CALC_COMP if v_compensations is not None else 0) | (CALC_CAMERA if camera_grad else 0),
-            v_depths, v_depths, v_depths, v_means, v_means,  # nor the SH colour's backward
+            grads, grads, grads, part,  # no Adam step (prepare.py): the moment arenas' slots unused
+            launch_params(N, width, height, n_groups, eps2d, flags, **at),
+            v_depths, v_depths,  # no Adam step
+            v_depths, v_depths, v_depths, v_depths, v_depths, v_depths,  # plain: neither fused nor the SH colour's
             threads=(n_groups * group, C), group_size=(group, 1),
         )  # fmt: skip
     v_viewmats = v_Ks = None

@@ -23,6 +23,7 @@ from nerfstudio.engine.schedulers import ExponentialDecaySchedulerConfig
 
 from splat_metal_method.engine.optimizers import GaussianOptimizers
 from splat_metal_method.method.configs import FusedAdamOptimizerConfig
+from splat_metal_method.method.mcmc import routed_ops
 from splat_metal_method.ops import rasterization
 from splat_metal_method.ops.metal import adam, kernels, runtime
 
@@ -245,3 +246,94 @@ def test_the_self_check_verifies_adam_and_a_failed_check_falls_back(monkeypatch)
         assert "self-check" in opts.why_not_fused and opts.last_fused is None
     step(params, opts, grads, 1)
     assert opts.why_not_fused == ""
+
+
+def arenas(params, opts) -> tuple:
+    """(the exp_avg arena's address, the exp_avg_sq arena's): every gaussian group's moment a view of each."""
+    out = []
+    for key in ("exp_avg", "exp_avg_sq"):
+        moments = [opts.optimizers[k].state[p][key] for k, p in params.items()]
+        found = adam.arena(moments)
+        assert found is not None and adam.overlapping(moments) is None, key
+        out.append(found[0].data_ptr())
+    return tuple(out)
+
+
+def test_the_moments_are_re_packed_only_where_a_refine_or_a_load_replaced_them(tmp_path):
+    """The moments live in two arenas (adam_step binds 2 buffers, not 12) from the first fused step on. A steady step
+    keeps them where they are; a prune, a densification (gsplat's remove/duplicate/split: new tensors) or a moment
+    replaced by hand is re-packed once at the next step; MCMC's relocation (in place) and a checkpoint's load (views
+    of its loaded storage) need none. Through all of it the run matches torch's Adam; after the load exactly the
+    uninterrupted run."""
+    ref, ref_opts = make(fused=False)
+    ours, ours_opts = make(fused=True)
+    seen = []
+    for at in range(10):
+        grads = render_grads(ref)
+        step(ref, ref_opts, grads, at)
+        step(ours, ours_opts, grads, at)
+        assert ours_opts.why_not_fused == "" and ours_opts.last_fused is not None, ours_opts.why_not_fused
+        assert_same(ref, ref_opts, ours, ours_opts, at)
+        seen.append(arenas(ours, ours_opts))
+        for params, opts in ((ref, ref_opts), (ours, ours_opts)):
+            if at == 2:
+                gs_ops.remove(params, opts.optimizers, {}, torch.arange(len(params["means"])) % 9 == 4)
+            if at == 4:
+                torch.manual_seed(at)
+                gs_ops.duplicate(params, opts.optimizers, {}, torch.arange(len(params["means"])) % 7 == 0)
+                gs_ops.split(params, opts.optimizers, {}, torch.arange(len(params["means"])) % 5 == 1)
+            if at == 6:
+                binoms = torch.tensor([[math.comb(n, k) for k in range(10)] for n in range(10)], dtype=torch.float32)
+                torch.manual_seed(at)
+                with routed_ops("reference"):  # gsplat's relocation with its CUDA-only op routed to ours
+                    gs_ops.relocate(params, opts.optimizers, {}, torch.arange(len(params["means"])) % 11 == 3, binoms)
+        if at == 7:
+            state = ours_opts.optimizers["quats"].state[ours["quats"]]
+            state["exp_avg"] = state["exp_avg"].clone()  # a moment apart from its arena: re-packed, same values
+    moved = [at for at in range(1, 10) if seen[at] != seen[at - 1]]
+    assert moved == [3, 5, 8], (moved, seen)
+    b, b_opts = resumed(tmp_path / "ckpt.pt", ours, ours_opts, make(fused=True))
+    loaded = arenas(b, b_opts)
+    for at in range(10, 12):
+        grads = render_grads(ours)
+        step(ours, ours_opts, grads, at)
+        step(b, b_opts, grads, at)
+        assert b_opts.why_not_fused == "" and arenas(b, b_opts) == loaded
+        assert_same(ours, ours_opts, b, b_opts, at, exact=True)
+
+
+def test_moments_that_share_memory_step_with_torch_as_torch_would():
+    """A planted alias (two groups' exp_avg the same tensor, as no refine makes them) is not re-packed apart (that
+    would change what the run computes): the gaussians step with torch's Adam, equal to torch's own run with the
+    same alias bit for bit. fused_adam itself refuses moments apart from an arena, or sharing memory."""
+    ref, ref_opts = make(fused=False)
+    ours, ours_opts = make(fused=True)
+    grads = render_grads(ref)
+    step(ref, ref_opts, grads, 0)
+    step(ours, ours_opts, grads, 0)
+    with torch.no_grad():  # the same start for both (the kernel's first step is torch's within rounding)
+        for k in LRS:
+            ref[k].copy_(ours[k])
+            for key, t in ours_opts.optimizers[k].state[ours[k]].items():
+                ref_opts.optimizers[k].state[ref[k]][key].copy_(t)
+    for params, opts in ((ref, ref_opts), (ours, ours_opts)):
+        opts.optimizers["scales"].state[params["scales"]]["exp_avg"] = opts.optimizers["means"].state[
+            params["means"]]["exp_avg"]  # fmt: skip
+    runtime.reset_launch_counts()
+    step(ref, ref_opts, grads, 1)
+    step(ours, ours_opts, grads, 1)
+    assert "share memory" in ours_opts.why_not_fused and ours_opts.last_fused is None
+    assert "adam_step" not in runtime.launch_counts()
+    for k in LRS:
+        s, t = ref_opts.optimizers[k].state[ref[k]], ours_opts.optimizers[k].state[ours[k]]
+        assert torch.equal(ref[k], ours[k]) and torch.equal(s["exp_avg"], t["exp_avg"]), k
+    params = [torch.zeros(4, 3), torch.ones(4, 3)]
+    grads = [torch.ones(4, 3), torch.ones(4, 3)]
+    steps = [torch.zeros(()), torch.zeros(())]
+    avgs, avg_sqs = adam.zero_moments(params)
+    for bad, match in (([avgs[0], torch.zeros(4, 3)], "not views of the two moment arenas"),
+                       ([avgs[0], avgs[0]], "exp_avg 0 and exp_avg 1 share memory"),
+                       ([avgs[0], params[1]], "parameter 1 and exp_avg 1 share memory")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            adam.fused_adam(params, grads, bad, avg_sqs, steps, [1e-3] * 2, [1e-15] * 2, 0.9, 0.999)
+    assert torch.equal(params[0], torch.zeros(4, 3)) and not avgs[0].any()  # nothing stepped

@@ -16,7 +16,7 @@ import torch
 from scenes import random_scene
 
 from splat_metal_method.ops.metal import runtime
-from splat_metal_method.ops.metal.adam import fused_adam
+from splat_metal_method.ops.metal.adam import fused_adam, zero_moments
 from splat_metal_method.ops.metal.emulator import EmulatorError, MetalCompileError, compile_library
 from splat_metal_method.ops.metal.fused import rasterization_metal
 from splat_metal_method.ops.metal.isect import IntersectionCapacities
@@ -123,8 +123,7 @@ def _training_step(scene, sh: bool, tile_merge: bool, steps: int = 2):
         )  # fmt: skip
         (render.sum() + alpha.sum() + meta["rgb"].sum()).backward()
         params = [leaves["means"], leaves["opacities"]]
-        flag = fused_adam(params, [p.grad for p in params], [torch.zeros_like(p) for p in params],
-                          [torch.zeros_like(p) for p in params], [torch.zeros(1), torch.zeros(1)], [1e-3, 1e-3],
+        flag = fused_adam(params, [p.grad for p in params], *zero_moments(params), [torch.zeros(1), torch.zeros(1)], [1e-3, 1e-3],
                           [1e-15, 1e-15], 0.9, 0.999, radii=meta["radii"].int().contiguous())  # fmt: skip
         densify_stats(meta["means2d"].absgrad if meta["means2d"].absgrad is not None else torch.zeros(1, N, 2),
                       meta["radii"].int().contiguous(), torch.zeros(N), torch.zeros(N), torch.zeros(N), 1.0, 1.0,

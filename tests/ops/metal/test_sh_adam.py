@@ -50,9 +50,12 @@ def make(kind: str):
     return params, opts
 
 
-def train_step(params, opts, at: int, degree: int, cameras: int = 1) -> None:
-    """One iteration in nerfstudio's trainer's order, the loss of a metal render of the parameters themselves."""
+def train_step(params, opts, at: int, degree: int, cameras: int = 1, after_zero_grad=None) -> None:
+    """One iteration in nerfstudio's trainer's order, the loss of a metal render of the parameters themselves
+    (``after_zero_grad``: called between zero_grad, which arms the step, and the render)."""
     opts.zero_grad_all()
+    if after_zero_grad is not None:
+        after_zero_grad(params, opts)
     viewmats = torch.eye(4)[None].repeat(cameras, 1, 1)  # [C, 4, 4]
     viewmats[1:, 0, 3] = 0.1
     Ks = torch.tensor([[[30.0, 0.0, W / 2], [0.0, 30.0, H / 2], [0.0, 0.0, 1.0]]]).repeat(cameras, 1, 1)  # [C, 3, 3]
@@ -204,3 +207,33 @@ def test_the_nan_guard_drops_the_same_gaussians_as_with_the_twin():
         assert torch.equal(twin[k], fused[k]) and torch.isfinite(fused[k]).all(), k
     run(runs, 3, range(3, 6))  # both go on alike (exact), the fused one taking the SH step again
     assert fused_opts.sh_taken == 5 and len(guards[1].reports) == 1
+
+
+def test_moments_apart_from_the_arenas_or_sharing_memory_leave_the_step_to_the_optimizer():
+    """project_bwd reaches the moments it steps through the two moment arenas. A moment replaced by a copy between
+    the arming and the backward is not the arena's: that backward does not take the step, the step after it
+    re-packs (adam.pack_moments) and steps the groups, and the run stays bit for bit its twin's. Two groups'
+    exp_avg made one tensor (an alias no refine makes) in both runs after a step: nothing is armed, neither
+    kernel steps them, torch's Adam does, in both runs alike."""
+
+    def apart(params, opts):
+        state = opts.optimizers["features_rest"].state[params["features_rest"]]
+        state["exp_avg"] = state["exp_avg"].clone()
+
+    def shared(params, opts):
+        opts.optimizers["scales"].state[params["scales"]]["exp_avg"] = opts.optimizers["means"].state[
+            params["means"]]["exp_avg"]  # fmt: skip
+
+    twin, fused = make("twin"), make("fused")
+    for at in range(6):
+        for params, opts in (twin, fused):
+            train_step(params, opts, at, 3, after_zero_grad=apart if at == 2 else None)
+            if at == 3:  # before the next arming
+                shared(params, opts)
+        assert_same(*twin, *fused, at, exact=True)
+        if at == 2:
+            assert fused[1].sh_taken == 1 and fused[1].why_not_fused == "" and fused[1].last_fused is not None
+        if at >= 4:
+            assert "share memory" in fused[1].why_not_fused and "share memory" in twin[1].why_not_fused
+            assert fused[1].last_fused is None
+    assert fused[1].sh_taken == 2  # steps 1 and 3: not 2 (apart), nor 4 and 5 (shared)
