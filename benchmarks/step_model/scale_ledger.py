@@ -165,7 +165,10 @@ def expected_bin_atomics(scene: Scene, width: int, height: int, sample: int = MO
 def sh_optimizers(scene: Scene) -> tuple:
     """torch Adams of every gaussian parameter with their state made, as splatfacto's (lr, eps): (features_dc's,
     features_rest's, {means, quats, scales, opacities: theirs}), for the Adam step the render's backward takes
-    (adam.ShStep: all six inside project_bwd, as a steady step of the model arms them)."""
+    (adam.ShStep: all six inside project_bwd, as a steady step of the model arms them), their moments views of the
+    two moment arenas as GaussianOptimizers packs them (adam.pack_moments)."""
+    from splat_metal_method.ops.metal import adam
+
     out = []
     lrs = (1.6e-4, 0.001, 0.005, 0.05, 0.0025, 0.0025 / 20)
     for p, lr in zip(scene.params(), lrs):
@@ -173,6 +176,7 @@ def sh_optimizers(scene: Scene) -> tuple:
         opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
                         "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}  # fmt: skip
         out.append(opt)
+    adam.pack_moments([opt.state[opt.param_groups[0]["params"][0]] for opt in out])
     return out[4], out[5], dict(zip(("means", "quats", "scales", "opacities"), out[:4]))
 
 
@@ -338,13 +342,14 @@ def key(n: int, width: int, height: int) -> str:
 
 def bytes_by_kind(buffer_shapes: Dict[str, int], n: int, width: int, height: int) -> Dict[str, int]:
     """A kernel's bound bytes (ledger.ModelWork.buffer_shapes) by what each buffer holds: "G" per
-    gaussian (a dimension of n), "P" per pixel (the image's or the tile grid's two dimensions), "M" the
-    rest: intersection lists, bins and the few scalars beside them."""
+    gaussian (a dimension of n, or one flat dimension of k * n floats, k < 128: the moment arenas and
+    project_bwd's gradients, several parameters' rows in one allocation), "P" per pixel (the image's or the
+    tile grid's two dimensions), "M" the rest: intersection lists, bins and the few scalars beside them."""
     th, tw = math.ceil(height / TILE), math.ceil(width / TILE)
     out = {"G": 0, "P": 0, "M": 0}
     for shape, b in buffer_shapes.items():
         dims = [int(d) for d in shape.split("x") if d]
-        if n in dims:
+        if n in dims or (len(dims) == 1 and n > 0 and dims[0] % n == 0 and dims[0] < 128 * n):
             out["G"] += b
         elif (height in dims and width in dims) or (th in dims and tw in dims):
             out["P"] += b

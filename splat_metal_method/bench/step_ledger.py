@@ -259,14 +259,16 @@ class Counting:
 
 
 def bound_buffers(name: str, args) -> List[Tuple[torch.Tensor, int]]:
-    """The distinct buffers one launch of kernel ``name`` binds, with the bytes each counts (READ_WRITE_ARGS: twice)."""
-    out, seen, read_write = [], set(), READ_WRITE_ARGS.get(name, ())
+    """The distinct buffers one launch of kernel ``name`` binds, with the bytes each counts (READ_WRITE_ARGS: twice,
+    also where the same buffer is bound again at an index that is not: a placeholder slot)."""
+    out, read_write = {}, READ_WRITE_ARGS.get(name, ())
     read_write = read_write(args) if callable(read_write) else read_write
     for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and a.data_ptr() not in seen:
-            seen.add(a.data_ptr())
-            out.append((a, a.numel() * a.element_size() * (2 if i in read_write else 1)))
-    return out
+        if isinstance(a, torch.Tensor):
+            counted = a.numel() * a.element_size() * (2 if i in read_write else 1)
+            if counted > out.get(a.data_ptr(), (a, 0))[1]:
+                out[a.data_ptr()] = (out.get(a.data_ptr(), (a, 0))[0], counted)
+    return list(out.values())
 
 
 class _AtenCounter(TorchDispatchMode):
