@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import types
+from typing import Optional
 
 import pytest
 import torch
@@ -248,14 +249,18 @@ def test_the_self_check_verifies_adam_and_a_failed_check_falls_back(monkeypatch)
     assert opts.why_not_fused == ""
 
 
-def arenas(params, opts) -> tuple:
-    """(the exp_avg arena's address, the exp_avg_sq arena's): every gaussian group's moment a view of each."""
+def arenas(params, opts, keep: Optional[list] = None) -> tuple:
+    """(the exp_avg arena's address, the exp_avg_sq arena's): every gaussian group's moment a view of each. ``keep``
+    holds on to the arenas, so that a later one cannot be allocated at a freed one's address (which would look
+    like no re-pack)."""
     out = []
     for key in ("exp_avg", "exp_avg_sq"):
         moments = [opts.optimizers[k].state[p][key] for k, p in params.items()]
         found = adam.arena(moments)
         assert found is not None and adam.overlapping(moments) is None, key
         out.append(found[0].data_ptr())
+        if keep is not None:
+            keep.append(found[0])
     return tuple(out)
 
 
@@ -267,14 +272,14 @@ def test_the_moments_are_re_packed_only_where_a_refine_or_a_load_replaced_them(t
     uninterrupted run."""
     ref, ref_opts = make(fused=False)
     ours, ours_opts = make(fused=True)
-    seen = []
+    seen, kept = [], []
     for at in range(10):
         grads = render_grads(ref)
         step(ref, ref_opts, grads, at)
         step(ours, ours_opts, grads, at)
         assert ours_opts.why_not_fused == "" and ours_opts.last_fused is not None, ours_opts.why_not_fused
         assert_same(ref, ref_opts, ours, ours_opts, at)
-        seen.append(arenas(ours, ours_opts))
+        seen.append(arenas(ours, ours_opts, kept))
         for params, opts in ((ref, ref_opts), (ours, ours_opts)):
             if at == 2:
                 gs_ops.remove(params, opts.optimizers, {}, torch.arange(len(params["means"])) % 9 == 4)
