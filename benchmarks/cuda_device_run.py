@@ -2,6 +2,7 @@
 
     bash benchmarks/cuda_device_run.sh --prepare     # here (network): wheels + garden data -> .cuda-carry/
     bash benchmarks/cuda_device_run.sh               # on the GPU machine: installs .cuda-carry/, runs this
+    bash benchmarks/cuda_device_run.sh --stages build,overhead,commands   # a part of it
     python benchmarks/cuda_device_run.py --out DIR   # the same without the wrapper (deps already importable)
     python benchmarks/cuda_device_run.py --cpu-dry-run --out DIR   # any machine: the CUDA parts skipped
 
@@ -20,14 +21,23 @@ cut short still leaves every finished stage behind:
   training  benchmarks/cuda_vs_splatfacto.py (step time and peak memory vs stock splatfacto) and
             benchmarks/bench_memory.py --device cuda with the memory hooks on and off -> memory.csv,
             their output in training.log
+  commands  the user's commands on the GPU (each in a subprocess, output in training.log): ns-train
+            splat-metal twice alike (the GPU's own nondeterminism: float atomics), the same run Ctrl-C'd
+            once a checkpoint exists and resumed with the command it prints (its final checkpoint
+            against the uninterrupted run's, beside the two uninterrupted runs' difference), ns-train
+            splat-metal-mcmc on the demo scene shot through an OPENCV lens with per-frame intrinsics,
+            splat-metal-export in every format (+ ns-export where open3d is installed) from the first
+            run -> exports.tar (decoded afterwards by benchmarks/cuda_decode_exports.py, on a machine
+            with the formats' own tools), and ns-viewer on that run answering one HTTP request and
+            one websocket camera message with its render (viewer_round_trip)
 
-Each stage has a time cap (--parity-s, --overhead-s, --training-s) and every stage ends by
+Each stage has a time cap (--parity-s, --overhead-s, --training-s, --commands-s) and every stage ends by
 --budget-s (none starts with less than 15 s of it left); parity and overhead stop between cases
 when their time is up and say what was left. --stages picks a subset for a rerun.
 At most 8 files land in --out (what the device tool brings back). --cpu-dry-run runs the same code
 on CPU: parity becomes cpu vs reference on small cases, overhead times the cpu backend against the
-reference (the harness only; its ratio is no overhead figure), build is skipped and training runs
-only with --with-training. Exit status 0 unless a stage failed (a mismatch is reported, not fatal).
+reference (the harness only; its ratio is no overhead figure), build is skipped, training runs
+only with --with-training and commands (small: 40 steps at 40x30) only with --with-commands. Exit status 0 unless a stage failed (a mismatch is reported, not fatal).
 """
 
 from __future__ import annotations
@@ -38,19 +48,24 @@ import datetime as dt
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import platform
+import re
+import shlex
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,12 +74,24 @@ sys.path.insert(0, str(ROOT / "tests"))  # the shared scene generators
 sys.path.insert(0, str(ROOT))
 
 from bench_step import cpu_model, with_sh  # noqa: E402
+from cli_helpers import (  # noqa: E402
+    checkpoint_differences,
+    checkpoint_step,
+    checkpoints,
+    cli_env,
+    demo_args,
+    executable,
+    final_checkpoint,
+    interrupt_after_checkpoint,
+    run_dir,
+    tensorboard_scalars,
+)
 from scenes import GARDEN_PATH, Scene, garden_scene, load_garden, random_scene  # noqa: E402
 
 from splat_metal_method.ops import BackendUnavailable, rasterization  # noqa: E402
 
 CARRY = ROOT / ".cuda-carry"  # what `cuda_device_run.sh --prepare` fills (git-ignored)
-STAGES = ("env", "build", "parity", "overhead", "training")
+STAGES = ("env", "build", "parity", "overhead", "training", "commands")
 # Inputs whose gradients are compared. Ks is left out: gsplat 1.4 returns no gradient for it.
 GRAD_INPUTS = ("means", "quats", "scales", "opacities", "colors", "viewmats", "backgrounds")
 FORWARD = ("colors", "alphas")
@@ -550,12 +577,12 @@ def stage_overhead(ctx) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ training
-def _subprocess(ctx, name: str, cmd: List[str], timeout: float, env: dict) -> dict:
-    """Runs a benchmark script with its output appended to out/training.log; returns rc and seconds."""
-    print(f"[training] {name}: {' '.join(cmd)} (timeout {timeout:.0f} s)", flush=True)
+def _subprocess(ctx, name: str, cmd: List[str], timeout: float, env: dict, stage: str = "training") -> dict:
+    """Runs a command with its output appended to out/training.log; returns rc and seconds."""
+    print(f"[{stage}] {name}: {' '.join(cmd)} (timeout {timeout:.0f} s)", flush=True)
     t0 = time.perf_counter()
     with open(ctx.out / "training.log", "a") as log:
-        log.write(f"\n===== {name}: {' '.join(cmd)}\n")
+        log.write(f"\n===== {stage}: {name}: {' '.join(cmd)}\n")
         log.flush()
         try:
             rc = subprocess.run(
@@ -680,6 +707,388 @@ def stage_training(ctx) -> dict:
     return result
 
 
+# ------------------------------------------------------------------------------------------ commands
+EXPORT_FORMATS = ("ply", "splat", "spz", "sog", "compressed-ply", "glb", "lod")
+
+
+def commands_env() -> dict:
+    """What the commands run in: offline, unbuffered, this checkout first on the path, no splat-metal
+    overrides (a user's defaults), splat-metal's methods registered even where it is not installed."""
+    env = cli_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    if not any(ep.name == "splat-metal" for ep in importlib.metadata.entry_points(group="nerfstudio.method_configs")):
+        env["NERFSTUDIO_METHOD_CONFIGS"] = ",".join(
+            f"{name}=splat_metal_method.method.configs:{attr}"
+            for name, attr in (("splat-metal", "splat_metal_method"), ("splat-metal-mcmc", "splat_metal_mcmc_method"))
+        )
+    return env
+
+
+def pack_exports(config: Path, tar_path: Path, work: Path, env: dict, device: str) -> dict:
+    """Every ``splat-metal-export`` format of the run ``config`` (written where the run trained: its
+    .sog and lod k-means run on ``device``), ``ns-export gaussian-splat`` where open3d is installed,
+    and what they were all written from (params.npz: export.gaussians.ExportGaussians of the run's
+    checkpoint), in one tar with manifest.json: decoded afterwards, on a machine with the formats'
+    own tools, by benchmarks/cuda_decode_exports.py. Returns the manifest."""
+    from splat_metal_method.export.checkpoint import load_run  # noqa: PLC0415
+    from splat_metal_method.export.gaussians import export_gaussians  # noqa: PLC0415
+    from splat_metal_method.export.run_config import quick_run  # noqa: PLC0415
+
+    exports = work / "exports"
+    shutil.rmtree(exports, ignore_errors=True)
+    exports.mkdir(parents=True)
+    cmd = [executable("splat-metal-export"), "--load-config", str(config), "--output-dir", str(exports),
+           "--format", *EXPORT_FORMATS]  # fmt: skip
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    manifest = {"device": device, "command": cmd, "rc": res.returncode,
+                "seconds": round(time.perf_counter() - t0, 1), "formats": {}, "failed": {}}  # fmt: skip
+    manifest["output_tail"] = (res.stdout + res.stderr)[-2000:]
+    for fmt in EXPORT_FORMATS:
+        path = exports / f"splat.{'compressed.ply' if fmt == 'compressed-ply' else fmt}"
+        if path.exists():
+            size = sum(p.stat().st_size for p in path.rglob("*")) if path.is_dir() else path.stat().st_size
+            manifest["formats"][fmt] = {"file": f"exports/{path.name}", "bytes": size}
+        else:
+            manifest["failed"][fmt] = f"splat-metal-export rc {res.returncode}: no {path.name}"
+    if importlib.util.find_spec("open3d") is None:
+        manifest["ns_export"] = "not run: open3d is not installed (ns-export imports it; open3d-cpu's wheel is 95 MB)"
+    else:
+        t0 = time.perf_counter()
+        ns = subprocess.run([executable("ns-export"), "gaussian-splat", "--load-config", str(config), "--output-dir",
+                             str(exports / "ns-export")], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+        manifest["ns_export"] = {"rc": ns.returncode, "seconds": round(time.perf_counter() - t0, 1)}
+        if (exports / "ns-export" / "splat.ply").exists():
+            manifest["formats"]["ns-export ply"] = {"file": "exports/ns-export/splat.ply",
+                                                    "bytes": (exports / "ns-export" / "splat.ply").stat().st_size}  # fmt: skip
+        else:
+            manifest["failed"]["ns-export ply"] = f"ns-export rc {ns.returncode}: " + (ns.stdout + ns.stderr)[-500:]
+    run = quick_run(config)
+    if run is None:
+        raise RuntimeError(f"{config}: not a config splat-metal-export reads directly")
+    model, checkpoint, step = load_run(run)
+    g = export_gaussians(model)
+    np.savez(work / "params.npz", means=g.means, log_scales=g.log_scales, quats=g.quats,
+             opacity_logits=g.opacity_logits, sh_dc=g.sh_dc, sh_rest=g.sh_rest,
+             sh_degree=np.array(g.sh_degree), antialiased=np.array(g.antialiased))  # fmt: skip
+    manifest.update(gaussians=g.count, step=step, checkpoint=checkpoint.name)
+    size = sum(p.stat().st_size for p in work.rglob("*") if p.is_file())
+    skip = None
+    if size > 15 * 2**20 and "ns-export ply" in manifest["formats"]:  # the device tool returns files of <= 16 MiB
+        skip = exports / "ns-export"
+        manifest["left_out"] = {"ns-export ply": "written, but exports.tar would be over 15 MiB with it"}
+        del manifest["formats"]["ns-export ply"]
+    (work / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    with tarfile.open(tar_path, "w") as tar:
+        for name in ("manifest.json", "params.npz", "exports"):
+            tar.add(
+                work / name, arcname=name, filter=lambda i: None if skip and i.name.startswith("exports/ns-") else i
+            )
+    manifest["tar_bytes"] = tar_path.stat().st_size
+    return manifest
+
+
+def viewer_round_trip(port: int, proc: subprocess.Popen, timeout: float) -> dict:
+    """One HTTP and websocket round trip with a running viser viewer (ns-viewer), as its web client
+    makes one: GET / (the client page), then over the websocket (viser 0.2's protocol: msgpack, one
+    message per client frame, a tuple of messages per server frame) a ViewerCameraMessage looking at
+    the origin, and the BackgroundImageMessage nerfstudio answers with: the model's render, decoded."""
+    import io  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    import msgspec  # noqa: PLC0415
+    from PIL import Image  # noqa: PLC0415
+    from websockets.sync.client import connect  # noqa: PLC0415
+
+    deadline = time.monotonic() + timeout
+    url = f"http://127.0.0.1:{port}/"
+    while True:  # the server is up once its HTTP answers
+        if proc.poll() is not None:
+            raise RuntimeError(f"ns-viewer ended (rc {proc.returncode}) before serving")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                page = r.read()
+                http = {"status": r.status, "bytes": len(page), "is_viser_client": b"<html" in page.lower()}
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no HTTP answer from {url} in {timeout:.0f} s") from None
+            time.sleep(0.5)
+    # As viser's web client: a first camera message, then the camera the server sets (splat-metal's
+    # viewer opens on the first training camera), then its render of that camera.
+    view = {"position": (0.0, 0.0, 3.0), "look_at": (0.0, 0.0, 0.0), "up_direction": (0.0, 1.0, 0.0), "fov": 0.9}
+    setters = {"SetCameraPositionMessage": ("position", "position"), "SetCameraLookAtMessage": ("look_at", "look_at"),
+               "SetCameraUpDirectionMessage": ("up_direction", "position"), "SetCameraFovMessage": ("fov", "fov")}  # fmt: skip
+    t0 = time.perf_counter()
+    frames, moved_at = 0, None
+    with connect(f"ws://127.0.0.1:{port}", max_size=None, open_timeout=30) as ws:
+        ws.send(msgspec.msgpack.encode(camera_message(**view)))
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no BackgroundImageMessage in {timeout:.0f} s ({frames} frames received)")
+            raw = ws.recv(timeout=left)
+            frames += 1
+            messages = msgspec.msgpack.decode(raw)
+            moved = [m for m in messages if m.get("type") in setters]
+            for m in moved:
+                key, field = setters[m["type"]]
+                view[key] = m[field]
+            if moved:
+                moved_at = time.perf_counter()
+                ws.send(msgspec.msgpack.encode(camera_message(**view)))
+                continue
+            for msg in messages:
+                # A render of the server's camera (or of ours, where it set none within 10 s).
+                if msg.get("type") == "BackgroundImageMessage" and (moved_at or time.perf_counter() - t0 > 10):
+                    image = np.asarray(Image.open(io.BytesIO(msg["rgb_bytes"])).convert("RGB"))
+                    return {
+                        "http": http,
+                        "camera": "the server's opening view" if moved_at else "the client's first camera",
+                        "seconds_to_image": round(time.perf_counter() - t0, 2),
+                        "frames_before_image": frames,
+                        "media_type": msg["media_type"],
+                        "image_bytes": len(msg["rgb_bytes"]),
+                        "image_shape": list(image.shape),
+                        "image_std": round(float(image.std()), 2),
+                        "ok": bool(http["status"] == 200 and http["is_viser_client"] and image.std() > 2.0),
+                    }
+
+
+def camera_message(position, look_at, up_direction, fov, aspect: float = 4 / 3) -> dict:
+    """viser's ViewerCameraMessage for a camera at ``position`` looking at ``look_at``: wxyz is
+    T_world_camera's rotation in OpenCV's convention (+Z forward, +Y down), as the web client sends it."""
+    p, t, up = (np.asarray(v, dtype=np.float64) for v in (position, look_at, up_direction))
+    z = (t - p) / np.linalg.norm(t - p)
+    y = -(up - up.dot(z) * z)
+    y /= np.linalg.norm(y)
+    x = np.cross(y, z)
+    r = np.stack([x, y, z], axis=1)  # columns: the camera's axes in the world
+    w = math.sqrt(max(1.0 + r[0, 0] + r[1, 1] + r[2, 2], 1e-12)) / 2
+    if w > 1e-3:
+        q = (w, (r[2, 1] - r[1, 2]) / (4 * w), (r[0, 2] - r[2, 0]) / (4 * w), (r[1, 0] - r[0, 1]) / (4 * w))
+    else:  # a half turn: from the largest diagonal entry
+        i = int(np.argmax(np.diag(r)))
+        j, k = (i + 1) % 3, (i + 2) % 3
+        s = math.sqrt(max(1.0 + r[i, i] - r[j, j] - r[k, k], 1e-12)) * 2
+        v = [0.0, 0.0, 0.0]
+        v[i], v[j], v[k] = s / 4, (r[j, i] + r[i, j]) / s, (r[k, i] + r[i, k]) / s
+        q = ((r[k, j] - r[j, k]) / s, *v)
+    return {"type": "ViewerCameraMessage", "wxyz": tuple(float(c) for c in q), "position": tuple(map(float, p)),
+            "fov": float(fov), "aspect": float(aspect), "look_at": tuple(map(float, t)),
+            "up_direction": tuple(map(float, up))}  # fmt: skip
+
+
+def _free_port() -> int:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _log_run(ctx, name: str, args: List[str], env: dict, timeout: float) -> dict:
+    """A command with its output appended to training.log (every subprocess's output lands there)."""
+    return _subprocess(ctx, name, [str(a) for a in args], timeout, env, stage="commands")
+
+
+def _scalars(run: Path, tag: str) -> Dict[int, float]:
+    return tensorboard_scalars(run, tag)
+
+
+def _param_differences(a: dict, b: dict) -> dict:
+    """Two final checkpoints' gaussians: bit-identical, or each parameter's largest difference
+    relative to its largest magnitude (where the counts agree)."""
+    pa, pb = ({k.split(".")[-1]: v for k, v in c["pipeline"].items() if ".gauss_params." in k} for c in (a, b))
+    out = {"identical_checkpoint": checkpoint_differences(a, b) == [], "count": [int(pa["means"].shape[0]),
+           int(pb["means"].shape[0])]}  # fmt: skip
+    if out["count"][0] == out["count"][1]:
+        out["rel_max"] = {
+            k: float((pa[k].float() - pb[k].float()).abs().max() / pa[k].float().abs().max().clamp_min(1e-12))
+            for k in sorted(pa)
+        }
+    return out
+
+
+def _curve_differences(a: Path, b: Path) -> dict:
+    """The logged loss and gaussian count of two runs (b may be the resumed part of a run), step by step."""
+    loss_a, loss_b = _scalars(a, "Train Loss"), _scalars(b, "Train Loss")
+    count_a = _scalars(a, "Train Metrics Dict/gaussian_count")
+    count_b = _scalars(b, "Train Metrics Dict/gaussian_count")
+    steps = sorted(set(loss_a) & set(loss_b))
+    return {
+        "steps_compared": [steps[0], steps[-1]] if steps else None,
+        "loss_max_abs_diff": max((abs(loss_a[s] - loss_b[s]) for s in steps), default=None),
+        "loss_identical_steps": sum(loss_a[s] == loss_b[s] for s in steps),
+        "first_count_difference": next(
+            (s for s in sorted(set(count_a) & set(count_b)) if count_a[s] != count_b[s]), None
+        ),  # fmt: skip
+    }
+
+
+def stage_commands(ctx) -> dict:
+    """The user's commands on this machine's device: ns-train splat-metal twice the same (what the
+    device's own nondeterminism gives), the same run Ctrl-C'd once a checkpoint exists and resumed
+    with the command it prints, ns-train splat-metal-mcmc on a capture shot through an OPENCV lens with
+    per-frame intrinsics, every export format of the first run (exports.tar, decoded elsewhere), and
+    ns-viewer on it serving a render over viser's HTTP and websocket."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    from splat_metal_method.data import demo_scene  # noqa: PLC0415
+    from splat_metal_method.engine.trainer import INTERRUPTED_EXIT_CODE  # noqa: PLC0415
+
+    small = ctx.args.cpu_dry_run
+    device = "cuda" if ctx.cuda else "cpu"
+    env = commands_env()
+    result = ctx.results.stage("commands")
+    result.update({"device": device, "runs": {}})
+    work = Path(tempfile.mkdtemp(prefix="cuda_commands_"))
+    width, height, views = (40, 30, 12) if small else (demo_scene.DEFAULT_WIDTH, demo_scene.DEFAULT_HEIGHT, 32)
+    total, save, stop_after = (40, 10, 20) if small else (ctx.args.commands_steps, 50, ctx.args.commands_steps // 2)
+    refine = 10 if small else 50
+    demo_scene.generate(work / "scene", width=width, height=height, views=views, seed=0)
+    lens = {"k1": -0.12, "k2": 0.03, "k3": -0.004, "p1": 0.0015, "p2": -0.001}  # tests/demo_runs.py's OPENCV lens
+    demo_scene.generate(work / "distorted" / "scene", width=width, height=height, views=views, seed=0,
+                        camera_model="OPENCV", lens=lens, per_frame_intrinsics=True)  # fmt: skip
+    options = dict(
+        max_num_iterations=total, machine__seed=7, logging__steps_per_log=1, steps_per_save=10**6,
+        # Sizes that keep exports.tar under the 16 MiB a returned file may have (~260 bytes a gaussian a file)
+        pipeline__model__num_random=500 if small else 6000, pipeline__model__max_gaussians=3000 if small else 12000,
+        pipeline__model__warmup_length=refine,
+        pipeline__model__refine_every=refine,
+    )  # fmt: skip
+    out = work / "outputs"
+
+    def train(method: str, timestamp: str, scene: Path, **extra) -> List[str]:
+        return [executable("ns-train"), method, *demo_args(**{**options, **extra}), "--data", str(scene),
+                "--output-dir", str(out), "--timestamp", timestamp]  # fmt: skip
+
+    def left(share: float) -> float:
+        return max((ctx.stage_deadline - time.monotonic()) * share, 1.0)
+
+    def interrupted() -> dict:
+        args = train("splat-metal", "interrupted", work / "scene", steps_per_save=save)
+        t0 = time.perf_counter()
+        try:
+            code, text = interrupt_after_checkpoint(args, work / "interrupted.log", env,
+                                                    run_dir(out, "interrupted"), stop_after, timeout=left(0.5))  # fmt: skip
+        except AssertionError as e:  # ended before the Ctrl-C, or no exit after it
+            log = work / "interrupted.log"
+            return {"rc": f"error: {e}".splitlines()[0], "output_tail": log.read_text()[-3000:] if log.exists() else ""}
+        with open(ctx.out / "training.log", "a") as log:
+            log.write(
+                f"\n===== commands: interrupted (Ctrl-C after step {stop_after}'s checkpoint): {shlex.join(args)}\n"
+            )
+            log.write(text)
+        match = re.search(r"Resume with: (\S*ns-train .*?--max-num-iterations \d+)", " ".join(text.split()))
+        return {"rc": code, "seconds": round(time.perf_counter() - t0, 1), "resume": match.group(1) if match else None,
+                "stopped_at": checkpoint_step(checkpoints(run_dir(out, "interrupted"))[-1])}  # fmt: skip
+
+    first = {  # in parallel; then the resume
+        "whole": train("splat-metal", "whole", work / "scene"),
+        "whole again": train("splat-metal", "again", work / "scene"),
+        "mcmc distorted": train("splat-metal-mcmc", "mcmc", work / "distorted" / "scene"),
+    }
+    with ThreadPoolExecutor(4) as pool:
+        jobs = {name: pool.submit(_log_run, ctx, name, args, env, left(0.5)) for name, args in first.items()}
+        jobs["interrupted"] = pool.submit(interrupted)
+        for name, job in jobs.items():
+            result["runs"][name] = job.result()
+    ctx.results.write()
+    runs = result["runs"]
+    whole = run_dir(out, "whole")
+    if runs["interrupted"].get("resume"):
+        printed = shlex.split(runs["interrupted"]["resume"])
+        runs["resumed"] = _log_run(ctx, "resumed", [executable(printed[0]), *printed[1:], "--timestamp", "resumed"],
+                                   env, left(0.3))  # fmt: skip
+    else:
+        runs["resumed"] = {"rc": "not run: the interrupted run printed no resume command"}
+
+    if runs["whole"]["rc"] == 0:
+        t0 = time.perf_counter()
+        try:
+            manifest = pack_exports(whole / "config.yml", ctx.out / "exports.tar", work / "pack", env, device)
+            result["exports"] = {k: v for k, v in manifest.items() if k != "output_tail"}
+            result["exports"]["ok"] = manifest["rc"] == 0 and not manifest["failed"]
+            if not result["exports"]["ok"]:
+                result["exports"]["output_tail"] = manifest["output_tail"]
+        except Exception:  # noqa: BLE001  (recorded; the viewer still runs)
+            result["exports"] = {"ok": False, "error": traceback.format_exc()[-3000:]}
+        result["exports"]["seconds"] = round(time.perf_counter() - t0, 1)
+        ctx.results.write()
+        port = _free_port()
+        args = [executable("ns-viewer"), "--load-config", str(whole / "config.yml"), "--viewer.websocket-port",
+                str(port)]  # fmt: skip
+        with open(ctx.out / "training.log", "a") as log:
+            log.write(f"\n===== commands: viewer: {shlex.join(args)}\n")
+            log.flush()
+            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)  # fmt: skip
+            try:
+                result["viewer"] = viewer_round_trip(port, proc, timeout=left(0.9))
+            except Exception:  # noqa: BLE001
+                result["viewer"] = {"ok": False, "error": traceback.format_exc()[-3000:]}
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGINT)
+                    try:
+                        proc.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+    ctx.results.write()
+
+    # Resume: the resumed run against the uninterrupted one, next to two uninterrupted runs' own difference.
+    if runs["whole"]["rc"] == 0 and runs["whole again"]["rc"] == 0:
+        a, b = final_checkpoint(whole), final_checkpoint(run_dir(out, "again"))
+        result["whole_vs_whole_again"] = {
+            **_param_differences(a, b),
+            **_curve_differences(whole, run_dir(out, "again")),
+        }
+        if runs["resumed"].get("rc") == 0:
+            r = final_checkpoint(run_dir(out, "resumed"))
+            result["whole_vs_resumed"] = {**_param_differences(a, r),
+                                          **_curve_differences(whole, run_dir(out, "resumed"))}  # fmt: skip
+            result["resume_verdict"] = resume_verdict(result["whole_vs_whole_again"], result["whole_vs_resumed"])
+    mcmc = run_dir(out, "mcmc", method="splat-metal-mcmc")
+    if runs["mcmc distorted"]["rc"] == 0:
+        loss = _scalars(mcmc, "Train Loss")
+        count = _scalars(mcmc, "Train Metrics Dict/gaussian_count")
+        psnr = _scalars(mcmc, "Train Metrics Dict/psnr")
+        result["mcmc"] = {"steps": len(loss), "first_loss": loss[min(loss)] if loss else None,
+                          "last_loss": loss[max(loss)] if loss else None,
+                          "gaussians": [count[min(count)], count[max(count)]] if count else None,
+                          "last_psnr": psnr[max(psnr)] if psnr else None}  # fmt: skip
+    shutil.rmtree(work, ignore_errors=True)
+    result["all_ok"] = (
+        all(r.get("rc") == 0 for n, r in runs.items() if n != "interrupted")
+        and runs["interrupted"].get("rc") == INTERRUPTED_EXIT_CODE
+        and result.get("exports", {}).get("ok", False)
+        and result.get("viewer", {}).get("ok", False)
+        and result.get("resume_verdict", "").startswith(("bit-identical", "within"))
+    )
+    return result
+
+
+def resume_verdict(floor: dict, resumed: dict) -> str:
+    """What the resumed run's difference from the uninterrupted one says, given two uninterrupted
+    runs' own difference (a GPU's float atomics reorder sums, so even those may differ)."""
+    if resumed["identical_checkpoint"]:
+        return "bit-identical: the resumed run's final checkpoint equals the uninterrupted run's, bit for bit"
+    if floor["identical_checkpoint"]:
+        return "DIFFERS: two uninterrupted runs are bit-identical here, the resumed one is not"
+    if resumed["count"][0] != resumed["count"][1]:
+        same = floor["count"][0] != floor["count"][1]
+        return ("within the device's nondeterminism: gaussian counts differ, as between two uninterrupted runs"
+                if same else "DIFFERS: gaussian counts differ, two uninterrupted runs' agree")  # fmt: skip
+    if "rel_max" not in floor:
+        return "within the device's nondeterminism: two uninterrupted runs' counts differ too"
+    worst = max(resumed["rel_max"][k] / max(floor["rel_max"][k], 1e-7) for k in resumed["rel_max"])
+    if worst <= 10:
+        return f"within the float atomics' tolerance: at most {worst:.1f}x two uninterrupted runs' difference"
+    return f"DIFFERS: up to {worst:.0f}x two uninterrupted runs' difference"
+
+
 # ------------------------------------------------------------------------------------------- summary
 def summary(data: dict) -> str:
     st = data["stages"]
@@ -748,6 +1157,12 @@ def summary(data: dict) -> str:
                     f"- {run}: rc {r.get('rc')}, {r.get('seconds', '?')} s"
                     + (f": {json.dumps(r['result'])}" if r.get("result") else "")
                 )
+        if name == "commands":
+            lines += [f"- {run}: rc {r.get('rc')}, {r.get('seconds', '?')} s" for run, r in s.get("runs", {}).items()]
+            for key in ("resume_verdict", "whole_vs_whole_again", "whole_vs_resumed", "mcmc", "exports", "viewer"):
+                if key in s:
+                    value = s[key] if isinstance(s[key], str) else json.dumps(s[key], default=str)
+                    lines.append(f"- {key}: {value[:3000]}")
         lines.append("")
     return "\n".join(lines)
 
@@ -773,6 +1188,7 @@ def parse_args(argv=None):
         "--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)} (env always runs)"
     )
     p.add_argument("--with-training", action="store_true", help="run the training stage in a dry run too (slow)")
+    p.add_argument("--with-commands", action="store_true", help="run the commands stage in a dry run too (slow)")
     p.add_argument(
         "--budget-s",
         type=float,
@@ -788,6 +1204,10 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--training-runs", default="", help="comma-separated training runs to do, in this order (default all)"
+    )
+    p.add_argument("--commands-s", type=float, default=240, help="commands stage cap (default 240 s)")
+    p.add_argument(
+        "--commands-steps", type=int, default=300, help="steps of each ns-train run of the commands stage (default 300)"
     )
     p.add_argument(
         "--garden", type=Path, default=None, help=f"garden_points.npz (default {GARDEN_PATH} or .cuda-carry/)"
@@ -810,21 +1230,24 @@ def main(argv=None) -> int:
         wanted.discard("build")
         if not args.with_training:
             wanted.discard("training")
-    caps = {"parity": args.parity_s, "overhead": args.overhead_s, "training": args.training_s}
+        if not args.with_commands:
+            wanted.discard("commands")
+    caps = {"parity": args.parity_s, "overhead": args.overhead_s, "training": args.training_s,
+            "commands": args.commands_s}  # fmt: skip
     start = time.monotonic()
     failed = False
     for name in STAGES:
         stage = results.stage(name)
         if name not in wanted:
             stage["status"] = "skipped" + (
-                " (cpu dry run)" if args.cpu_dry_run and name in ("build", "training") else ""
+                " (cpu dry run)" if args.cpu_dry_run and name in ("build", "training", "commands") else ""
             )
             continue
         if name not in ("env", "build") and start + args.budget_s - time.monotonic() < 15:
             stage["status"] = f"not run: the {args.budget_s:.0f} s budget was used up"
             results.write()
             continue
-        if name in ("overhead",) and not (ctx.gsplat_ok or args.cpu_dry_run):
+        if name in ("overhead", "commands") and not (ctx.gsplat_ok or args.cpu_dry_run):
             stage["status"] = "skipped: gsplat's CUDA kernels did not build"
             results.write()
             continue

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA measurements (benchmarks/cuda_device_run.py) on a GPU machine that has no network.
 #
-#   bash benchmarks/cuda_device_run.sh --prepare   # here, once: wheels (benchmarks/cuda_carry.txt, cp312)
-#                                                  # and the garden data into .cuda-carry/ (~25 MiB)
+#   bash benchmarks/cuda_device_run.sh --prepare   # here, once: wheels (benchmarks/cuda_carry.txt, cp312,
+#                                                  # and this checkout's own, for its commands and entry
+#                                                  # points) and the garden data into .cuda-carry/ (~26 MiB)
 #   bash benchmarks/cuda_device_run.sh [ARGS]      # there, with .cuda-carry/ carried along: installs the
 #                                                  # wheels into /tmp/splat-metal-site, runs the script,
 #                                                  # results and run.log in $OUT (default benchmarks/results/cuda)
@@ -22,6 +23,10 @@ if [ "${1:-}" = --prepare ]; then
   # shellcheck disable=SC2086
   $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $platforms \
     -d "$CARRY/wheels" -r benchmarks/cuda_carry.txt
+  # splat-metal itself: its console scripts (splat-metal-export) and nerfstudio entry points (ns-train
+  # splat-metal); its code is imported from the checkout (PYTHONPATH below), so rebuild only when those change.
+  rm -f "$CARRY"/wheels/splat_metal_method-*.whl
+  $PY -m pip wheel -q --no-deps -w "$CARRY/wheels" .
   cp -f ../shared/data/garden_points.npz "$CARRY/"
   du -sh "$CARRY"
   exit 0
@@ -32,7 +37,7 @@ mkdir -p "$OUT"
 if compgen -G "$CARRY/wheels/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/splat-metal-site "$CARRY"/wheels/*.whl || exit 1
-  export PYTHONPATH=/tmp/splat-metal-site${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=/tmp/splat-metal-site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/splat-metal-site/bin:$PATH
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # splat_metal_method from this checkout
 export MAX_JOBS=${MAX_JOBS:-$(nproc)} WANDB_MODE=disabled HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1

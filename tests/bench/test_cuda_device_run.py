@@ -6,12 +6,16 @@ gsplat on a GPU, and every output file must have the structure the GPU run will 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 from scenes import GARDEN_PATH
 
@@ -37,6 +41,7 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_expected_files(tmp_path):
     assert data["mode"] == "cpu-dry-run" and list(stages) == list(cuda_device_run.STAGES)
     assert stages["env"]["status"] == "ok" and stages["env"]["torch"] == torch.__version__
     assert stages["build"]["status"].startswith("skipped") and stages["training"]["status"].startswith("skipped")
+    assert stages["commands"]["status"].startswith("skipped")
 
     parity = stages["parity"]
     assert parity["status"] == "ok" and parity["target"] == "reference/cpu"
@@ -83,3 +88,85 @@ def test_compare_flags_a_wrong_gradient_and_a_missing_one():
     assert rows["colors"]["ok"] and rows["colors"]["max_abs"] == 0
     assert not rows["means.grad"]["ok"] and abs(rows["means.grad"]["rel_max"] - 0.01) < 1e-9
     assert not rows["absgrad"]["ok"] and rows["absgrad"]["note"] == "missing on one side"
+
+
+def test_cpu_dry_run_of_the_commands_stage(tmp_path):
+    """The commands a GPU run tries (ns-train twice, Ctrl-C + resume, MCMC on a distorted capture, every
+    export, ns-viewer's round trip), on CPU, where a resume must be bit-identical."""
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cuda_device_run.py"), "--cpu-dry-run", "--stages", "commands",
+         "--with-commands", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exports.tar", "results.json", "summary.md", "training.log"]
+    stage = json.loads((tmp_path / "results.json").read_text())["stages"]["commands"]
+    assert stage["status"] == "ok" and stage["device"] == "cpu", stage
+    runs = stage["runs"]
+    assert {n: r["rc"] for n, r in runs.items()} == {"whole": 0, "whole again": 0, "mcmc distorted": 0,
+                                                      "interrupted": 130, "resumed": 0}  # fmt: skip
+    assert 10 <= runs["interrupted"]["stopped_at"] < 39 and "--load-dir" in runs["interrupted"]["resume"]
+    assert stage["resume_verdict"].startswith("bit-identical"), stage["resume_verdict"]
+    resumed = stage["whole_vs_resumed"]
+    assert (
+        resumed["steps_compared"] == [runs["interrupted"]["stopped_at"] + 1, 39] and resumed["loss_max_abs_diff"] == 0
+    )
+    assert stage["whole_vs_whole_again"]["identical_checkpoint"]  # CPU: no float atomics
+
+    mcmc = stage["mcmc"]
+    assert mcmc["steps"] == 40 and mcmc["last_loss"] < mcmc["first_loss"] and mcmc["last_psnr"] > 10, mcmc
+
+    exports = stage["exports"]
+    assert exports["ok"] and exports["failed"] == {} and exports["rc"] == 0, exports
+    assert set(cuda_device_run.EXPORT_FORMATS) <= set(exports["formats"])
+    with tarfile.open(tmp_path / "exports.tar") as tar:
+        names = set(tar.getnames())
+        manifest = json.load(tar.extractfile("manifest.json"))
+        params = np.load(io.BytesIO(tar.extractfile("params.npz").read()))
+    assert {f["file"] for f in manifest["formats"].values()} <= names and "exports/splat.lod/lod-meta.json" in names
+    assert params["means"].shape == (manifest["gaussians"], 3) and manifest["gaussians"] > 500  # densified
+    assert params["sh_rest"].shape == (manifest["gaussians"], 15, 3) and int(params["sh_degree"]) == 3
+
+    viewer = stage["viewer"]
+    assert viewer["ok"] is True and viewer["camera"] == "the server's opening view", viewer
+    assert viewer["http"]["status"] == 200 and viewer["media_type"] == "image/jpeg" and viewer["image_std"] > 2
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## commands: ok" in summary and "- resume_verdict: bit-identical" in summary
+
+
+def _diff(identical: bool, count=(10, 10), rel=1e-6) -> dict:
+    d = {"identical_checkpoint": identical, "count": list(count)}
+    if count[0] == count[1]:
+        d["rel_max"] = {"means": 0.0 if identical else rel, "scales": 0.0 if identical else rel}
+    return d
+
+
+@pytest.mark.parametrize(
+    "floor, resumed, verdict",
+    [
+        (_diff(True), _diff(True), "bit-identical"),
+        (_diff(True), _diff(False), "DIFFERS: two uninterrupted runs are bit-identical"),
+        (_diff(False, rel=1e-6), _diff(False, rel=5e-6), "within the float atomics' tolerance: at most 5.0x"),
+        (_diff(False, rel=1e-6), _diff(False, rel=1e-3), "DIFFERS: up to 1000x"),
+        (_diff(False, count=(10, 11)), _diff(False, count=(10, 12)), "within the device's nondeterminism"),
+        (_diff(False), _diff(False, count=(10, 12)), "DIFFERS: gaussian counts differ"),
+    ],
+)
+def test_resume_verdict(floor, resumed, verdict):
+    assert cuda_device_run.resume_verdict(floor, resumed).startswith(verdict)
+
+
+@pytest.mark.parametrize("position", [(0.0, 0.0, 3.0), (1.0, -2.0, 0.5), (0.0, 0.0, -3.0), (3.0, 0.0, 0.0)])
+def test_camera_message_looks_at_its_target(position):
+    """The wxyz a ViewerCameraMessage carries turns the camera's +Z (OpenCV forward) towards the target
+    and its -Y towards the up direction, as viser's client computes it."""
+    target, up = np.array([0.2, 0.1, -0.3]), np.array([0.0, 0.0, 1.0])
+    msg = cuda_device_run.camera_message(position, tuple(target), tuple(up), fov=0.8)
+    w, x, y, z = msg["wxyz"]
+    assert abs(w * w + x * x + y * y + z * z - 1) < 1e-9
+    rot = np.array([[1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y)],
+                    [2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x)],
+                    [2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)]])  # fmt: skip
+    forward = (target - np.array(position)) / np.linalg.norm(target - np.array(position))
+    assert np.allclose(rot[:, 2], forward, atol=1e-9)
+    assert rot[:, 1] @ up < 0 and abs(rot[:, 0] @ up) < 1e-9  # -Y up-ish, X level
