@@ -18,6 +18,8 @@ decoded by the reader the export tests use for its format (imported from tests/,
 - .sog, .compressed.ply and every chunk of the lod folder: PlayCanvas's splat-transform (to .ply, then
   plyfile), in the Morton order both are written in; the lod's counts per level and leaf bounds from
   its lod-meta.json;
+- every file splat-transform 3.x reads (all but .splat, .glb and ns-export's .ply) also through its
+  ``--info``: count, SH bands and the render mode the run was trained with;
 - .glb: the glTF specification's reader (export_readers.read_glb, test_export_glb.glb_params turns it
   back into the run's axes) and Khronos' glTF-Validator (its one known miss set aside as the glb test does).
 
@@ -118,6 +120,21 @@ class Report:
                 "errors": self.errors, "checks": self.checks}  # fmt: skip
 
 
+def _info_check(r: Report, path: Path, p: Params, lod_counts=None) -> None:
+    """What splat-transform 3.x (Node 22, tests/web_viewers.py) reads of the file's header: the count, the SH
+    bands and the render mode ("antialiased" for a run trained so, else "default":
+    test_export_viewers_splat_transform3.test_reads_the_render_mode); for the lod folder its counts per level."""
+    from web_viewers import splat_transform3_info
+
+    info = splat_transform3_info(path)
+    want = {"numGaussians": p.count, "shBands": p.sh_degree, "model": "antialiased" if p.antialiased else "default"}
+    if lod_counts is not None:
+        want["lodCounts"] = lod_counts
+    got = {k: info.get(k) for k in want}
+    r.check("splat-transform 3.x --info", got == want, got)
+    r.tool += "; splat-transform 3.x --info"
+
+
 # ------------------------------------------------------------------------------------------ the formats
 def decode_ply(path: Path, p: Params, tool: str = "plyfile") -> Report:
     """Lossless: every value as params.npz has it (test_export_formats: byte-identical to ns-export's)."""
@@ -125,6 +142,8 @@ def decode_ply(path: Path, p: Params, tool: str = "plyfile") -> Report:
 
     r = Report(tool)
     d = read_splat_ply(path)
+    if tool == "plyfile":  # ns-export's .ply carries no render mode
+        _info_check(r, path, p)
     r.count = len(d["means"])
     if r.count != p.count:
         return r
@@ -178,6 +197,7 @@ def decode_spz(path: Path, p: Params) -> Report:
     r.check("header", header["num_points"] == n and header["sh_degree"] == cloud["shDegree"] == p.sh_degree,
             {k: header[k] for k in ("version", "num_points", "sh_degree", "fractional_bits", "flags")})  # fmt: skip
     r.check("antialiased flag", cloud["antialiased"] == p.antialiased, bool(cloud["antialiased"]))
+    _info_check(r, path, p)
     if n != p.count:
         return r
     fb = header["fractional_bits"]
@@ -256,6 +276,7 @@ def decode_sog(path: Path, p: Params, work: Path) -> Report:
         meta = json.loads(z.read("meta.json"))
     r.count = len(d["means"])
     r.check("meta count", meta["count"] == p.count, meta["count"])
+    _info_check(r, path, p)
     if r.count == p.count:
         _sog_errors(r, d, _file_order(p), meta)
     return r
@@ -271,6 +292,7 @@ def decode_compressed_ply(path: Path, p: Params, work: Path) -> Report:
 
     r = Report("PlayCanvas splat-transform (npm @playcanvas/splat-transform) -> .ply, plyfile")
     d = _splat_transform(path, work)
+    _info_check(r, path, p)
     n = r.count = len(d["means"])
     if n != p.count:
         return r
@@ -363,6 +385,7 @@ def decode_lod(folder: Path, p: Params, work: Path) -> Report:
     r.check("chunks decode to the meta's count", sum(len(c["means"]) for c in chunks.values()) == meta["count"],
             meta["count"])  # fmt: skip
     r.check("gaussians outside their leaf's bound", outside == 0, outside)
+    _info_check(r, folder / "lod-meta.json", p, meta["counts"])
     level0 = sorted({meta["filenames"][e["file"]] for e, _ in finest})
     r.count = got[0]
     if r.count != p.count:

@@ -85,9 +85,11 @@ def _npz_bytes(params: dict) -> bytes:
 def packed(tmp_path_factory):
     from playcanvas_viewer import require_tools
     from test_export_glb import VALIDATOR, _require
+    from web_viewers import NODE22, SPLAT_TRANSFORM3, require
 
-    require_tools()  # splat-transform, @adobe/spz (node); the glTF validator:
+    require_tools()  # splat-transform 2.7, @adobe/spz (node); the glTF validator; splat-transform 3.x (Node 22)
     _require(VALIDATOR)
+    require(NODE22, SPLAT_TRANSFORM3)
     config = demo_runs.sh3_run(tmp_path_factory)
     base = tmp_path_factory.mktemp("cuda_decode")
     results = base / "results"
@@ -120,6 +122,8 @@ def test_every_format_decodes_within_its_bounds(packed):
             assert formats[fmt]["errors"][name]["max_error"] > 0, (fmt, name, formats[fmt]["errors"][name])
     assert "Niantic" in formats["spz"]["tool"] and "splat-transform" in formats["sog"]["tool"]
     assert formats["glb"]["checks"]["glTF-Validator"]["ok"]
+    for fmt in ("ply", "spz", "sog", "compressed-ply", "lod"):  # the render mode as splat-transform 3.x reads it
+        assert formats[fmt]["checks"]["splat-transform 3.x --info"]["value"]["model"] == "default", formats[fmt]
     assert formats["lod"]["checks"]["counts per level"]["value"] == [-(-n // 4**i) for i in range(4)]
     md = (results / "decode.md").read_text()
     assert "| format | file | bytes | decoded | means |" in md and f"{SCRIPT.name} {results}`" in md
