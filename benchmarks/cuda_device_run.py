@@ -954,7 +954,7 @@ def stage_commands(ctx) -> dict:
         max_num_iterations=total, machine__seed=7, logging__steps_per_log=1, steps_per_save=10**6,
         # Sizes that keep exports.tar under the 16 MiB a returned file may have (~260 bytes a gaussian a file)
         pipeline__model__num_random=500 if small else 6000, pipeline__model__max_gaussians=3000 if small else 12000,
-        pipeline__model__warmup_length=refine,
+        pipeline__model__warmup_length=refine, pipeline__model__sh_degree_interval=refine,  # SH 3 by step 3*refine
         pipeline__model__refine_every=refine,
     )  # fmt: skip
     out = work / "outputs"

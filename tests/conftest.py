@@ -78,6 +78,7 @@ SLOW_TESTS = {
     "tests/bench/test_bench_cli.py::test_vs_ab_trains_both_and_counts_fewer_atomics_with_the_other[tile-merge-direct-tile merge]",
     "tests/bench/test_mps_audit.py::test_audited_path_covers_the_training_step",
     "tests/bench/test_cuda_device_run.py::test_cpu_dry_run_of_the_commands_stage",
+    "tests/bench/test_cuda_decode_exports.py::test_every_format_decodes_within_its_bounds",
     "tests/bench/test_mps_audit.py::test_steady_step_host_reads_within_budget",
     "tests/data/test_bad_input.py::test_ns_train_rejects_bad_data_cleanly[empty-folder]",
     "tests/data/test_bad_input.py::test_ns_train_rejects_bad_data_cleanly[missing-folder]",

@@ -126,6 +126,11 @@ def test_cpu_dry_run_of_the_commands_stage(tmp_path):
     assert {f["file"] for f in manifest["formats"].values()} <= names and "exports/splat.lod/lod-meta.json" in names
     assert params["means"].shape == (manifest["gaussians"], 3) and manifest["gaussians"] > 500  # densified
     assert params["sh_rest"].shape == (manifest["gaussians"], 15, 3) and int(params["sh_degree"]) == 3
+    assert np.abs(params["sh_rest"]).max() > 0  # trained up to SH degree 3: the formats' SH bands are exercised
+    # What the GPU run's results go through next, here on the dry run's: every format decoded by its tools.
+    decoded = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_decode_exports.py"), str(tmp_path)],
+                             capture_output=True, text=True, timeout=600, cwd=ROOT)  # fmt: skip
+    assert decoded.returncode == 0, decoded.stdout[-4000:] + decoded.stderr[-4000:]
 
     viewer = stage["viewer"]
     assert viewer["ok"] is True and viewer["camera"] == "the server's opening view", viewer
