@@ -56,7 +56,9 @@ _RESUME_DROP = ("--load-dir", "--load-checkpoint", "--load-step", "--max-num-ite
 def resume_command(argv: Sequence[str], load_dir: Path, steps: int, launcher: str = "") -> str:
     """``argv`` (the command that was run) with --load-dir and --max-num-iterations set so that it
     continues from ``load_dir`` for ``steps`` more steps (nerfstudio counts them from the loaded step).
-    --timestamp is dropped: the resumed run gets a folder of its own and overwrites nothing.
+    --timestamp is dropped: the resumed run gets a folder of its own and overwrites nothing. The two
+    options go before a dataparser subcommand (``... nerfstudio-data --load-3D-points False``): tyro
+    takes the method's own options only before it.
     ``launcher`` (a distributed run: its torchrun command) goes in front of ``$(command -v ns-train)``."""
     args, skip = [], False
     for a in list(argv)[1:]:
@@ -69,11 +71,25 @@ def resume_command(argv: Sequence[str], load_dir: Path, steps: int, launcher: st
         if a.split("=", 1)[0] in _RESUME_DROP:
             continue
         args.append(a)
+    at = _dataparser_subcommand(args)
+    options = ["--load-dir", str(load_dir), "--max-num-iterations", str(steps)]
     prog = Path(argv[0]).name if argv else "ns-train"
-    command = shlex.join([*args, "--load-dir", str(load_dir), "--max-num-iterations", str(steps)])
+    command = shlex.join([*args[:at], *options, *args[at:]])
     if launcher:
         return f"{launcher} $(command -v {shlex.quote(prog)}) {command}"
     return f"{shlex.quote(prog)} {command}"
+
+
+def _dataparser_subcommand(args: Sequence[str]) -> int:
+    """Where the dataparser subcommand starts in ns-train's arguments (``args[0]`` the method), or
+    len(args): the first dataparser name (nerfstudio's, plugins' included) that is no option's value."""
+    from nerfstudio.configs.dataparser_configs import all_dataparsers
+
+    for i in range(1, len(args)):
+        before = args[i - 1]
+        if args[i] in all_dataparsers and not (before.startswith("--") and "=" not in before):
+            return i
+    return len(args)
 
 
 class TurnTakingLock:

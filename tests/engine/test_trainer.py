@@ -79,6 +79,24 @@ def test_resume_command_replaces_load_and_length_options():
     )
 
 
+@pytest.mark.parametrize(
+    "tail, expected_tail",
+    [
+        (["nerfstudio-data", "--load-3D-points", "False"], "R nerfstudio-data --load-3D-points False"),
+        (["colmap", "--downscale-factor", "2"], "R colmap --downscale-factor 2"),
+        (["--vis=viewer", "colmap"], "--vis=viewer R colmap"),  # after a --flag=value: the subcommand
+    ],
+)
+def test_resume_command_puts_its_options_before_the_dataparser_subcommand(tail, expected_tail):
+    """tyro takes the method's options only before a dataparser subcommand: the resume's two options go
+    there, and a scene folder named like a dataparser (--data colmap) stays the option's value."""
+    argv = ["ns-train", "splat-metal", "--data", "colmap", "--max-num-iterations", "3000", *tail]
+    cmd = resume_command(argv, Path("m"), 7)
+    assert cmd == "ns-train splat-metal --data colmap " + expected_tail.replace(
+        "R", "--load-dir m --max-num-iterations 7"
+    )
+
+
 def test_first_signal_asks_to_stop_second_stops_at_once():
     trainer = types.SimpleNamespace(stop_training=False, _stop_signal=None, sharded=None, _collective_failed=False)
     handler = SplatMetalTrainer._on_signal.__get__(trainer)
