@@ -887,15 +887,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _log_run(ctx, name: str, args: List[str], env: dict, timeout: float) -> dict:
-    """A command with its output appended to training.log (every subprocess's output lands there)."""
-    return _subprocess(ctx, name, [str(a) for a in args], timeout, env, stage="commands")
-
-
-def _scalars(run: Path, tag: str) -> Dict[int, float]:
-    return tensorboard_scalars(run, tag)
-
-
 def _param_differences(a: dict, b: dict) -> dict:
     """Two final checkpoints' gaussians: bit-identical, or each parameter's largest difference
     relative to its largest magnitude (where the counts agree)."""
@@ -912,9 +903,9 @@ def _param_differences(a: dict, b: dict) -> dict:
 
 def _curve_differences(a: Path, b: Path) -> dict:
     """The logged loss and gaussian count of two runs (b may be the resumed part of a run), step by step."""
-    loss_a, loss_b = _scalars(a, "Train Loss"), _scalars(b, "Train Loss")
-    count_a = _scalars(a, "Train Metrics Dict/gaussian_count")
-    count_b = _scalars(b, "Train Metrics Dict/gaussian_count")
+    loss_a, loss_b = tensorboard_scalars(a, "Train Loss"), tensorboard_scalars(b, "Train Loss")
+    count_a = tensorboard_scalars(a, "Train Metrics Dict/gaussian_count")
+    count_b = tensorboard_scalars(b, "Train Metrics Dict/gaussian_count")
     steps = sorted(set(loss_a) & set(loss_b))
     return {
         "steps_compared": [steps[0], steps[-1]] if steps else None,
@@ -992,7 +983,9 @@ def stage_commands(ctx) -> dict:
         "mcmc distorted": train("splat-metal-mcmc", "mcmc", work / "distorted" / "scene"),
     }
     with ThreadPoolExecutor(4) as pool:
-        jobs = {name: pool.submit(_log_run, ctx, name, args, env, left(0.5)) for name, args in first.items()}
+        jobs = {
+            name: pool.submit(_subprocess, ctx, name, args, left(0.5), env, "commands") for name, args in first.items()
+        }
         jobs["interrupted"] = pool.submit(interrupted)
         for name, job in jobs.items():
             result["runs"][name] = job.result()
@@ -1001,8 +994,8 @@ def stage_commands(ctx) -> dict:
     whole = run_dir(out, "whole")
     if runs["interrupted"].get("resume"):
         printed = shlex.split(runs["interrupted"]["resume"])
-        runs["resumed"] = _log_run(ctx, "resumed", [executable(printed[0]), printed[1], "--timestamp", "resumed", *printed[2:]],
-                                   env, left(0.3))  # fmt: skip
+        resume = [executable(printed[0]), printed[1], "--timestamp", "resumed", *printed[2:]]
+        runs["resumed"] = _subprocess(ctx, "resumed", resume, left(0.3), env, stage="commands")
     else:
         runs["resumed"] = {"rc": "not run: the interrupted run printed no resume command"}
 
@@ -1054,9 +1047,9 @@ def stage_commands(ctx) -> dict:
             result["resume_verdict"] = resume_verdict(result["whole_vs_whole_again"], result["whole_vs_resumed"])
     mcmc = run_dir(out, "mcmc", method="splat-metal-mcmc")
     if runs["mcmc distorted"]["rc"] == 0:
-        loss = _scalars(mcmc, "Train Loss")
-        count = _scalars(mcmc, "Train Metrics Dict/gaussian_count")
-        psnr = _scalars(mcmc, "Train Metrics Dict/psnr")
+        loss = tensorboard_scalars(mcmc, "Train Loss")
+        count = tensorboard_scalars(mcmc, "Train Metrics Dict/gaussian_count")
+        psnr = tensorboard_scalars(mcmc, "Train Metrics Dict/psnr")
         result["mcmc"] = {"steps": len(loss), "first_loss": loss[min(loss)] if loss else None,
                           "last_loss": loss[max(loss)] if loss else None,
                           "gaussians": [count[min(count)], count[max(count)]] if count else None,
